@@ -1,0 +1,12 @@
+"""cafin: Kronecker-factored Fisher optimizers with fused C++/CUDA kernels."""
+import torch  # noqa: F401  (the extension links against the loaded torch)
+
+from . import _C  # noqa: F401  (registers the cafin ops; one build per process)
+from . import ops, reference  # noqa: F401  (ops registers the fake implementations)
+
+__version__ = "0.1.0"
+
+
+def cuda_kernels_built() -> bool:
+    """Whether this build of cafin._C carries the CUDA kernels."""
+    return torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CUDA")

@@ -1,0 +1,269 @@
+"""The Python face of the fused ops: typed wrappers that check their arguments with clear errors,
+and the fake (meta) implementations that let torch.compile trace them.
+
+Schemas: csrc/ops.cpp. Semantics: the function of the same name in cafin/reference.py.
+The kernels check their inputs again before writing anything, so a rejected call writes nothing.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .reference import state_dtype
+
+_FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+__all__ = [
+    "adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
+    "norm_grad_stats_", "fisher_average_", "state_dtype",
+]
+
+
+# ----------------------------------------------------------------------------------- checks
+def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _check_scalar_tensor(t, name, device, dtype=None):
+    _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+    _check(t.numel() == 1 and t.dim() == 0, f"{name} must be a 0-dim tensor, got shape {tuple(t.shape)}")
+    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    if dtype is not None:
+        _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
+
+
+def _check_stat(stat, x, length, name="stat"):
+    _check(isinstance(stat, torch.Tensor) and isinstance(x, torch.Tensor),
+           "stat and the input must be Tensors", TypeError)
+    _check(x.dtype in _FLOATS, f"input dtype {x.dtype} is not a floating type cafin supports", TypeError)
+    _check(stat.dtype == state_dtype(x.dtype),
+           f"{name} has dtype {stat.dtype}, expected {state_dtype(x.dtype)} for input dtype {x.dtype}",
+           TypeError)
+    _check(stat.device == x.device, f"{name} is on {stat.device} but the input is on {x.device}")
+    _check(stat.dim() == 1 and stat.is_contiguous(), f"{name} must be a contiguous 1-D tensor")
+    _check(stat.numel() == length,
+           f"{name} has {stat.numel()} elements, expected {length} (statistics plus a count)")
+
+
+def _check_gate(step, interval, device):
+    if step is not None:
+        _check_scalar_tensor(step, "step", device, torch.float32)
+    _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")
+
+
+def _channels(shape, start_dim, end_dim, what):
+    ndim = len(shape)
+    _check(0 <= start_dim < end_dim <= ndim,
+           f"{what}: need 0 <= start_dim < end_dim <= ndim, got {start_dim}, {end_dim} for ndim {ndim}")
+    c = 1
+    for s in shape[start_dim:end_dim]:
+        c *= s
+    return c
+
+
+# ----------------------------------------------------------------------------------- update
+def adafisher_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    exp_avgs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
+                    fisher_S: Sequence[torch.Tensor], fisher_H: Sequence[torch.Tensor],
+                    h_offsets: Sequence[int], lr: torch.Tensor, beta: float, weight_decay: float,
+                    damping: float, decoupled: bool, grad_scale: torch.Tensor | None = None,
+                    found_inf: torch.Tensor | None = None) -> None:
+    """AdaFisher (decoupled=False) or AdaFisherW (decoupled=True) update of one bucket of
+    parameters (one device, one dtype), in place: params and exp_avgs are written."""
+    n = len(params)
+    lists = dict(grads=grads, exp_avgs=exp_avgs, steps=steps, fisher_S=fisher_S,
+                 fisher_H=fisher_H, h_offsets=h_offsets)
+    for name, values in lists.items():
+        _check(len(values) == n, f"{name} has {len(values)} entries but params has {n}")
+    if n == 0:
+        return  # an empty tensor list cannot be dispatched
+    device, dtype = params[0].device, params[0].dtype
+    _check(dtype in _FLOATS, f"params[0] has dtype {dtype}; cafin supports {list(_FLOATS)}", TypeError)
+    work = state_dtype(dtype)
+    _check(0.0 <= beta < 1.0, f"beta must be in [0, 1), got {beta}")
+    _check(damping > 0.0, f"damping must be > 0, got {damping}")
+    _check(weight_decay >= 0.0, f"weight_decay must be >= 0, got {weight_decay}")
+    _check_scalar_tensor(lr, "lr", device, work)
+    if grad_scale is not None:
+        _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)
+    if found_inf is not None:
+        _check_scalar_tensor(found_inf, "found_inf", device, torch.float32)
+    for i, (p, g, m, t, S, H, off) in enumerate(zip(params, grads, exp_avgs, steps, fisher_S,
+                                                     fisher_H, h_offsets)):
+        _check(p.device == device and p.dtype == dtype,
+               f"params[{i}] is {p.dtype} on {p.device}; a bucket is one device and one dtype "
+               f"({dtype} on {device})")
+        _check(p.is_contiguous(), f"params[{i}] must be contiguous")
+        _check(g.shape == p.shape and g.dtype == dtype and g.device == device and g.is_contiguous(),
+               f"grads[{i}] must be a contiguous {dtype} tensor of shape {tuple(p.shape)} on {device}, "
+               f"got {g.dtype} {tuple(g.shape)} on {g.device}")
+        _check(m.shape == p.shape and m.dtype == work and m.device == device and m.is_contiguous(),
+               f"exp_avgs[{i}] must be a contiguous {work} tensor of shape {tuple(p.shape)} on {device}")
+        _check_scalar_tensor(t, f"steps[{i}]", device, torch.float32)
+        _check(S.numel() == 0 and H.numel() == 0 or S.numel() > 0 and H.numel() > 0,
+               f"fisher_S[{i}] and fisher_H[{i}] must both be empty (no curvature) or both non-empty")
+        if S.numel() == 0:
+            continue
+        for name, f in (("fisher_S", S), ("fisher_H", H)):
+            _check(f.dim() == 1 and f.dtype == work and f.device == device and f.is_contiguous(),
+                   f"{name}[{i}] must be a contiguous 1-D {work} tensor on {device}")
+        _check(p.numel() % S.numel() == 0,
+               f"params[{i}] has {p.numel()} elements, not a multiple of len(fisher_S[{i}]) = {S.numel()}")
+        cols = p.numel() // S.numel()
+        _check(isinstance(off, int) and 0 <= off and off + cols <= H.numel(),
+               f"h_offsets[{i}] = {off} with {cols} columns does not fit fisher_H[{i}] of length {H.numel()}")
+    torch.ops.cafin.adafisher_step_(list(params), list(grads), list(exp_avgs), list(steps),
+                                    list(fisher_S), list(fisher_H), list(h_offsets), lr, beta,
+                                    weight_decay, damping, decoupled, grad_scale, found_inf)
+
+
+@torch.library.register_fake("cafin::adafisher_step_")
+def _adafisher_step_fake(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets, lr, beta,
+                         weight_decay, damping, decoupled, grad_scale=None, found_inf=None):
+    torch._check(len(grads) == len(params) and len(exp_avgs) == len(params))
+    torch._check(len(steps) == len(params) and len(h_offsets) == len(params))
+    torch._check(len(fisher_S) == len(params) and len(fisher_H) == len(params))
+    for p, g, m in zip(params, grads, exp_avgs):
+        torch._check(g.shape == p.shape and m.shape == p.shape)
+    return None
+
+
+# ----------------------------------------------------------------------------------- statistics
+def sumsq_stats_(stat: torch.Tensor, x: torch.Tensor, start_dim: int, end_dim: int,
+                 append_one: bool, step: torch.Tensor | None = None, interval: int = 1) -> None:
+    """stat[c] += mean of x^2 over every dim outside [start_dim, end_dim) (flattened into c);
+    with append_one one more entry += 1 (a bias input); the last entry counts contributions."""
+    c = _channels(x.shape, start_dim, end_dim, "sumsq_stats_")
+    _check_stat(stat, x, c + int(append_one) + 1)
+    _check(x.numel() > 0, "sumsq_stats_: the input is empty")
+    _check_gate(step, interval, x.device)
+    torch.ops.cafin.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval)
+
+
+@torch.library.register_fake("cafin::sumsq_stats_")
+def _sumsq_stats_fake(stat, x, start_dim, end_dim, append_one, step=None, interval=1):
+    torch._check(stat.dim() == 1)
+    return None
+
+
+def conv_padding(module: torch.nn.Conv2d, height: int, width: int) -> list[int]:
+    """Zero padding [top, bottom, left, right] of a Conv2d, with 'same'/'valid' resolved."""
+    if module.padding == "valid":
+        return [0, 0, 0, 0]
+    if module.padding == "same":
+        pads = []
+        for d, k in zip(module.dilation, module.kernel_size):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]  # torch pads the extra one at the end
+        return pads
+    ph, pw = module.padding
+    return [ph, ph, pw, pw]
+
+
+def conv2d_input_stats_(stat: torch.Tensor, x: torch.Tensor, kernel_size: Sequence[int],
+                        stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+                        groups: int, append_one: bool, step: torch.Tensor | None = None,
+                        interval: int = 1) -> None:
+    """Conv2d input side without unfold: stat[(c,i,j)] += sum over batch, group and output position
+    of the squared patch entry, / (B*oh*ow*D); padding is [top, bottom, left, right] of zeros."""
+    _check(x.dim() == 4, f"conv2d_input_stats_: input must be [B, C, H, W], got shape {tuple(x.shape)}")
+    _check(len(kernel_size) == 2 and len(stride) == 2 and len(dilation) == 2 and len(padding) == 4,
+           "conv2d_input_stats_: kernel_size, stride, dilation take 2 ints and padding 4")
+    _check(min(kernel_size) >= 1 and min(stride) >= 1 and min(dilation) >= 1 and min(padding) >= 0,
+           "conv2d_input_stats_: kernel_size, stride, dilation must be >= 1 and padding >= 0")
+    _check(groups >= 1 and x.shape[1] % groups == 0,
+           f"conv2d_input_stats_: {x.shape[1]} input channels do not split into {groups} groups")
+    out_h = (x.shape[2] + padding[0] + padding[1] - dilation[0] * (kernel_size[0] - 1) - 1) // stride[0] + 1
+    out_w = (x.shape[3] + padding[2] + padding[3] - dilation[1] * (kernel_size[1] - 1) - 1) // stride[1] + 1
+    _check(out_h >= 1 and out_w >= 1 and x.shape[0] >= 1,
+           f"conv2d_input_stats_: input {tuple(x.shape)} gives an empty output")
+    d = x.shape[1] // groups * kernel_size[0] * kernel_size[1]
+    _check_stat(stat, x, d + int(append_one) + 1)
+    _check_gate(step, interval, x.device)
+    torch.ops.cafin.conv2d_input_stats_(stat, x, list(kernel_size), list(stride), list(padding),
+                                        list(dilation), groups, append_one, step, interval)
+
+
+@torch.library.register_fake("cafin::conv2d_input_stats_")
+def _conv2d_input_stats_fake(stat, x, kernel_size, stride, padding, dilation, groups, append_one,
+                             step=None, interval=1):
+    torch._check(x.dim() == 4 and stat.dim() == 1)
+    return None
+
+
+def norm_input_stats_(stat: torch.Tensor, x: torch.Tensor, step: torch.Tensor | None = None,
+                      interval: int = 1) -> None:
+    """BatchNorm2d/LayerNorm input side: stat[:2] += [sum_t u[t]^2, T] / B^2 with
+    u[t] = sum of x over every dim but 1, / (product of the dims after 1)^2."""
+    _check(x.dim() >= 2 and x.numel() > 0,
+           f"norm_input_stats_: input must have at least 2 dims and elements, got {tuple(x.shape)}")
+    _check_stat(stat, x, 3)
+    _check_gate(step, interval, x.device)
+    torch.ops.cafin.norm_input_stats_(stat, x, step, interval)
+
+
+@torch.library.register_fake("cafin::norm_input_stats_")
+def _norm_input_stats_fake(stat, x, step=None, interval=1):
+    torch._check(stat.dim() == 1)
+    return None
+
+
+def norm_grad_stats_(stat: torch.Tensor, g: torch.Tensor, start_dim: int, end_dim: int,
+                     step: torch.Tensor | None = None, interval: int = 1) -> None:
+    """BatchNorm2d/LayerNorm gradient side: stat[c] += (sum of g over the dims outside
+    [start_dim, end_dim))^2 / g.shape[0]."""
+    c = _channels(g.shape, start_dim, end_dim, "norm_grad_stats_")
+    _check_stat(stat, g, c + 1)
+    _check(g.numel() > 0, "norm_grad_stats_: the gradient is empty")
+    _check_gate(step, interval, g.device)
+    torch.ops.cafin.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval)
+
+
+@torch.library.register_fake("cafin::norm_grad_stats_")
+def _norm_grad_stats_fake(stat, g, start_dim, end_dim, step=None, interval=1):
+    torch._check(stat.dim() == 1)
+    return None
+
+
+# ----------------------------------------------------------------------------------- factors
+def fisher_average_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tensor],
+                    skipped: torch.Tensor, gamma: float, grad_side: Sequence[bool],
+                    grad_scale: torch.Tensor | None = None,
+                    found_inf: torch.Tensor | None = None) -> None:
+    """For every statistic with contributions: normalise its mean and fold it into the factor
+    (F <- 0.1*gamma*F + 0.01*gamma*z_hat; ones the first time); NaN drops it and counts in
+    `skipped`. Every statistic is emptied."""
+    n = len(factors)
+    _check(len(stats) == n and len(grad_side) == n,
+           f"factors, stats and grad_side must have one entry each, got {n}, {len(stats)}, {len(grad_side)}")
+    _check(0.0 < gamma <= 10.0, f"gamma must be in (0, 10], got {gamma}")
+    if n == 0:
+        return
+    device = factors[0].device
+    _check_scalar_tensor(skipped, "skipped", device, torch.float32)
+    if grad_scale is not None:
+        _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)
+    if found_inf is not None:
+        _check_scalar_tensor(found_inf, "found_inf", device, torch.float32)
+    for i, (f, s) in enumerate(zip(factors, stats)):
+        _check(f.device == device and s.device == device,
+               f"factors[{i}] and stats[{i}] must be on {device}, got {f.device} and {s.device}")
+        _check(f.dtype in (torch.float32, torch.float64) and s.dtype == f.dtype,
+               f"factors[{i}] and stats[{i}] must share a float32/float64 dtype, got {f.dtype}, {s.dtype}",
+               TypeError)
+        _check(f.dim() == 1 and s.dim() == 1 and f.is_contiguous() and s.is_contiguous(),
+               f"factors[{i}] and stats[{i}] must be contiguous 1-D tensors")
+        _check(f.numel() >= 1 and s.numel() == f.numel() + 1,
+               f"stats[{i}] must hold len(factors[{i}]) + 1 = {f.numel() + 1} entries, got {s.numel()}")
+    torch.ops.cafin.fisher_average_(list(factors), list(stats), skipped, gamma,
+                                    [bool(b) for b in grad_side], grad_scale, found_inf)
+
+
+@torch.library.register_fake("cafin::fisher_average_")
+def _fisher_average_fake(factors, stats, skipped, gamma, grad_side, grad_scale=None, found_inf=None):
+    torch._check(len(stats) == len(factors) and len(grad_side) == len(factors))
+    for f, s in zip(factors, stats):
+        torch._check(s.numel() == f.numel() + 1)
+    return None

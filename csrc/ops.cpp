@@ -1,0 +1,88 @@
+// The op contract of cafin: every schema in one place, plus the Autograd-key kernel that makes the
+// ops non-differentiable by declaration. Kernels live in cpu/ and cuda/; semantics are defined by
+// cafin/reference.py, the plain-PyTorch version of each op.
+#include <Python.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+extern "C" {
+// Importing cafin._C runs the static initialisers below, which register the ops.
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(cafin, m) {
+  m.set_python_module("cafin.ops");
+  // One AdaFisher/AdaFisherW update for a bucket of same-device, same-dtype parameters.
+  // F = S[r] * H[h_offsets[i] + c] + damping for parameter i viewed as [S.numel(), -1];
+  // an empty S/H, or a factor still holding its initial -1, means F = 1.
+  m.def(
+      "adafisher_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor[] steps, "
+      "Tensor[] fisher_S, Tensor[] fisher_H, int[] h_offsets, Tensor lr, float beta, "
+      "float weight_decay, float damping, bool decoupled, Tensor? grad_scale=None, "
+      "Tensor? found_inf=None) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // Raw statistics accumulate into `stat`, whose last element counts the contributions.
+  // With `step` given they run only when step % interval == 0 (the decision made on the device).
+  m.def(
+      "sumsq_stats_(Tensor(a!) stat, Tensor x, int start_dim, int end_dim, bool append_one, "
+      "Tensor? step=None, int interval=1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "conv2d_input_stats_(Tensor(a!) stat, Tensor x, int[2] kernel_size, int[2] stride, "
+      "int[4] padding, int[2] dilation, int groups, bool append_one, Tensor? step=None, "
+      "int interval=1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "norm_input_stats_(Tensor(a!) stat, Tensor x, Tensor? step=None, int interval=1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "norm_grad_stats_(Tensor(a!) stat, Tensor g, int start_dim, int end_dim, Tensor? step=None, "
+      "int interval=1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // Normalise the accumulated statistics and fold them into the factors; empties the statistics.
+  m.def(
+      "fisher_average_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!) skipped, float gamma, "
+      "bool[] grad_side, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
+      {at::Tag::pt2_compliant_tag});
+}
+
+namespace {
+
+// Non-differentiable by declaration: run the kernel below autograd, so a call on tensors that
+// require grad never builds a graph, then bump the version counters of what the op wrote, as
+// aten's in-place ops do, so autograd still notices a saved tensor that a step modified.
+void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  const auto inputs = torch::jit::last(*stack, arguments.size());
+  std::vector<at::Tensor> written;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const auto* alias = arguments[i].alias_info();
+    if (alias == nullptr || !alias->isWrite()) continue;
+    if (inputs[i].isTensor()) {
+      written.push_back(inputs[i].toTensor());
+    } else if (inputs[i].isTensorList()) {
+      for (const at::Tensor& t : inputs[i].toTensorList()) written.push_back(t);
+    }
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(stack);
+  }
+  for (const auto& t : written) {
+    if (t.defined() && !t.is_inference()) torch::autograd::increment_version(t);
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
+  for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
+                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
+  }
+}
