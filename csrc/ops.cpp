@@ -74,7 +74,7 @@ void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
     op.callBoxed(stack);
   }
   for (const auto& t : written) {
-    if (t.defined() && !t.is_inference()) torch::autograd::increment_version(t);
+    if (t.defined() && !t.is_inference()) torch::autograd::impl::bump_version(t);
   }
 }
 

@@ -1,0 +1,1 @@
+"""cafin's bench: `python -m bench` (speed, memory, agreement) and `python -m bench convergence`."""

@@ -1,0 +1,15 @@
+"""`python -m bench [options]` measures speed, memory and agreement (bench/speed.py);
+`python -m bench convergence [options]` trains on real data (bench/convergence.py)."""
+import sys
+
+
+def main(argv: list[str]) -> int:
+    if argv and argv[0] == "convergence":
+        from .convergence import main as convergence_main
+        return convergence_main(argv[1:])
+    from .speed import main as speed_main
+    return speed_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
