@@ -99,6 +99,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied decoder: the Linear's curvature applies
         nn.init.normal_(self.pos, std=0.02)
+        nn.init.normal_(self.tok.weight, std=0.02)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos[: idx.shape[1]]
