@@ -15,6 +15,7 @@ reading k, a per-device tensor.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -28,6 +29,12 @@ from .reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
+
+
+# Optimizers whose steps are compiled or captured, by id. A module-level dict because torch.compile
+# replays a store into it after each compiled step, while a store into an optimizer attribute made
+# inside a compiled step is silently dropped (torch 2.13).
+_DEVICE_GATED: dict[int, bool] = {}
 
 
 def _capturing() -> bool:
@@ -80,7 +87,9 @@ class AdaFisher(torch.optim.Optimizer):
         self.backend = backend
         self._impl = _BACKENDS[backend]
         self._host_step = 0  # k as the host knows it while every step runs eagerly
-        self._device_gated = False
+        _DEVICE_GATED[id(self)] = False
+        weakref.finalize(self, _DEVICE_GATED.pop, id(self), None)
+        self._opt_called = True  # see `step._wrapped_by_lr_sched` below
         self._stats_pending = False
         self._counters: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._curvature: list[_Curvature] = []
@@ -196,8 +205,8 @@ class AdaFisher(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ statistics hooks
     def _statistics_gate(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-        if torch.compiler.is_compiling() or self._device_gated or _capturing():
-            self._device_gated = True
+        if torch.compiler.is_compiling() or _DEVICE_GATED.get(id(self)) or _capturing():
+            _DEVICE_GATED[id(self)] = True
             return True, self._counter(device)["k"]
         return self._host_step % self.TCov == 0, None
 
@@ -264,7 +273,7 @@ class AdaFisher(torch.optim.Optimizer):
         """One normalise-and-average call per device over every factor with new statistics."""
         if not self._curvature:
             return
-        if not (torch.compiler.is_compiling() or self._device_gated or self._stats_pending):
+        if not (torch.compiler.is_compiling() or _DEVICE_GATED.get(id(self)) or self._stats_pending):
             return
         by_device: dict[torch.device, tuple[list, list, list]] = {}
         for record in self._curvature:
@@ -317,10 +326,16 @@ class AdaFisher(torch.optim.Optimizer):
                 torch._foreach_sub_(steps, [_on(found_inf, s.device) for s in steps])
         torch._foreach_add_([c["k"] for c in self._counters.values()], 1)
         if torch.compiler.is_compiling() or _capturing():
-            self._device_gated = True
+            _DEVICE_GATED[id(self)] = True
         else:
             self._host_step += 1
         return loss
+
+    # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
+    # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
+    # fullgraph=True)`. This marks the step as already wrapped; `_opt_called`, which the wrapper
+    # records for the scheduler's call-order warning, is set once in __init__.
+    step._wrapped_by_lr_sched = True
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> list[list]:
@@ -330,7 +345,7 @@ class AdaFisher(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         k = self._host_step
-        if self._device_gated and self._counters:
+        if _DEVICE_GATED.get(id(self)) and self._counters:
             k = int(next(iter(self._counters.values()))["k"].item())
         sd["curvature"] = {"k": k, "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
         return sd

@@ -1,0 +1,499 @@
+"""`python -m bench convergence`: does AdaFisher train a real network, and do the fused kernels
+train it the same way the reference does?
+
+A small CNN (Conv2d, BatchNorm2d, ReLU, max-pooling, Linear) on scikit-learn's bundled handwritten
+digits (1797 8x8 images, no download), a fixed stratified 75/25 split, inputs standardised with the
+training set's mean and std. Each optimizer trains the same model from the same initialisation on
+the same batches for each seed (the seed sets the initialisation and the batch order; the split
+never changes), with a constant learning rate:
+
+  AdaFisher (fused / reference)  lr 1e-3, beta 0.9, Lambda 1e-3, gamma 0.8, TCov 5, wd 0
+  AdaFisherW                     the same, decoupled weight decay 1e-2
+  Adam                           lr 1e-3, betas (0.9, 0.999), eps 1e-8, wd 0
+  AdamW                          lr 1e-3, betas (0.9, 0.999), eps 1e-8, decoupled wd 1e-2
+  SGD                            lr 0.05, momentum 0.9, wd 0
+
+AdaFisher and Adam use their published defaults (AdaFisher's lr 1e-3 with Lambda 1e-3 behaves like
+SGD-momentum with an effective step lr/Lambda = 1 on the (1-beta)-EMA momentum, i.e. PyTorch SGD at
+lr 0.1, momentum 0.9, once the factors settle); SGD uses a common value for a small BN network.
+Nothing was tuned on this data. TCov is 5 (the published default of 100 would update the curvature
+only a few times in the whole run), so curvature statistics are taken every 5 batches.
+
+Reported per optimizer (mean +- std over seeds): test accuracy after epochs 1, 3 and the last;
+steps to 95 % test accuracy (the test set is evaluated every `--eval-every` steps, default 5, and
+at the end of every epoch); the median wall time of a training step (zero_grad, forward, backward,
+optimizer step) after a warm-up; and, for AdaFisher, the largest parameter difference between the
+fused and the reference backend at the end of training on the same seed and batches.
+
+Flags: --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
+--optimizers NAME,..., --plot PATH (PNG), --json PATH.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cafin
+
+TARGET_ACCURACY = 0.95
+DEFAULT_EPOCHS = 15
+DEFAULT_SEEDS = 3
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_EVAL_EVERY = 5
+DEFAULT_TCOV = 5
+WARMUP_STEPS = 10  # excluded from the step-time median
+SPLIT_SEED = 0
+TEST_FRACTION = 0.25
+
+
+# ----------------------------------------------------------------------------------- data
+@dataclass
+class Digits:
+    x_train: torch.Tensor  # [N, 1, 8, 8] float32, standardised
+    y_train: torch.Tensor  # [N] int64
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    mean: float
+    std: float
+
+
+def load_data(test_fraction: float = TEST_FRACTION, split_seed: int = SPLIT_SEED) -> Digits:
+    """The digits, split once (stratified, fixed seed), standardised with the training set's
+    scalar mean and std (one value for all pixels, so the images keep their spatial structure)."""
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise SystemExit("bench convergence needs scikit-learn: pip install -e .[bench]") from e
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    idx_train, idx_test = train_test_split(
+        list(range(len(y))), test_size=test_fraction, stratify=digits.target,
+        random_state=split_seed)
+    idx_train, idx_test = torch.tensor(idx_train), torch.tensor(idx_test)
+    mean, std = x[idx_train].mean().item(), x[idx_train].std().item()
+    standardise = lambda t: ((t - mean) / std).contiguous()  # noqa: E731
+    return Digits(standardise(x[idx_train]), y[idx_train], standardise(x[idx_test]), y[idx_test],
+                  mean, std)
+
+
+# ----------------------------------------------------------------------------------- model
+class DigitsCNN(nn.Module):
+    """conv3x3(1->16)-BN-ReLU-maxpool -> conv3x3(16->32)-BN-ReLU-maxpool -> Linear(128->10);
+    about 6k parameters."""
+
+    def __init__(self, num_classes: int = 10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(32)
+        self.fc = nn.Linear(32 * 2 * 2, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)  # 16 x 4 x 4
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)  # 32 x 2 x 2
+        return self.fc(torch.flatten(x, 1))
+
+
+def make_model(seed: int) -> DigitsCNN:
+    torch.manual_seed(seed)
+    return DigitsCNN()
+
+
+# ----------------------------------------------------------------------------------- optimizers
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    hyperparameters: str
+    build: Callable[[nn.Module], torch.optim.Optimizer] = field(repr=False)
+    backend: str | None = None  # for the cafin optimizers
+
+
+def fused_available() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CPU")
+
+
+def optimizer_specs(tcov: int = DEFAULT_TCOV) -> list[OptimizerSpec]:
+    """Every optimizer of the comparison, with the hyperparameters stated in the module docstring.
+    AdaFisherW runs on the fused backend when it is built, otherwise on the reference one."""
+    fisher = f"lr 1e-3, β 0.9, Λ 1e-3, γ 0.8, TCov {tcov}"
+    w_backend = "fused" if fused_available() else "reference"
+
+    def adafisher(backend):
+        return lambda m: cafin.AdaFisher(m, lr=1e-3, beta=0.9, Lambda=1e-3, gamma=0.8, TCov=tcov,
+                                         weight_decay=0.0, backend=backend)
+
+    return [
+        OptimizerSpec("AdaFisher (fused)", fisher, adafisher("fused"), "fused"),
+        OptimizerSpec("AdaFisher (reference)", fisher, adafisher("reference"), "reference"),
+        OptimizerSpec(f"AdaFisherW ({w_backend})", fisher + ", wd 1e-2 (decoupled)",
+                      lambda m: cafin.AdaFisherW(m, lr=1e-3, beta=0.9, Lambda=1e-3, gamma=0.8,
+                                                 TCov=tcov, weight_decay=1e-2, backend=w_backend),
+                      w_backend),
+        OptimizerSpec("Adam", "lr 1e-3, β (0.9, 0.999), eps 1e-8",
+                      lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)),
+        OptimizerSpec("AdamW", "lr 1e-3, β (0.9, 0.999), eps 1e-8, wd 1e-2",
+                      lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=1e-2)),
+        OptimizerSpec("SGD", "lr 0.05, momentum 0.9",
+                      lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)),
+    ]
+
+
+def select(specs: Sequence[OptimizerSpec], names: str | None) -> list[OptimizerSpec]:
+    """Filter by comma-separated, case-insensitive prefixes of the names ('adafisher (f', 'sgd')."""
+    if not names:
+        return list(specs)
+    wanted = [n.strip().lower() for n in names.split(",") if n.strip()]
+    chosen = [s for s in specs if any(s.name.lower().startswith(w) for w in wanted)]
+    unknown = [w for w in wanted if not any(s.name.lower().startswith(w) for s in specs)]
+    if unknown:
+        raise SystemExit(f"unknown optimizer(s) {unknown}; choose from {[s.name for s in specs]}")
+    return chosen
+
+
+# ----------------------------------------------------------------------------------- training
+@dataclass
+class RunResult:
+    optimizer: str
+    seed: int
+    steps_per_epoch: int
+    epoch_accuracy: list[float]  # test accuracy after each epoch
+    eval_steps: list[int]  # the steps at which the test set was evaluated (0 = before training)
+    eval_accuracy: list[float]
+    train_loss: list[float]  # mini-batch loss of every step
+    step_ms: list[float]  # wall time of every training step
+    steps_to_target: int | None  # first evaluated step with test accuracy >= TARGET_ACCURACY
+    final_parameters: dict[str, torch.Tensor] = field(repr=False)
+
+    @property
+    def median_step_ms(self) -> float:
+        timed = self.step_ms[WARMUP_STEPS:] or self.step_ms
+        return statistics.median(timed)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    was_training = model.training
+    model.eval()
+    correct = (model(x).argmax(1) == y).sum().item()
+    model.train(was_training)
+    return correct / len(y)
+
+
+def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
+          batch_size: int = DEFAULT_BATCH_SIZE, eval_every: int = DEFAULT_EVAL_EVERY) -> RunResult:
+    """Train a fresh DigitsCNN (initialised from `seed`) with one optimizer. The batch order comes
+    from its own generator seeded with `seed`, so every optimizer sees the same batches.
+    The last incomplete batch of each epoch is dropped (every step has the same batch size)."""
+    model = make_model(seed)
+    optimizer = spec.build(model)
+    order = torch.Generator().manual_seed(seed)
+    n = len(data.y_train)
+    steps_per_epoch = n // batch_size
+    step = 0
+    eval_steps, eval_accuracy = [0], [evaluate(model, data.x_test, data.y_test)]
+    epoch_accuracy, train_loss, step_ms = [], [], []
+    model.train()
+    for _ in range(epochs):
+        perm = torch.randperm(n, generator=order)
+        for b in range(steps_per_epoch):
+            idx = perm[b * batch_size:(b + 1) * batch_size]
+            xb, yb = data.x_train[idx], data.y_train[idx]
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+            step_ms.append((time.perf_counter() - start) * 1e3)
+            train_loss.append(loss.item())
+            step += 1
+            if step % eval_every == 0 or b == steps_per_epoch - 1:
+                eval_steps.append(step)
+                eval_accuracy.append(evaluate(model, data.x_test, data.y_test))
+        epoch_accuracy.append(eval_accuracy[-1])
+    if hasattr(optimizer, "remove_hooks"):
+        optimizer.remove_hooks()
+    reached = [s for s, a in zip(eval_steps, eval_accuracy) if a >= TARGET_ACCURACY]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    return RunResult(spec.name, seed, steps_per_epoch, epoch_accuracy, eval_steps, eval_accuracy,
+                     train_loss, step_ms, reached[0] if reached else None, params)
+
+
+def parameter_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
+    """max_abs: the largest |a - b| over all parameters. max_rel: the largest, over parameter
+    tensors, of max|a - b| / max|b| (relative to each tensor's scale, so that entries near zero
+    do not blow it up)."""
+    max_abs, max_rel, worst = 0.0, 0.0, None
+    for name, tb in b.items():
+        d = (a[name].double() - tb.double()).abs().max().item()
+        rel = d / max(tb.double().abs().max().item(), 1e-30)
+        max_abs = max(max_abs, d)
+        if rel >= max_rel:
+            max_rel, worst = rel, name
+    return {"max_abs": max_abs, "max_rel": max_rel, "worst_tensor": worst}
+
+
+# ----------------------------------------------------------------------------------- summary
+def _mean_std(values: Sequence[float]) -> tuple[float, float]:
+    values = list(values)
+    if not values:
+        return math.nan, math.nan
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def report_epochs(epochs: int) -> list[int]:
+    """Epochs whose accuracy the table shows: 1, 3 and the last (those that exist)."""
+    return sorted({e for e in (1, 3, epochs) if 1 <= e <= epochs})
+
+
+def summarise(spec: OptimizerSpec, runs: list[RunResult], epochs: int) -> dict:
+    acc = {}
+    for e in report_epochs(epochs):
+        m, s = _mean_std(r.epoch_accuracy[e - 1] for r in runs)
+        acc[str(e)] = {"mean": m, "std": s}
+    reached = [r.steps_to_target for r in runs if r.steps_to_target is not None]
+    m, s = _mean_std(reached)
+    ms = [r.median_step_ms for r in runs]
+    return {
+        "optimizer": spec.name, "hyperparameters": spec.hyperparameters, "backend": spec.backend,
+        "accuracy_after_epoch": acc,
+        "steps_to_target": {"mean": m if reached else None, "std": s if reached else None,
+                            "reached": len(reached), "runs": len(runs),
+                            "per_seed": [r.steps_to_target for r in runs]},
+        "step_ms_median": statistics.median(ms),
+        "step_ms_median_per_seed": ms,
+        "step_ms_mean_per_seed": [statistics.fmean(r.step_ms[WARMUP_STEPS:] or r.step_ms)
+                                  for r in runs],
+    }
+
+
+def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
+                  batch_size: int = DEFAULT_BATCH_SIZE, eval_every: int = DEFAULT_EVAL_EVERY,
+                  tcov: int = DEFAULT_TCOV, optimizers: str | None = None,
+                  progress: Callable[[str], None] | None = None) -> dict:
+    """Every selected optimizer x every seed. Returns the JSON-ready results (plus, under the key
+    'runs', the RunResult objects, which `to_json` leaves out)."""
+    data = load_data()
+    specs = select(optimizer_specs(tcov), optimizers)
+    notes = []
+    if not fused_available():
+        dropped = [s.name for s in specs if s.backend == "fused"]
+        specs = [s for s in specs if s.backend != "fused"]
+        if dropped:
+            notes.append(f"fused kernels are not built: skipped {', '.join(dropped)}")
+    runs: dict[str, list[RunResult]] = {}
+    wall: dict[str, float] = {}
+    for spec in specs:
+        start = time.perf_counter()
+        for seed in range(seeds):
+            if progress:
+                progress(f"{spec.name}, seed {seed}")
+            runs.setdefault(spec.name, []).append(
+                train(spec, data, seed, epochs, batch_size, eval_every))
+        wall[spec.name] = time.perf_counter() - start
+    fused = runs.get("AdaFisher (fused)")
+    ref = runs.get("AdaFisher (reference)")
+    agreement = None
+    if fused and ref:
+        per_seed = [dict(seed=a.seed, **parameter_difference(a.final_parameters, b.final_parameters))
+                    for a, b in zip(fused, ref)]
+        agreement = {"per_seed": per_seed,
+                     "max_abs": max(d["max_abs"] for d in per_seed),
+                     "max_rel": max(d["max_rel"] for d in per_seed)}
+    steps_per_epoch = len(data.y_train) // batch_size
+    return {
+        "config": {
+            "dataset": "sklearn.datasets.load_digits (8x8, 10 classes)",
+            "train_size": len(data.y_train), "test_size": len(data.y_test),
+            "split": f"stratified, test fraction {TEST_FRACTION}, random_state {SPLIT_SEED}",
+            "standardisation": {"mean": data.mean, "std": data.std,
+                                "note": "training-set scalar mean/std"},
+            "model": "conv3x3(1->16,no bias)-BN-ReLU-maxpool2, conv3x3(16->32,no bias)-BN-ReLU-"
+                     "maxpool2, Linear(128->10)",
+            "parameters": sum(p.numel() for p in DigitsCNN().parameters()),
+            "epochs": epochs, "seeds": list(range(seeds)), "batch_size": batch_size,
+            "steps_per_epoch": steps_per_epoch, "total_steps": steps_per_epoch * epochs,
+            "eval_every_steps": eval_every, "target_accuracy": TARGET_ACCURACY,
+            "tcov": tcov, "lr_schedule": "constant", "loss": "cross-entropy",
+            "step_time": f"median wall time of zero_grad+forward+backward+step, first "
+                         f"{WARMUP_STEPS} steps of each run excluded",
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "machine": platform.processor() or platform.machine(),
+            "fused_available": fused_available(),
+        },
+        "notes": notes,
+        "optimizers": [dict(summarise(s, runs[s.name], epochs), wall_s=wall[s.name])
+                       for s in specs],
+        "fused_vs_reference": agreement,
+        "curves": {name: [{"seed": r.seed, "eval_steps": r.eval_steps,
+                           "test_accuracy": r.eval_accuracy, "train_loss": r.train_loss,
+                           "epoch_accuracy": r.epoch_accuracy}
+                          for r in rs] for name, rs in runs.items()},
+        "runs": runs,
+    }
+
+
+def to_json(results: dict) -> dict:
+    return {k: v for k, v in results.items() if k != "runs"}
+
+
+# ----------------------------------------------------------------------------------- output
+def _pct(mean: float, std: float) -> str:
+    return f"{100 * mean:.1f} ± {100 * std:.1f}"
+
+
+def render(results: dict):
+    """The rich table (and the agreement line under it)."""
+    from rich.table import Table
+    cfg = results["config"]
+    epochs = report_epochs(cfg["epochs"])
+    table = Table(title=f"Convergence: {cfg['model'].split(',')[0]}… on digits "
+                        f"({cfg['train_size']} train / {cfg['test_size']} test), "
+                        f"{len(cfg['seeds'])} seed(s), {cfg['epochs']} epochs × "
+                        f"{cfg['steps_per_epoch']} steps, batch {cfg['batch_size']}")
+    table.add_column("optimizer")
+    table.add_column("hyperparameters")
+    for e in epochs:
+        table.add_column(f"test acc % ep {e}", justify="right")
+    table.add_column(f"steps to {100 * cfg['target_accuracy']:.0f} %", justify="right")
+    table.add_column("ms/step", justify="right")
+    for row in results["optimizers"]:
+        cells = [row["optimizer"], row["hyperparameters"]]
+        cells += [_pct(row["accuracy_after_epoch"][str(e)]["mean"],
+                       row["accuracy_after_epoch"][str(e)]["std"]) for e in epochs]
+        st = row["steps_to_target"]
+        if st["reached"] == 0:
+            cells.append(f"not reached (0/{st['runs']})")
+        else:
+            text = f"{st['mean']:.0f} ± {st['std']:.0f}"
+            if st["reached"] < st["runs"]:
+                text += f" ({st['reached']}/{st['runs']})"
+            cells.append(text)
+        cells.append(f"{row['step_ms_median']:.2f}")
+        table.add_row(*cells)
+    table.caption = (f"Test accuracy evaluated every {cfg['eval_every_steps']} steps and at each "
+                     f"epoch end; ms/step = {cfg['step_time']}; torch {cfg['torch']}, "
+                     f"{cfg['threads']} threads.")
+    return table
+
+
+def agreement_text(results: dict) -> str:
+    a = results["fused_vs_reference"]
+    if a is None:
+        return "fused vs reference: not measured (needs both AdaFisher backends)"
+    seeds = ", ".join(f"seed {d['seed']}: {d['max_abs']:.2e} abs / {d['max_rel']:.2e} rel"
+                      for d in a["per_seed"])
+    return (f"AdaFisher fused vs reference, same seed and batches, after "
+            f"{results['config']['total_steps']} steps: max |Δθ| = {a['max_abs']:.2e}, "
+            f"max relative (per tensor, max|Δθ|/max|θ|) = {a['max_rel']:.2e}  [{seeds}]")
+
+
+def plot(results: dict, path: str) -> None:
+    """Test accuracy and train loss against step, mean over seeds (shaded: min-max over seeds;
+    the loss is a moving average over `eval_every` steps)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install -e .[bench]") from e
+    import numpy as np
+    cfg = results["config"]
+    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(13, 5))
+    window = max(1, cfg["eval_every_steps"])
+    colors = plt.get_cmap("tab10")
+    for i, (name, curves) in enumerate(results["curves"].items()):
+        style = dict(color=colors(i), lw=1.6,
+                     ls="--" if "reference" in name else "-")
+        steps = np.array(curves[0]["eval_steps"])
+        acc = 100 * np.array([c["test_accuracy"] for c in curves])
+        ax_acc.plot(steps, acc.mean(0), label=name, **style)
+        if len(curves) > 1:
+            ax_acc.fill_between(steps, acc.min(0), acc.max(0), color=colors(i), alpha=0.12, lw=0)
+        loss = np.array([c["train_loss"] for c in curves])
+        kernel = np.ones(window) / window
+        smooth = np.array([np.convolve(l, kernel, mode="valid") for l in loss])
+        x = np.arange(window, loss.shape[1] + 1)
+        ax_loss.plot(x, smooth.mean(0), label=name, **style)
+        if len(curves) > 1:
+            ax_loss.fill_between(x, smooth.min(0), smooth.max(0), color=colors(i), alpha=0.12, lw=0)
+    spe = cfg["steps_per_epoch"]
+    for ax in (ax_acc, ax_loss):
+        for e in range(1, cfg["epochs"] + 1):
+            ax.axvline(e * spe, color="0.85", lw=0.6, zorder=0)
+        ax.set_xlabel(f"step ({spe} steps per epoch, grey lines = epoch ends)")
+        ax.grid(alpha=0.3)
+    ax_acc.axhline(100 * cfg["target_accuracy"], color="k", lw=0.8, ls=":")
+    ax_acc.set_ylim(80, 100)
+    ax_acc.set_ylabel(f"test accuracy % (evaluated every {cfg['eval_every_steps']} steps)")
+    ax_acc.set_title("test accuracy (mean over seeds, band = min-max)")
+    ax_loss.set_yscale("log")
+    ax_loss.set_ylabel(f"train loss (moving average over {window} steps)")
+    ax_loss.set_title("train mini-batch loss (mean over seeds, band = min-max)")
+    ax_acc.legend(loc="lower right")
+    fig.suptitle(f"DigitsCNN ({cfg['parameters']} params) on sklearn digits, "
+                 f"{len(cfg['seeds'])} seed(s), batch {cfg['batch_size']}, constant lr")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench convergence",
+        description="Train a small CNN on scikit-learn's digits with AdaFisher (fused and "
+                    "reference), AdaFisherW, Adam, AdamW and SGD; report accuracy, steps to "
+                    "95 %, step time and fused-vs-reference agreement.")
+    parser.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULT_EPOCHS}")
+    parser.add_argument("--seeds", type=int, default=None,
+                        help=f"number of seeds, 0..N-1 (default {DEFAULT_SEEDS})")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 seed, 3 epochs (explicit --epochs/--seeds still win)")
+    parser.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
+    parser.add_argument("--eval-every", type=int, default=DEFAULT_EVAL_EVERY,
+                        help="evaluate the test set every N steps (and at each epoch end)")
+    parser.add_argument("--tcov", type=int, default=DEFAULT_TCOV,
+                        help="AdaFisher curvature interval in steps")
+    parser.add_argument("--optimizers", default=None,
+                        help="comma-separated name prefixes, e.g. 'adafisher,sgd' (default: all)")
+    parser.add_argument("--plot", metavar="PATH", help="write a PNG of the curves")
+    parser.add_argument("--json", metavar="PATH", help="write the numbers as JSON")
+    args = parser.parse_args(argv)
+    epochs = args.epochs if args.epochs is not None else (3 if args.quick else DEFAULT_EPOCHS)
+    seeds = args.seeds if args.seeds is not None else (1 if args.quick else DEFAULT_SEEDS)
+    for flag, value in (("--epochs", epochs), ("--seeds", seeds), ("--batch-size", args.batch_size),
+                        ("--eval-every", args.eval_every), ("--tcov", args.tcov)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
+    from rich.console import Console
+    console = Console()
+    start = time.perf_counter()
+    with console.status("training") as status:
+        results = run_benchmark(epochs, seeds, args.batch_size, args.eval_every, args.tcov,
+                                args.optimizers, progress=lambda s: status.update(f"training {s}"))
+    results["config"]["wall_s"] = time.perf_counter() - start
+    for note in results["notes"]:
+        console.print(f"[yellow]note:[/] {note}")
+    console.print(render(results))
+    console.print(agreement_text(results))
+    console.print(f"total {results['config']['wall_s']:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(to_json(results), f, indent=1)
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        plot(results, args.plot)
+        console.print(f"wrote {args.plot}")
+    return 0
