@@ -7,15 +7,16 @@ module, in the state of its first optimised parameter (its anchor), the factors 
 (sums of raw statistics, their last entry counting contributions).
 
 Curvature steps: statistics are taken on the forward/backward passes of the steps k with
-k % TCov == 0 (k = completed optimizer steps). In eager mode the hooks decide on the host and
-launch nothing on other steps. Once a step has been compiled or captured in a CUDA graph, the
-host no longer sees each step, so the hooks always launch and the ops decide on the device by
-reading k, a per-device tensor.
+k % TCov == 0 (k = completed optimizer steps, a per-device tensor the step increments). Eager
+hooks decide on the host and launch nothing on other steps; the host knows k without a sync from
+the tensor's version counter, which every step bumps once, compiled or not (a store into a Python
+attribute made inside a compiled step is dropped, so a host counter could not follow). Hooks
+traced by torch.compile, and everything after a CUDA-graph capture (replays run no Python), always
+launch the statistics ops, which then decide on the device by reading k.
 """
 from __future__ import annotations
 
 import warnings
-import weakref
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -29,12 +30,6 @@ from .reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
-
-
-# Optimizers whose steps are compiled or captured, by id. A module-level dict because torch.compile
-# replays a store into it after each compiled step, while a store into an optimizer attribute made
-# inside a compiled step is silently dropped (torch 2.13).
-_DEVICE_GATED: dict[int, bool] = {}
 
 
 def _capturing() -> bool:
@@ -86,9 +81,8 @@ class AdaFisher(torch.optim.Optimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._host_step = 0  # k as the host knows it while every step runs eagerly
-        _DEVICE_GATED[id(self)] = False
-        weakref.finalize(self, _DEVICE_GATED.pop, id(self), None)
+        self._k_base = 0  # k = version of a k tensor - _k_base (see the module docstring)
+        self._device_gated = False  # set once a step was captured in a CUDA graph
         self._opt_called = True  # see `step._wrapped_by_lr_sched` below
         self._stats_pending = False
         self._counters: dict[torch.device, dict[str, torch.Tensor]] = {}
@@ -185,12 +179,22 @@ class AdaFisher(torch.optim.Optimizer):
         """Per-device k (completed steps, read by device-gated statistics) and the count of
         factor updates dropped for NaN."""
         if device not in self._counters:
-            counters = {"k": torch.full((), float(self._host_step), device=device),
+            first = not self._counters
+            k = self._k()
+            counters = {"k": torch.full((), float(k), device=device),
                         "skipped": torch.zeros((), device=device)}
             for t in counters.values():
                 torch._dynamo.mark_static_address(t, guard=False)
             self._counters[device] = counters
+            if first:
+                self._k_base = counters["k"]._version - k
         return self._counters[device]
+
+    def _k(self) -> int:
+        """Completed steps, as the host knows them without reading a device value."""
+        if not self._counters:
+            return 0
+        return next(iter(self._counters.values()))["k"]._version - self._k_base
 
     def remove_hooks(self) -> None:
         """Remove the statistics hooks from the model (the optimizer then keeps its factors)."""
@@ -205,10 +209,12 @@ class AdaFisher(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ statistics hooks
     def _statistics_gate(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-        if torch.compiler.is_compiling() or _DEVICE_GATED.get(id(self)) or _capturing():
-            _DEVICE_GATED[id(self)] = True
+        if torch.compiler.is_compiling():
             return True, self._counter(device)["k"]
-        return self._host_step % self.TCov == 0, None
+        if self._device_gated or _capturing():
+            self._device_gated = True
+            return True, self._counter(device)["k"]
+        return self._k() % self.TCov == 0, None
 
     def _forward_hook(self, record: _Curvature, module, inputs, output) -> None:
         if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
@@ -273,7 +279,7 @@ class AdaFisher(torch.optim.Optimizer):
         """One normalise-and-average call per device over every factor with new statistics."""
         if not self._curvature:
             return
-        if not (torch.compiler.is_compiling() or _DEVICE_GATED.get(id(self)) or self._stats_pending):
+        if not (torch.compiler.is_compiling() or self._device_gated or self._stats_pending):
             return
         by_device: dict[torch.device, tuple[list, list, list]] = {}
         for record in self._curvature:
@@ -324,11 +330,9 @@ class AdaFisher(torch.optim.Optimizer):
                     _on(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
                 torch._foreach_sub_(steps, [_on(found_inf, s.device) for s in steps])
-        torch._foreach_add_([c["k"] for c in self._counters.values()], 1)
-        if torch.compiler.is_compiling() or _capturing():
-            _DEVICE_GATED[id(self)] = True
-        else:
-            self._host_step += 1
+        torch._foreach_add_([c["k"] for c in self._counters.values()], 1)  # bumps versions once
+        if not torch.compiler.is_compiling() and _capturing():
+            self._device_gated = True
         return loss
 
     # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
@@ -344,8 +348,8 @@ class AdaFisher(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        k = self._host_step
-        if _DEVICE_GATED.get(id(self)) and self._counters:
+        k = self._k()
+        if self._device_gated:  # graph replays bump no version
             k = int(next(iter(self._counters.values()))["k"].item())
         sd["curvature"] = {"k": k, "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
         return sd
@@ -404,9 +408,11 @@ class AdaFisher(torch.optim.Optimizer):
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()
                 group[key] = value
-        self._host_step = int(state_dict["curvature"]["k"])
+        k = int(state_dict["curvature"]["k"])
         for counters in self._counters.values():
-            counters["k"].fill_(float(self._host_step))
+            counters["k"].fill_(float(k))
+        if self._counters:
+            self._k_base = next(iter(self._counters.values()))["k"]._version - k
         self._attach()  # state for parameters the checkpoint had none for
 
     def __setstate__(self, state):  # pickling support keeps torch.optim's behaviour

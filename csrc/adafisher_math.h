@@ -32,7 +32,7 @@ struct UpdateCoeffs {
 // `step` is the parameter's step count after increment (a float32 tensor value); `lr` the value of
 // the op-math lr tensor.
 template <typename T>
-C10_HOST_DEVICE inline UpdateCoeffs<T> update_coeffs(double lr, float step, double beta,
+C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateCoeffs<T> update_coeffs(double lr, float step, double beta,
                                                      double weight_decay, double damping,
                                                      bool decoupled) {
   const double bias_correction = 1.0 - ::pow(beta, static_cast<double>(step));
@@ -49,14 +49,14 @@ C10_HOST_DEVICE inline UpdateCoeffs<T> update_coeffs(double lr, float step, doub
 // F~ = S[r] * H[c] + damping, or 1 where a factor still holds its never-updated marker (< 0).
 // Written as a select, not a branch, so CPU loops vectorise; s * h == h * s, so callers may swap.
 template <typename T>
-C10_HOST_DEVICE inline T fisher_diag(T s, T h, T damping) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T fisher_diag(T s, T h, T damping) {
   const T f = s * h + damping;
   return (s < T(0) || h < T(0)) ? T(1) : f;
 }
 
 // One element: theta and m are updated in place; g is already divided by the grad scale.
 template <bool kDecoupled, typename T>
-C10_HOST_DEVICE inline void adafisher_element(T& theta, T& m, T g, T f, const UpdateCoeffs<T>& c) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE void adafisher_element(T& theta, T& m, T g, T f, const UpdateCoeffs<T>& c) {
   if (kDecoupled) {
     m = c.beta * m + c.one_minus_beta * g;
     const T update = m / (c.bias_correction * f) + c.weight_decay * theta;
@@ -72,7 +72,7 @@ C10_HOST_DEVICE inline void adafisher_element(T& theta, T& m, T g, T f, const Up
 
 // The mean of an accumulated statistic entry: the reference divides by max(count, 1).
 template <typename T>
-C10_HOST_DEVICE inline T statistic_mean(T sum, T count, T scale_sq, bool scaled) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T statistic_mean(T sum, T count, T scale_sq, bool scaled) {
   T z = sum / (count < T(1) ? T(1) : count);
   if (scaled) z = z / scale_sq;  // gradient statistics of gradients multiplied by the grad scale
   return z;
@@ -80,31 +80,31 @@ C10_HOST_DEVICE inline T statistic_mean(T sum, T count, T scale_sq, bool scaled)
 
 // As published: +inf -> 1, -inf -> 0. NaN passes through (the caller drops the whole statistic).
 template <typename T>
-C10_HOST_DEVICE inline T map_inf(T z) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T map_inf(T z) {
   const T inf = std::numeric_limits<T>::infinity();
   return z == inf ? T(1) : (z == -inf ? T(0) : z);
 }
 
 // The denominator of the min-max normalisation, rounded like the reference: (max - min) in T, + eps.
 template <typename T>
-C10_HOST_DEVICE inline T minmax_denominator(T zmin, T zmax) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T minmax_denominator(T zmin, T zmax) {
   return (zmax - zmin) + static_cast<T>(kMinMaxEps);
 }
 
 // F <- (0.1 gamma) F + (0.01 gamma) z_hat, starting from ones where F < 0 (never updated).
 template <typename T>
-C10_HOST_DEVICE inline T average_factor(T factor, T z, T zmin, T denominator, T keep, T add) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T average_factor(T factor, T z, T zmin, T denominator, T keep, T add) {
   const T base = factor < T(0) ? T(1) : factor;
   return base * keep + add * ((z - zmin) / denominator);
 }
 
 template <typename T>
-C10_HOST_DEVICE inline T factor_keep(double gamma) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T factor_keep(double gamma) {
   return static_cast<T>(0.1 * gamma);
 }
 
 template <typename T>
-C10_HOST_DEVICE inline T factor_add(double gamma) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE T factor_add(double gamma) {
   return static_cast<T>(0.01 * gamma);
 }
 
@@ -112,7 +112,7 @@ C10_HOST_DEVICE inline T factor_add(double gamma) {
 
 // Whether a statistic op with `step` given runs: fmod(step, interval) == 0 in float32, as
 // torch.fmod(step, interval) computes it (NaN never runs).
-C10_HOST_DEVICE inline bool statistics_due(float step, int64_t interval) {
+C10_HOST_DEVICE C10_ALWAYS_INLINE bool statistics_due(float step, int64_t interval) {
   return ::fmodf(step, static_cast<float>(interval)) == 0.0f;
 }
 

@@ -57,27 +57,27 @@ C10_ALWAYS_INLINE void update_run(scalar_t* __restrict theta, const scalar_t* __
 template <bool kDecoupled, bool kScaled, typename scalar_t, typename opmath_t>
 C10_ALWAYS_INLINE void update_part(const UpdateTensor<scalar_t, opmath_t>& t, int64_t lo, int64_t hi,
                                    opmath_t grad_scale) {
-  auto run = [&](auto curvature, int64_t begin, int64_t n, const opmath_t* h, opmath_t s) {
-    update_run<kDecoupled, kScaled, decltype(curvature)::value>(
-        t.theta + begin, t.grad + begin, t.exp_avg + begin, h, s, n, t.coeffs, grad_scale);
-  };
-  using Flat = std::false_type;
-  using Curved = std::true_type;
+  // Explicit calls, not a helper lambda: a lambda would not be inlined into the ISA clones below.
+  const auto& c = t.coeffs;
   if (t.S == nullptr) {
-    run(Flat{}, lo, hi - lo, nullptr, opmath_t(0));
+    update_run<kDecoupled, kScaled, false>(t.theta + lo, t.grad + lo, t.exp_avg + lo, t.H, opmath_t(0),
+                                           hi - lo, c, grad_scale);
   } else if (t.cols == 1) {
     // One element per row: S runs along the range and the H entry is constant (S*H == H*S).
-    run(Curved{}, lo, hi - lo, t.S + lo, t.H[0]);
+    update_run<kDecoupled, kScaled, true>(t.theta + lo, t.grad + lo, t.exp_avg + lo, t.S + lo, t.H[0],
+                                          hi - lo, c, grad_scale);
   } else {
     int64_t row = lo / t.cols;
     int64_t col = lo - row * t.cols;
     for (int64_t k = lo; k < hi; ++row, col = 0) {
       const int64_t n = std::min(hi - k, t.cols - col);
       const opmath_t s = t.S[row];
-      if (s < opmath_t(0)) {
-        run(Flat{}, k, n, nullptr, opmath_t(0));  // the row's factor was never updated
+      if (s < opmath_t(0)) {  // the row's factor was never updated: F = 1
+        update_run<kDecoupled, kScaled, false>(t.theta + k, t.grad + k, t.exp_avg + k, t.H, s, n, c,
+                                               grad_scale);
       } else {
-        run(Curved{}, k, n, t.H + col, s);
+        update_run<kDecoupled, kScaled, true>(t.theta + k, t.grad + k, t.exp_avg + k, t.H + col, s, n,
+                                              c, grad_scale);
       }
       k += n;
     }

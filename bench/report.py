@@ -1,0 +1,193 @@
+"""The rich console report of the speed bench: the header panel, the tables, the target verdicts."""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from rich.console import Console, Group
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:
+    from .speed import Run
+
+# The targets of the fused implementation (stated for ResNet-18, CPU, batch 32).
+TARGET_CONFIG = ("resnet18", "cpu", 32)
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ms(ms: float | None) -> str:
+    if ms is None or not math.isfinite(ms):
+        return "-"
+    if ms >= 100:
+        return f"{ms:.0f}"
+    if ms >= 10:
+        return f"{ms:.1f}"
+    if ms >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.3f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def header(env: dict, run: "Run") -> Panel:
+    lines = Text()
+    rows = [("torch", env["torch"]), ("device", f"{env['device']} ({env['device_name']})"),
+            ("threads", str(env["threads"])),
+            ("CUDA kernels built", str(env["cuda_kernels_built"])),
+            (f"fused kernels for {run.device.type}", str(env["fused_kernels_for_device"])),
+            ("model", f"{run.model}, batch {run.batch_size}"),
+            ("mode", "quick" if run.quick else "full")]
+    for i, (k, v) in enumerate(rows):
+        lines.append(f"{k:>22}: ", style="bold")
+        lines.append(v + ("\n" if i < len(rows) - 1 else ""))
+    return Panel(lines, title="cafin bench: speed, memory, agreement", expand=False)
+
+
+def _phase_table(run: "Run", phase: str, floor_ms: float | None, floor_label: str) -> Table:
+    ref = run.result(phase, "reference")
+    table = Table(title=f"{phase}: {run.model}, batch {run.batch_size}, {run.device}",
+                  title_justify="left")
+    table.add_column("variant")
+    table.add_column("median ms", justify="right")
+    table.add_column("IQR", justify="right")
+    table.add_column("n", justify="right")
+    table.add_column("speed-up vs reference", justify="right")
+    table.add_column("x floor", justify="right")
+    table.add_column("allocated", justify="right")
+    table.add_column("first call s", justify="right")
+    if floor_ms is not None:
+        table.add_row(Text(floor_label, style="dim"), fmt_ms(floor_ms), "", "", "", "1.00x", "", "",
+                      style="dim")
+    for r in run.results:
+        if r.phase != phase:
+            continue
+        speedup = ref.median_ms / r.median_ms if ref else None
+        to_floor = r.median_ms / floor_ms if floor_ms else None
+        iqr = f"{100 * r.spread:.0f}%" if math.isfinite(r.spread) else "-"
+        style = "bold" if r.variant.startswith("fused") else None
+        table.add_row(r.variant, fmt_ms(r.median_ms), iqr, str(r.repeats), fmt_ratio(speedup),
+                      fmt_ratio(to_floor), fmt_bytes(r.allocated_bytes), f"{r.first_call_s:.2f}",
+                      style=style)
+    return table
+
+
+def targets(run: "Run") -> list[dict]:
+    """The targets of the fused implementation, each met / missed / n/a with its numbers."""
+    def ms(phase, variant):
+        r = run.result(phase, variant)
+        return r.median_ms if r else None
+
+    out = []
+
+    def add(name, measured, goal, ok):
+        out.append({"target": name, "measured": measured, "goal": goal,
+                    "verdict": "n/a" if ok is None else ("met" if ok else "missed")})
+
+    ref, fused = ms("step", "reference"), ms("step", "fused")
+    refc, adamw = ms("step", "reference-compiled"), ms("step", "adamw-fused")
+    floor = run.floor.get("step_floor_ms")
+    both = fused is not None
+    add("fused step vs reference", f"{fmt_ratio(ref / fused)} faster" if both and ref else "-",
+        ">= 5x faster", (ref / fused >= 5) if both and ref else None)
+    add("fused step vs reference-compiled",
+        f"{fmt_ratio(refc / fused)} faster" if both and refc else "-", "faster",
+        (fused < refc) if both and refc else None)
+    add("fused step vs adamw-fused", f"{fmt_ratio(fused / adamw)} its time" if both and adamw else "-",
+        "<= 1.2x its time", (fused <= 1.2 * adamw) if both and adamw else None)
+    add("fused step vs floor", f"{fmt_ratio(fused / floor)} the floor" if both and floor else "-",
+        "<= 1.3x the floor", (fused <= 1.3 * floor) if both and floor else None)
+    sref, sfused = ms("statistics", "reference"), ms("statistics", "fused")
+    add("fused statistics vs reference",
+        f"{fmt_ratio(sref / sfused)} faster" if sref and sfused else "-", ">= 100x faster",
+        (sref / sfused >= 100) if sref and sfused else None)
+    r = run.result("step", "fused")
+    add("bytes allocated in the fused step", fmt_bytes(r.allocated_bytes) if r else "-", "0 B",
+        (r.allocated_bytes == 0) if r else None)
+    r = run.result("statistics", "fused")
+    bound = run.floor.get("statistics_output_bytes")
+    add("bytes allocated in the fused statistics", fmt_bytes(r.allocated_bytes) if r else "-",
+        f"<= output vectors ({fmt_bytes(bound)})",
+        (r.allocated_bytes <= bound) if r and bound is not None else None)
+    agree = run.agreement[0]["max_rel_diff"] if run.agreement else None
+    add(f"agreement after {run.steps} steps (float32)",
+        f"{agree:.2e}" if agree is not None else "-", "<= 1e-5",
+        (agree <= 1e-5) if agree is not None else None)
+    return out
+
+
+def _targets_table(rows: list[dict], run: "Run") -> Table:
+    note = ""
+    if (run.model, run.device.type, run.batch_size) != TARGET_CONFIG:
+        note = " (the targets are stated for resnet18, cpu, batch 32)"
+    table = Table(title=f"targets{note}", title_justify="left")
+    table.add_column("target")
+    table.add_column("measured", justify="right")
+    table.add_column("goal", justify="right")
+    table.add_column("verdict")
+    colours = {"met": "green", "missed": "red", "n/a": "dim"}
+    for row in rows:
+        table.add_row(row["target"], row["measured"], row["goal"],
+                      Text(row["verdict"], style=colours[row["verdict"]]))
+    return table
+
+
+def _frames(chain: list[str], keep: int = 4) -> str:
+    """The innermost op and the nearest Python frames of an allocation's op chain."""
+    ops = [c for c in chain if not ("(" in c and "): " in c)]
+    frames = [c for c in chain if "(" in c and "): " in c and "bench/" not in c]
+    return " <- ".join(ops[:1] + frames[:keep])
+
+
+def print_all(console: Console, run: "Run", target_rows: list[dict], elapsed_s: float) -> None:
+    floor = run.floor
+    if floor:
+        console.print(f"copy bandwidth {floor['copy_bandwidth_gb_s']:.1f} GB/s "
+                      f"({fmt_bytes(floor['copy_buffer_bytes'])} buffers); step floor "
+                      f"{fmt_bytes(floor['bytes_per_step'])} = 20 B x {floor['parameters']:,} parameters")
+    if any(r.phase == "step" for r in run.results):
+        console.print(_phase_table(run, "step", floor.get("step_floor_ms"), "floor (20 B/param)"))
+    if any(r.phase == "statistics" for r in run.results):
+        console.print(_phase_table(run, "statistics", floor.get("statistics_floor_ms"),
+                                   "floor (read x, g once)"))
+    if run.agreement:
+        table = Table(title="agreement: fused vs reference, same batches", title_justify="left")
+        for col in ("model", "steps", "TCov", "batch", "max rel diff"):
+            table.add_column(col, justify="right" if col != "model" else "left")
+        for a in run.agreement:
+            table.add_row(a["model"], str(a["steps"]), str(a["tcov"]), str(a["batch_size"]),
+                          f"{a['max_rel_diff']:.2e}")
+        console.print(table)
+    # Where the fused variants allocate, so a nonzero count comes with its cause.
+    for r in run.results:
+        if r.variant.startswith("fused") and r.allocated_bytes and r.allocations and r.allocations.top:
+            table = Table(title=f"allocations inside {r.phase} / {r.variant} "
+                                f"({r.allocations.count} in all, largest first)", title_justify="left")
+            table.add_column("bytes", justify="right")
+            table.add_column("op <- Python frames")
+            for size, chain in r.allocations.top:
+                table.add_row(fmt_bytes(size), _frames(chain))
+            console.print(table)
+    if run.skipped:
+        table = Table(title="not measured", title_justify="left")
+        table.add_column("phase")
+        table.add_column("variant")
+        table.add_column("why")
+        for s in run.skipped:
+            table.add_row(s.phase, s.variant, Text(s.reason[:300], style="red" if s.error else "dim"))
+        console.print(table)
+    console.print(_targets_table(target_rows, run))
+    console.print(f"done in {elapsed_s:.0f} s")

@@ -1,0 +1,114 @@
+"""torch.compile of the optimizer step and of a model carrying cafin's hooks (CPU, inductor).
+
+The step must trace as one graph (fullgraph=True), compile exactly once while a scheduler changes
+lr every step, across curvature and non-curvature steps, and give the eager numbers.
+"""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+import cafin
+
+OPTIMIZERS = [cafin.AdaFisher, cafin.AdaFisherW]
+BACKENDS = ["fused", "reference"]
+
+
+def small_model():
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(inplace=True),
+                         nn.Flatten(), nn.Linear(4 * 5 * 5, 7), nn.LayerNorm(7), nn.Linear(7, 3))
+
+
+def batches(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(6, 3, 5, 5, generator=g), torch.randint(0, 3, (6,), generator=g))
+            for _ in range(n)]
+
+
+def make_optimizer(cls, model, backend, TCov):
+    norms = [p for m in model.modules() if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm))
+             for p in m.parameters()]
+    rest = [p for p in model.parameters() if all(p is not q for q in norms)]
+    groups = [{"params": rest}, {"params": norms, "weight_decay": 0.0, "lr": 5e-3}]
+    return cls(model, lr=1e-2, TCov=TCov, weight_decay=1e-2, params=groups, backend=backend)
+
+
+def train(cls, backend, data, compiled, TCov=5):
+    torch.manual_seed(0)
+    model = small_model()
+    opt = make_optimizer(cls, model, backend, TCov)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            step()
+        sched.step()
+    return model, opt
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_step_compiles_once_and_equals_eager(cls, backend):
+    data = batches(103)  # k = 0, 5, ..., 100 are curvature steps; lr changes every step
+    eager_model, eager_opt = train(cls, backend, data, compiled=False)
+    model, opt = train(cls, backend, data, compiled=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1.0e-2 / (1 + 0.05 * 103), rel=1e-6)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+    for p, q in zip(model.parameters(), eager_model.parameters()):
+        for key, value in eager_opt.state[q].items():
+            torch.testing.assert_close(opt.state[p][key], value, rtol=1e-5, atol=1e-7)
+    # The factors really were updated on the compiled curvature steps (not left at -1).
+    assert all((opt.state[r.anchor]["fisher_S"] > 0).all() for r in opt._curvature)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_has_no_graph_break(backend):
+    model = small_model()
+    opt = cafin.AdaFisher(model, backend=backend, TCov=2)
+    x, y = batches(1)[0]
+    nn.functional.cross_entropy(model(x), y).backward()
+    with torch.no_grad():
+        explanation = torch._dynamo.explain(opt.step)()
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compiled_model_with_hooks_matches_eager(backend):
+    """torch.compile(model) traces cafin's forward hooks and output-gradient tensor hooks
+    without a graph break; the statistics equal eager ones."""
+    torch.manual_seed(0)
+    base = small_model()
+    x, y = batches(1)[0]
+    stats = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        opt = cafin.AdaFisher(model, TCov=1, backend=backend)
+        net = torch.compile(model) if compiled else model
+        nn.functional.cross_entropy(net(x), y).backward()
+        stats.append([opt.state[r.anchor][k].clone() for r in opt._curvature
+                      for k in ("stat_H", "stat_S")])
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    for eager, compiled in zip(*stats):
+        assert eager[-1] == 1 and compiled[-1] == 1  # one contribution each
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-9)
+
+    model = copy.deepcopy(base)
+    cafin.AdaFisher(model, TCov=1, backend=backend)
+    assert torch._dynamo.explain(model)(x).graph_break_count == 0
