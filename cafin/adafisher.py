@@ -57,16 +57,29 @@ class AdaFisher(torch.optim.Optimizer):
         TCov: statistics are taken every TCov steps.
         params: parameters or param-group dicts (default: the model's trainable parameters).
         backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch, the published way).
+        statistics: "per_step" (default): every forward/backward pass of a curvature step adds to
+            the statistics and the step folds their mean into the factors once, so k
+            micro-batches of gradient accumulation update the factors once; "per_pass": each
+            pass updates the factors right away, as the published code does.
+        process_group: with torch.distributed initialised, factors are averaged over this group
+            (default: the world) once per curvature update, in one collective.
+        grad_scaler: the torch.amp.GradScaler in use, needed only when gradients are unscaled
+            before the step (`scaler.unscale_(opt)`, e.g. for clipping), so the gradient
+            statistics, taken from scaled gradients, can still be unscaled.
     lr is kept as a 0-dim tensor on the parameters' device, so schedulers update it in place and
     a compiled step does not recompile when it changes.
     """
 
     decoupled_weight_decay = False
+    # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` device tensors
+    # instead of unscaling: the kernel unscales, and skips everything when found_inf is set.
+    _step_supports_amp_scaling = True
 
     def __init__(self, model: nn.Module, lr: float | torch.Tensor = 1e-3, beta: float = 0.9,
                  Lambda: float = 1e-3, gamma: float = 0.8, TCov: int = 100,
                  weight_decay: float = 0.0, *, params: Iterable | None = None,
-                 backend: str = "fused"):
+                 backend: str = "fused", statistics: str = "per_step", process_group=None,
+                 grad_scaler: torch.amp.GradScaler | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; "
                             "cafin optimizers take the model first (parameters go in params=)")
@@ -76,7 +89,14 @@ class AdaFisher(torch.optim.Optimizer):
             raise ValueError(f"TCov must be an int >= 1, got {TCov!r}")
         if not 0.0 < gamma <= 10.0:
             raise ValueError(f"gamma must be in (0, 10], got {gamma}")
+        if statistics not in ("per_step", "per_pass"):
+            raise ValueError(f"statistics must be 'per_step' or 'per_pass', got {statistics!r}")
+        if process_group is not None and not _distributed():
+            raise ValueError("process_group given but torch.distributed is not initialised")
         self.model = model
+        self.statistics = statistics
+        self.process_group = process_group
+        self.grad_scaler = grad_scaler
         self.gamma = float(gamma)
         self.TCov = TCov
         self.backend = backend
@@ -167,6 +187,19 @@ class AdaFisher(torch.optim.Optimizer):
             self._counter(record.anchor.device)
             self._hooks.append(record.module.register_forward_hook(
                 partial(self._forward_hook, record)))
+        if _distributed():
+            self._check_ranks_agree()
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must hold the same factors, or the collective over them would hang or mix
+        unrelated numbers: compare the layouts once, on every rank, and fail the same way."""
+        import torch.distributed as dist
+        layouts = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(layouts, self._layout(), group=self.process_group)
+        for rank, layout in enumerate(layouts):
+            if layout != layouts[0]:
+                raise ValueError(f"{type(self).__name__}: ranks disagree on the model's supported "
+                                 f"layers: rank 0 has {layouts[0]}, rank {rank} has {layout}")
 
     @staticmethod
     def _new_factors(record: _Curvature) -> dict[str, torch.Tensor]:
@@ -230,6 +263,8 @@ class AdaFisher(torch.optim.Optimizer):
         if state_dtype(x.dtype) != stat.dtype:
             x = x.to(stat.dtype)
         record.kind.input_stats(self._impl, stat, module, x, step, self.TCov)
+        if self.statistics == "per_pass":
+            self._fold([state["fisher_H"]], [stat], [False], None, None)
         self._stats_pending = True
         if isinstance(output, torch.Tensor) and output.requires_grad:
             # A tensor hook, not a module backward hook: it sees the gradient of the module's own
@@ -241,6 +276,9 @@ class AdaFisher(torch.optim.Optimizer):
         if state_dtype(grad.dtype) != stat.dtype:
             grad = grad.to(stat.dtype)
         record.kind.grad_stats(self._impl, stat, record.module, grad, step, self.TCov)
+        if self.statistics == "per_pass":
+            scale = self.grad_scaler._get_scale_async() if self.grad_scaler is not None else None
+            self._fold([self.state[record.anchor]["fisher_S"]], [stat], [True], scale, None)
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
@@ -275,8 +313,16 @@ class AdaFisher(torch.optim.Optimizer):
             self._no_curvature[key] = torch.empty(0, dtype=key[1], device=key[0])
         return self._no_curvature[key]
 
-    def _fold_statistics(self, grad_scale=None, found_inf=None) -> None:
-        """One normalise-and-average call per device over every factor with new statistics."""
+    def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
+        device = factors[0].device
+        self._impl.fisher_average_(factors, stats, self._counter(device)["skipped"], self.gamma,
+                                   grad_side, _on(grad_scale, device), _on(found_inf, device))
+
+    def _update_factors(self, grad_scale, found_inf) -> None:
+        """On a step after statistics were taken: fold them into the factors (one call per
+        device over every factor) and, distributed, average the factors over the ranks. After a
+        compile or a capture the host cannot tell, so this runs every step and the kernels
+        decide (a factor without new statistics is left as it is)."""
         if not self._curvature:
             return
         if not (torch.compiler.is_compiling() or self._device_gated or self._stats_pending):
@@ -288,9 +334,19 @@ class AdaFisher(torch.optim.Optimizer):
             factors += [state["fisher_H"], state["fisher_S"]]
             stats += [state["stat_H"], state["stat_S"]]
             grad_side += [False, True]
-        for device, (factors, stats, grad_side) in by_device.items():
-            self._impl.fisher_average_(factors, stats, self._counter(device)["skipped"], self.gamma,
-                                       grad_side, _on(grad_scale, device), _on(found_inf, device))
+        if self.statistics == "per_step":
+            if grad_scale is None and found_inf is not None:  # gradients unscaled before step()
+                if self.grad_scaler is None:
+                    raise RuntimeError(
+                        f"{type(self).__name__}: gradients were unscaled before step() "
+                        "(scaler.unscale_), so the gradient statistics, taken from scaled "
+                        "gradients, cannot be unscaled: pass grad_scaler=scaler to the optimizer")
+                grad_scale = self.grad_scaler._get_scale_async()
+            for factors, stats, grad_side in by_device.values():
+                self._fold(factors, stats, grad_side, grad_scale, found_inf)
+        if _distributed():
+            for factors, _, _ in by_device.values():
+                _average_over_ranks(factors, self.process_group)
         self._stats_pending = False
 
     @torch.no_grad()
@@ -307,7 +363,7 @@ class AdaFisher(torch.optim.Optimizer):
             lists: tuple[list, ...] = ([], [], [], [], [], [], [])
             self._init_group(group, *lists)
             groups.append((group, lists))
-        self._fold_statistics(grad_scale, found_inf)
+        self._update_factors(grad_scale, found_inf)
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
@@ -426,8 +482,21 @@ class AdaFisherW(AdaFisher):
     decoupled_weight_decay = True
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _average_over_ranks(factors: list[torch.Tensor], group) -> None:
+    """Average the factors over the ranks in one collective over one flat buffer."""
+    import torch.distributed as dist
+    flat = torch.cat([f.reshape(-1) for f in factors])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    torch._foreach_copy_(factors, list(flat.split([f.numel() for f in factors])))
+
+
 def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return None if t is None or t.device == device else t.to(device)
+    return t if t is None or t.device == device else t.to(device)
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
