@@ -22,11 +22,18 @@ only a few times in the whole run), so curvature statistics are taken every 5 ba
 Reported per optimizer (mean +- std over seeds): test accuracy after epochs 1, 3 and the last;
 steps to 95 % test accuracy (the test set is evaluated every `--eval-every` steps, default 5, and
 at the end of every epoch); the median wall time of a training step (zero_grad, forward, backward,
-optimizer step) after a warm-up; and, for AdaFisher, the largest parameter difference between the
-fused and the reference backend at the end of training on the same seed and batches.
+optimizer step; first 10 steps excluded) and of its optimizer.step() alone, on 1 thread by default.
+
+Fused vs reference (AdaFisher, same seed and batches), three numbers:
+- independent runs, FP32: the parameter difference at the end, per seed. Two runs start apart by
+  one rounding (~1e-7) and stay that close until a ReLU input within ~1e-7 of zero changes sign
+  in one run and not the other; after that they follow different trajectories (1e-2 and more);
+- lockstep, FP32 (seed 0): both backends take every step from the same state; every parameter
+  and optimizer-state tensor is compared after the step, then re-synced: the kernels' own error;
+- independent runs, float64 (seed 0): no near-ties flip at 1e-16, so the runs stay together.
 
 Flags: --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
---optimizers NAME,..., --plot PATH (PNG), --json PATH.
+--threads, --optimizers NAME,..., --plot PATH (PNG), --json PATH.
 """
 from __future__ import annotations
 
@@ -183,6 +190,7 @@ class RunResult:
     train_loss: list[float]  # mini-batch loss of every step
     step_ms: list[float]  # wall time of every training step (zero_grad, forward, backward, step)
     opt_ms: list[float]  # of which optimizer.step()
+    cpu_ms: list[float]  # CPU time of this thread for the training step (robust to a busy machine)
     steps_to_target: int | None  # first evaluated step with test accuracy >= TARGET_ACCURACY
     final_parameters: dict[str, torch.Tensor] = field(repr=False)
 
@@ -193,6 +201,10 @@ class RunResult:
     @property
     def median_opt_ms(self) -> float:
         return statistics.median(self.opt_ms[WARMUP_STEPS:] or self.opt_ms)
+
+    @property
+    def median_cpu_ms(self) -> float:
+        return statistics.median(self.cpu_ms[WARMUP_STEPS:] or self.cpu_ms)
 
 
 @torch.no_grad()
@@ -216,33 +228,34 @@ def batches(n: int, batch_size: int, seed: int, epochs: int):
 
 
 def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
-          batch_size: int = DEFAULT_BATCH_SIZE, eval_every: int = DEFAULT_EVAL_EVERY,
+          batch_size: int = DEFAULT_BATCH_SIZE, eval_every: int | None = DEFAULT_EVAL_EVERY,
           dtype: torch.dtype = torch.float32) -> RunResult:
     """Train a fresh DigitsCNN (initialised from `seed`) with one optimizer on `batches(...)`,
-    evaluating the test set every `eval_every` steps and at the end of every epoch."""
+    evaluating the test set every `eval_every` steps (None: never) and at the end of every epoch."""
     model = make_model(seed).to(dtype)
     optimizer = spec.build(model)
     x_train, x_test = data.x_train.to(dtype), data.x_test.to(dtype)
     steps_per_epoch = len(data.y_train) // batch_size
     step = 0
     eval_steps, eval_accuracy = [0], [evaluate(model, x_test, data.y_test)]
-    epoch_accuracy, train_loss, step_ms, opt_ms = [], [], [], []
+    epoch_accuracy, train_loss, step_ms, opt_ms, cpu_ms = [], [], [], [], []
     model.train()
     for _, b, idx in batches(len(data.y_train), batch_size, seed, epochs):
         xb, yb = x_train[idx], data.y_train[idx]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
         before_step = time.perf_counter()
         optimizer.step()
-        end = time.perf_counter()
+        end, end_cpu = time.perf_counter(), time.thread_time()
         step_ms.append((end - start) * 1e3)
+        cpu_ms.append((end_cpu - start_cpu) * 1e3)
         opt_ms.append((end - before_step) * 1e3)
         train_loss.append(loss.item())
         step += 1
         last_in_epoch = b == steps_per_epoch - 1
-        if step % eval_every == 0 or last_in_epoch:
+        if (eval_every and step % eval_every == 0) or last_in_epoch:
             eval_steps.append(step)
             eval_accuracy.append(evaluate(model, x_test, data.y_test))
         if last_in_epoch:
@@ -252,7 +265,7 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
     reached = [s for s, a in zip(eval_steps, eval_accuracy) if a >= TARGET_ACCURACY]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return RunResult(spec.name, seed, steps_per_epoch, epoch_accuracy, eval_steps, eval_accuracy,
-                     train_loss, step_ms, opt_ms, reached[0] if reached else None, params)
+                     train_loss, step_ms, opt_ms, cpu_ms, reached[0] if reached else None, params)
 
 
 def parameter_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
@@ -353,6 +366,7 @@ def summarise(spec: OptimizerSpec, runs: list[RunResult], epochs: int) -> dict:
                             "per_seed": [r.steps_to_target for r in runs]},
         "step_ms_median": statistics.median(r.median_step_ms for r in runs),
         "opt_step_ms_median": statistics.median(r.median_opt_ms for r in runs),
+        "cpu_step_ms_median": statistics.median(r.median_cpu_ms for r in runs),
         "step_ms_median_per_seed": [r.median_step_ms for r in runs],
         "step_ms_mean_per_seed": [statistics.fmean(r.step_ms[WARMUP_STEPS:] or r.step_ms)
                                   for r in runs],
@@ -367,6 +381,8 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
     JSON-ready results plus, under the key 'runs', the RunResult objects (`to_json` drops them).
     `threads` sets torch's intra-op threads for the run (restored afterwards)."""
     data = load_data()
+    if not 1 <= batch_size <= len(data.y_train):
+        raise SystemExit(f"batch size must be in [1, {len(data.y_train)}], got {batch_size}")
     specs = select(optimizer_specs(tcov), optimizers)
     notes = []
     if not fused_available():
@@ -374,19 +390,25 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
         specs = [s for s in specs if s.backend != "fused"]
         if dropped:
             notes.append(f"fused kernels are not built: skipped {', '.join(dropped)}")
+    if not specs:
+        raise SystemExit("no optimizer left to run (" + "; ".join(notes) + ")")
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        runs: dict[str, list[RunResult]] = {}
-        wall: dict[str, float] = {}
-        for spec in specs:
-            start = time.perf_counter()
-            for seed in range(seeds):
+        if progress:
+            progress("warm-up")
+        # One throwaway epoch first: the first evaluation and the first steps of a process pay
+        # one-off costs (oneDNN primitives, allocator) that would land on the first optimizer.
+        train(specs[0], data, 0, 1, batch_size, eval_every)
+        runs: dict[str, list[RunResult]] = {s.name: [] for s in specs}
+        wall: dict[str, float] = {s.name: 0.0 for s in specs}
+        for seed in range(seeds):  # seed-major, so that load drift spreads over all optimizers
+            for spec in specs:
                 if progress:
                     progress(f"{spec.name}, seed {seed}")
-                runs.setdefault(spec.name, []).append(
-                    train(spec, data, seed, epochs, batch_size, eval_every))
-            wall[spec.name] = time.perf_counter() - start
+                start = time.perf_counter()
+                runs[spec.name].append(train(spec, data, seed, epochs, batch_size, eval_every))
+                wall[spec.name] += time.perf_counter() - start
         fused = runs.get(adafisher_spec("fused").name)
         ref = runs.get(adafisher_spec("reference").name)
         agreement = None
@@ -400,9 +422,15 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
                 "independent_runs": {"per_seed": per_seed,
                                      "max_abs": max(d["max_abs"] for d in per_seed),
                                      "max_rel": max(d["max_rel"] for d in per_seed)},
-                "lockstep": lockstep(adafisher_spec("fused", tcov), adafisher_spec("reference", tcov),
-                                     data, 0, epochs, batch_size),
+                "lockstep": lockstep(adafisher_spec("fused", tcov),
+                                     adafisher_spec("reference", tcov), data, 0, epochs, batch_size),
             }
+            if progress:
+                progress("fused vs reference in float64, seed 0")
+            f64 = [train(adafisher_spec(b, tcov), data, 0, epochs, batch_size, None,
+                         dtype=torch.float64) for b in ("fused", "reference")]
+            agreement["float64_independent_runs"] = dict(
+                seed=0, **parameter_difference(f64[0].final_parameters, f64[1].final_parameters))
     finally:
         torch.set_num_threads(previous_threads)
     steps_per_epoch = len(data.y_train) // batch_size
@@ -421,7 +449,8 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
             "eval_every_steps": eval_every, "target_accuracy": TARGET_ACCURACY,
             "tcov": tcov, "lr_schedule": "constant", "loss": "cross-entropy",
             "step_time": f"median wall time of zero_grad+forward+backward+step, first "
-                         f"{WARMUP_STEPS} steps of each run excluded; median over seeds",
+                         f"{WARMUP_STEPS} steps of each run excluded; median over seeds "
+                         "(cpu_step_ms: the same in the training thread's CPU time)",
             "torch": torch.__version__, "threads": threads,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "fused_available": fused_available(),
@@ -431,11 +460,16 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
                        for s in specs],
         "fused_vs_reference": agreement,
         "curves": {name: [{"seed": r.seed, "eval_steps": r.eval_steps,
-                           "test_accuracy": r.eval_accuracy, "train_loss": r.train_loss,
-                           "epoch_accuracy": r.epoch_accuracy}
+                           "test_accuracy": _rounded(r.eval_accuracy),
+                           "train_loss": _rounded(r.train_loss),
+                           "epoch_accuracy": _rounded(r.epoch_accuracy)}
                           for r in rs] for name, rs in runs.items()},
         "runs": runs,
     }
+
+
+def _rounded(values: Sequence[float]) -> list[float]:
+    return [float(f"{v:.6g}") for v in values]
 
 
 def to_json(results: dict) -> dict:
@@ -443,6 +477,10 @@ def to_json(results: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------------- output
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _pct(mean: float, std: float) -> str:
     return f"{100 * mean:.1f} ± {100 * std:.1f}"
 
@@ -454,7 +492,7 @@ def render(results: dict):
     epochs = report_epochs(cfg["epochs"])
     table = Table(title=f"Convergence on sklearn digits ({cfg['train_size']} train / "
                         f"{cfg['test_size']} test), DigitsCNN {cfg['parameters']} params, "
-                        f"{len(cfg['seeds'])} seed(s), {cfg['epochs']} epochs × "
+                        f"{_plural(len(cfg['seeds']), 'seed')}, {_plural(cfg['epochs'], 'epoch')} × "
                         f"{cfg['steps_per_epoch']} steps of batch {cfg['batch_size']}")
     table.add_column("optimizer", no_wrap=True)
     for e in epochs:
@@ -462,6 +500,7 @@ def render(results: dict):
     table.add_column(f"steps to {100 * cfg['target_accuracy']:.0f} % test acc", justify="right")
     table.add_column("ms / step", justify="right")
     table.add_column("of which step()", justify="right")
+    table.add_column("CPU ms / step", justify="right")
     for row in results["optimizers"]:
         cells = [row["optimizer"]]
         cells += [_pct(row["accuracy_after_epoch"][str(e)]["mean"],
@@ -474,13 +513,15 @@ def render(results: dict):
             if st["reached"] < st["runs"]:
                 text += f" ({st['reached']}/{st['runs']} seeds)"
             cells.append(text)
-        cells += [f"{row['step_ms_median']:.2f}", f"{row['opt_step_ms_median']:.2f}"]
+        cells += [f"{row['step_ms_median']:.2f}", f"{row['opt_step_ms_median']:.2f}",
+                  f"{row['cpu_step_ms_median']:.2f}"]
         table.add_row(*cells)
     table.caption = (
         f"Mean ± std over seeds. Test accuracy evaluated every {cfg['eval_every_steps']} steps and "
-        f"at each epoch end (steps to target = first evaluation at or above it). ms/step: median "
+        f"at each epoch end (steps to target = first evaluation at or above it). ms / step: median "
         f"wall time of zero_grad+forward+backward+step() after {WARMUP_STEPS} warm-up steps, "
-        f"median over seeds; torch {cfg['torch']}, {cfg['threads']} thread(s), {cfg['machine']}.")
+        f"median over seeds; CPU ms: the same in this thread's CPU time, which a busy machine "
+        f"inflates less; torch {cfg['torch']}, {_plural(cfg['threads'], 'thread')}, {cfg['machine']}.")
     return table
 
 
@@ -494,7 +535,7 @@ def agreement_text(results: dict) -> str:
     a = results["fused_vs_reference"]
     if a is None:
         return "AdaFisher fused vs reference: not measured (needs both AdaFisher backends)"
-    ind, lock = a["independent_runs"], a["lockstep"]
+    ind, lock, f64 = a["independent_runs"], a["lockstep"], a["float64_independent_runs"]
     seeds = "; ".join(f"seed {d['seed']}: {d['max_abs']:.1e} abs, {d['max_rel']:.1e} rel"
                       for d in ind["per_seed"])
     state = ", ".join(f"{k} {v:.1e}" for k, v in lock["state_rel"].items())
@@ -505,9 +546,11 @@ def agreement_text(results: dict) -> str:
         f"Lockstep (seed 0, both take every step from the same state, compared then re-synced): "
         f"max relative parameter difference {lock['param_rel']:.1e}, optimizer state {state}, "
         f"over {lock['steps']} steps.\n"
-        f"Independent runs start apart by FP32 rounding (~1e-7) that stays small until a ReLU "
-        f"input near 0 changes sign in one run and not the other, after which the trajectories "
-        f"differ by up to ~1e-2..1e-1 relative; the lockstep numbers are the kernels' own error.")
+        f"Independent runs start apart by FP32 rounding (~1e-7), which stays that small until a "
+        f"ReLU input within ~1e-7 of 0 changes sign in one run and not the other; after that the "
+        f"runs follow different trajectories. The lockstep numbers are the kernels' own error. "
+        f"In float64 (seed 0) the independent runs end {f64['max_abs']:.1e} abs, "
+        f"{f64['max_rel']:.1e} rel apart.")
 
 
 def plot(results: dict, path: str) -> None:
@@ -524,7 +567,9 @@ def plot(results: dict, path: str) -> None:
     window = 10
     colors = plt.get_cmap("tab10")
     for i, (name, curves) in enumerate(results["curves"].items()):
-        style = dict(color=colors(i), lw=1.5, ls=(0, (4, 3)) if "reference" in name else "-")
+        # dashed: the lines that would hide another (reference under fused, AdamW over Adam)
+        dashed = "reference" in name or name.split(" ")[0].endswith("W")
+        style = dict(color=colors(i), lw=1.5, ls=(0, (4, 3)) if dashed else "-")
         steps = np.array(curves[0]["eval_steps"])
         acc = 100 * np.array([c["test_accuracy"] for c in curves])
         ax_acc.plot(steps, acc.mean(0), label=name, **style)
@@ -553,10 +598,10 @@ def plot(results: dict, path: str) -> None:
     ax_acc.legend(loc="lower right")
     band = ", band = min-max over seeds" if len(cfg["seeds"]) > 1 else ""
     fig.suptitle(f"DigitsCNN ({cfg['parameters']} params) on sklearn digits: mean over "
-                 f"{len(cfg['seeds'])} seed(s){band}; batch {cfg['batch_size']}, constant lr, "
+                 f"{_plural(len(cfg['seeds']), 'seed')}{band}; batch {cfg['batch_size']}, constant lr, "
                  f"AdaFisher TCov {cfg['tcov']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -611,10 +656,11 @@ def main(argv: list[str]) -> int:
     console.print(hyperparameter_text(results))
     console.print(agreement_text(results))
     walls = ", ".join(f"{r['optimizer']} {r['wall_s']:.0f} s" for r in results["optimizers"])
-    console.print(f"Wall time {results['config']['wall_s']:.0f} s ({walls}).")
+    console.print(f"Wall time {results['config']['wall_s']:.0f} s; training runs: {walls}; the rest "
+                  "is loading, warm-up and the agreement checks.")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(to_json(results), f, indent=1)
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(to_json(results), f, indent=1, ensure_ascii=False)
         console.print(f"wrote {args.json}")
     if args.plot:
         plot(results, args.plot)

@@ -32,6 +32,16 @@ def data():
     return load_data()
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """This 6k-parameter CNN gains nothing from intra-op threads, and on a busy 2-core machine
+    two threads make each step several times slower. (The tolerances hold with 2 threads too.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def test_fused_kernels_are_built():
     assert fused_available(), ("the fused CPU kernels are not registered: rebuild with "
                                "`pip install --no-build-isolation -e .`")
@@ -42,7 +52,7 @@ def test_adafisher_fused_reaches_90_percent(data):
     assert run.steps_per_epoch == 42 and len(run.train_loss) == 84
     # measured: 97.6 % after 2 epochs (seeds 0-11: 91-98 %)
     assert run.epoch_accuracy[-1] >= 0.90, run.epoch_accuracy
-    assert run.train_loss[-1] < run.train_loss[0] / 5
+    assert sum(run.train_loss[-10:]) < sum(run.train_loss[:10]) / 5  # measured: / 21
 
 
 def _check_lockstep(result: dict) -> None:
