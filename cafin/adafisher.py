@@ -29,6 +29,8 @@ from .layers import LayerType, can_take_statistics, layer_type_of, supported_typ
 from .reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
+_COMPILED = torch._dynamo.eval_frame.OptimizedModule
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
 
 
@@ -93,6 +95,10 @@ class AdaFisher(torch.optim.Optimizer):
             raise ValueError(f"statistics must be 'per_step' or 'per_pass', got {statistics!r}")
         if process_group is not None and not _distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
+        # Look through DDP/DataParallel and torch.compile wrappers: hooks go on the model itself and
+        # checkpoints name its layers the same way with or without a wrapper.
+        while isinstance(model, _WRAPPERS):
+            model = model._orig_mod if isinstance(model, _COMPILED) else model.module
         self.model = model
         self.statistics = statistics
         self.process_group = process_group
@@ -104,7 +110,6 @@ class AdaFisher(torch.optim.Optimizer):
         self._k_base = 0  # k = version of a k tensor - _k_base (see the module docstring)
         self._device_gated = False  # set once a step was captured in a CUDA graph
         self._opt_called = True  # see `step._wrapped_by_lr_sched` below
-        self._stats_pending = False
         self._counters: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._curvature: list[_Curvature] = []
         self._owner: dict[torch.Tensor, tuple[_Curvature, int]] = {}
@@ -265,7 +270,6 @@ class AdaFisher(torch.optim.Optimizer):
         record.kind.input_stats(self._impl, stat, module, x, step, self.TCov)
         if self.statistics == "per_pass":
             self._fold([state["fisher_H"]], [stat], [False], None, None)
-        self._stats_pending = True
         if isinstance(output, torch.Tensor) and output.requires_grad:
             # A tensor hook, not a module backward hook: it sees the gradient of the module's own
             # output even when an in-place activation later overwrites that tensor.
@@ -325,7 +329,9 @@ class AdaFisher(torch.optim.Optimizer):
         decide (a factor without new statistics is left as it is)."""
         if not self._curvature:
             return
-        if not (torch.compiler.is_compiling() or self._device_gated or self._stats_pending):
+        # On the host: whether this step is a curvature step (the same on every rank, so either
+        # all ranks average or none does, whatever their hooks saw).
+        if not (torch.compiler.is_compiling() or self._device_gated or self._k() % self.TCov == 0):
             return
         by_device: dict[torch.device, tuple[list, list, list]] = {}
         for record in self._curvature:
@@ -347,7 +353,6 @@ class AdaFisher(torch.optim.Optimizer):
         if _distributed():
             for factors, _, _ in by_device.values():
                 _average_over_ranks(factors, self.process_group)
-        self._stats_pending = False
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
