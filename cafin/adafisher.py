@@ -62,7 +62,8 @@ class AdaFisher(torch.optim.Optimizer):
         statistics: "per_step" (default): every forward/backward pass of a curvature step adds to
             the statistics and the step folds their mean into the factors once, so k
             micro-batches of gradient accumulation update the factors once; "per_pass": each
-            pass updates the factors right away, as the published code does.
+            pass updates the factors right away, as the published code does (then the factors
+            change before the step can see a GradScaler's overflow: not usable with one).
         process_group: with torch.distributed initialised, factors are averaged over this group
             (default: the world) once per curvature update, in one collective.
         grad_scaler: the torch.amp.GradScaler in use, needed only when gradients are unscaled
@@ -93,6 +94,9 @@ class AdaFisher(torch.optim.Optimizer):
             raise ValueError(f"gamma must be in (0, 10], got {gamma}")
         if statistics not in ("per_step", "per_pass"):
             raise ValueError(f"statistics must be 'per_step' or 'per_pass', got {statistics!r}")
+        if statistics == "per_pass" and grad_scaler is not None:
+            raise ValueError("statistics='per_pass' folds statistics during backward, before a "
+                             "GradScaler's overflow check: use statistics='per_step' with grad_scaler")
         if process_group is not None and not _distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
         # Look through DDP/DataParallel and torch.compile wrappers: hooks go on the model itself and
@@ -125,8 +129,19 @@ class AdaFisher(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ param groups and state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        before = len(self.param_groups)
         super().add_param_group(param_group)
+        try:
+            self._check_group(self.param_groups[-1])
+        except Exception:
+            del self.param_groups[before:]  # a rejected group leaves nothing behind
+            raise
         group = self.param_groups[-1]
+        group["lr"] = self._lr_tensor(group["lr"], group["params"])
+        if getattr(self, "_attached", False):  # a group added after construction
+            self._attach()
+
+    def _check_group(self, group: dict[str, Any]) -> None:
         for p in group["params"]:
             if id(p) not in self._model_params:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
@@ -138,9 +153,6 @@ class AdaFisher(torch.optim.Optimizer):
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
                                  "(e.g. channels_last); cafin needs contiguous parameters")
         _check_hyperparameters(group)
-        group["lr"] = self._lr_tensor(group["lr"], group["params"])
-        if getattr(self, "_attached", False):  # a group added after construction
-            self._attach()
 
     @staticmethod
     def _lr_tensor(lr, params) -> torch.Tensor:
@@ -180,6 +192,7 @@ class AdaFisher(torch.optim.Optimizer):
                           "every parameter uses F~ = 1", UserWarning, stacklevel=3)
         for group in self.param_groups:
             for p in group["params"]:
+                self._counter(p.device)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -189,7 +202,6 @@ class AdaFisher(torch.optim.Optimizer):
             state = self.state[record.anchor]
             if "fisher_S" not in state:
                 state.update(self._new_factors(record))
-            self._counter(record.anchor.device)
             self._hooks.append(record.module.register_forward_hook(
                 partial(self._forward_hook, record)))
         if _distributed():
@@ -254,7 +266,7 @@ class AdaFisher(torch.optim.Optimizer):
             return True, self._counter(device)["k"]
         return self._k() % self.TCov == 0, None
 
-    def _forward_hook(self, record: _Curvature, module, inputs, output) -> None:
+    def _forward_hook(self, record: _Curvature, module, inputs, output) -> torch.Tensor | None:
         if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
             return
         x = inputs[0].detach()
@@ -270,19 +282,31 @@ class AdaFisher(torch.optim.Optimizer):
         record.kind.input_stats(self._impl, stat, module, x, step, self.TCov)
         if self.statistics == "per_pass":
             self._fold([state["fisher_H"]], [stat], [False], None, None)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            # A tensor hook, not a module backward hook: it sees the gradient of the module's own
-            # output even when an in-place activation later overwrites that tensor.
-            output.register_hook(partial(self._grad_hook, record, step))
+        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+            return None
+        # A tensor hook, not a module backward hook: it sees the gradient of the module's own
+        # output even when an in-place activation later overwrites that tensor. A view (Linear on
+        # 3-D input, unbatched Conv2d) loses its hooks when modified in place, so the hook goes on
+        # the tensor it views when that holds the same elements, or on a copy returned instead.
+        target, returned = output, None
+        if not torch.compiler.is_compiling() and output._is_view():
+            base = output._base
+            if (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
+                    and base.storage_offset() == output.storage_offset()):
+                target = base
+            else:
+                target = returned = output.clone()
+        target.register_hook(partial(self._grad_hook, record, step, output.shape))
+        return returned
 
-    def _grad_hook(self, record: _Curvature, step, grad: torch.Tensor) -> None:
+    def _grad_hook(self, record: _Curvature, step, shape, grad: torch.Tensor) -> None:
+        grad = grad.reshape(shape)
         stat = self.state[record.anchor]["stat_S"]
         if state_dtype(grad.dtype) != stat.dtype:
             grad = grad.to(stat.dtype)
         record.kind.grad_stats(self._impl, stat, record.module, grad, step, self.TCov)
         if self.statistics == "per_pass":
-            scale = self.grad_scaler._get_scale_async() if self.grad_scaler is not None else None
-            self._fold([self.state[record.anchor]["fisher_S"]], [stat], [True], scale, None)
+            self._fold([self.state[record.anchor]["fisher_S"]], [stat], [True], None, None)
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
@@ -363,6 +387,10 @@ class AdaFisher(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and self.statistics == "per_pass":
+            raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
+                               "already folded scaled gradient statistics into the factors: "
+                               "use statistics='per_step' (the default) with a GradScaler")
         groups = []
         for group in self.param_groups:
             lists: tuple[list, ...] = ([], [], [], [], [], [], [])

@@ -230,6 +230,7 @@ class Oracle:
         """One step: loss_fn() runs the model forward and returns the loss."""
         owner = self.owners()
         curvature = self.k % self.TCov == 0
+        self.last_raw = {}
         modules = []
         for m, _ in owner.values():
             if all(m is not n for n in modules):
