@@ -175,8 +175,9 @@ struct ConvGeometry {
   int64_t batch, channels, height, width;
   int64_t kh, kw, sh, sw, dh, dw, top, left;
   int64_t groups, out_h, out_w;
-  int64_t group_channels() const { return channels / groups; }
-  int64_t patch() const { return group_channels() * kh * kw; }  // D
+  // constexpr, so CUDA kernels may call them too (--expt-relaxed-constexpr).
+  constexpr int64_t group_channels() const { return channels / groups; }
+  constexpr int64_t patch() const { return group_channels() * kh * kw; }  // D
 };
 
 inline ConvGeometry check_conv2d_input_stats(const at::Tensor& stat, const at::Tensor& x,

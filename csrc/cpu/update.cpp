@@ -20,6 +20,13 @@ namespace {
 // Below this many elements threads cost more than they save (aten's TensorIterator grain).
 constexpr int64_t kGrainSize = 32768;
 
+// The hot loop is compiled for several ISAs and picked at load time: the build may not use -march.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CAFIN_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CAFIN_CPU_CLONES
+#endif
+
 template <typename scalar_t, typename opmath_t>
 struct UpdateTensor {
   scalar_t* theta;
@@ -84,12 +91,10 @@ C10_ALWAYS_INLINE void update_part(const UpdateTensor<scalar_t, opmath_t>& t, in
   }
 }
 
-// Elements [lo, hi) of one tensor; compiled for several ISAs and picked at load time, since the
-// build may not use -march=native.
+// Elements [lo, hi) of one tensor.
 template <typename scalar_t, typename opmath_t>
-__attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default"))) void update_range(
-    const UpdateTensor<scalar_t, opmath_t>& t, int64_t lo, int64_t hi, UpdateMode mode,
-    opmath_t grad_scale) {
+CAFIN_CPU_CLONES void update_range(const UpdateTensor<scalar_t, opmath_t>& t, int64_t lo, int64_t hi,
+                                   UpdateMode mode, opmath_t grad_scale) {
   if (mode.decoupled) {
     mode.scaled ? update_part<true, true>(t, lo, hi, grad_scale)
                 : update_part<true, false>(t, lo, hi, grad_scale);
