@@ -3,6 +3,8 @@ and the fake (meta) implementations that let torch.compile trace them.
 
 Schemas: csrc/ops.cpp. Semantics: the function of the same name in cafin/reference.py.
 The kernels check their inputs again before writing anything, so a rejected call writes nothing.
+The statistics of gradients skip the Python checks while torch.compile traces them: Dynamo refuses
+gradient hooks that branch on the gradient's metadata, and the kernels check the same conditions.
 """
 from __future__ import annotations
 
@@ -135,10 +137,11 @@ def sumsq_stats_(stat: torch.Tensor, x: torch.Tensor, start_dim: int, end_dim: i
                  append_one: bool, step: torch.Tensor | None = None, interval: int = 1) -> None:
     """stat[c] += mean of x^2 over every dim outside [start_dim, end_dim) (flattened into c);
     with append_one one more entry += 1 (a bias input); the last entry counts contributions."""
-    c = _channels(x.shape, start_dim, end_dim, "sumsq_stats_")
-    _check_stat(stat, x, c + int(append_one) + 1)
-    _check(x.numel() > 0, "sumsq_stats_: the input is empty")
-    _check_gate(step, interval, x.device)
+    if not torch.compiler.is_compiling():
+        c = _channels(x.shape, start_dim, end_dim, "sumsq_stats_")
+        _check_stat(stat, x, c + int(append_one) + 1)
+        _check(x.numel() > 0, "sumsq_stats_: the input is empty")
+        _check_gate(step, interval, x.device)
     torch.ops.cafin.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval)
 
 
@@ -214,10 +217,11 @@ def norm_grad_stats_(stat: torch.Tensor, g: torch.Tensor, start_dim: int, end_di
                      step: torch.Tensor | None = None, interval: int = 1) -> None:
     """BatchNorm2d/LayerNorm gradient side: stat[c] += (sum of g over the dims outside
     [start_dim, end_dim))^2 / g.shape[0]."""
-    c = _channels(g.shape, start_dim, end_dim, "norm_grad_stats_")
-    _check_stat(stat, g, c + 1)
-    _check(g.numel() > 0, "norm_grad_stats_: the gradient is empty")
-    _check_gate(step, interval, g.device)
+    if not torch.compiler.is_compiling():
+        c = _channels(g.shape, start_dim, end_dim, "norm_grad_stats_")
+        _check_stat(stat, g, c + 1)
+        _check(g.numel() > 0, "norm_grad_stats_: the gradient is empty")
+        _check_gate(step, interval, g.device)
     torch.ops.cafin.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval)
 
 
