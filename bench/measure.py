@@ -107,8 +107,23 @@ def copy_bandwidth(numel: int, device: torch.device, repeats: int = 15) -> float
 class Allocations:
     total_bytes: int
     count: int
-    # The largest allocations, with the op chain (innermost first) that made each; CPU only.
-    top: list[tuple[int, list[str]]] = field(default_factory=list)
+    # CPU only: the allocations grouped by where they come from, largest total first:
+    # (total bytes, count, "innermost op <- ... <- nearest Python frame outside torch").
+    sources: list[tuple[int, int, str]] = field(default_factory=list)
+
+
+def _source(chain: list[str]) -> str:
+    """An allocation's origin: the ops around it, innermost first, then the first Python frame
+    that is not torch's own (for a profiled Python frame, its name holds 'file(line): function')."""
+    ops, frame = [], None
+    for name in chain:
+        if "): " in name and "(" in name:  # a Python frame
+            if "torch/" not in name and "<built-in" not in name:
+                frame = name
+                break
+        elif not name.startswith("<built-in"):
+            ops.append(name)
+    return " <- ".join(ops + ([frame] if frame else []))
 
 
 def _walk(nodes):
@@ -137,7 +152,7 @@ def allocated_bytes(fn: Callable[[], object], device: torch.device, *, keep: int
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, with_stack=True) as prof:
         fn()
-    events = []
+    total, count, groups = 0, 0, {}
     for node in _walk(prof.profiler.kineto_results.experimental_event_tree()):
         if node.tag != _EventType.Allocation:
             continue
@@ -148,6 +163,10 @@ def allocated_bytes(fn: Callable[[], object], device: torch.device, *, keep: int
         while parent is not None:
             chain.append(parent.name)
             parent = parent.parent
-        events.append((int(extra.alloc_size), chain))
-    events.sort(key=lambda e: -e[0])
-    return Allocations(sum(size for size, _ in events), len(events), events[:keep])
+        size = int(extra.alloc_size)
+        total, count = total + size, count + 1
+        key = _source(chain)
+        got = groups.get(key, (0, 0))
+        groups[key] = (got[0] + size, got[1] + 1)
+    sources = sorted(((b, n, k) for k, (b, n) in groups.items()), key=lambda g: -g[0])
+    return Allocations(total, count, sources[:keep])

@@ -51,6 +51,11 @@ def header(env: dict, run: "Run") -> Panel:
             (f"fused kernels for {run.device.type}", str(env["fused_kernels_for_device"])),
             ("model", f"{run.model}, batch {run.batch_size}"),
             ("mode", "quick" if run.quick else "full")]
+    load = env.get("load_average_1m")
+    if load is not None:
+        rows.append(("load average (1 min)", f"{load:.1f}" + (
+            "  (busy: other processes share these cores; expect noisy numbers)"
+            if load > env["threads"] + 0.5 else "")))
     for i, (k, v) in enumerate(rows):
         lines.append(f"{k:>22}: ", style="bold")
         lines.append(v + ("\n" if i < len(rows) - 1 else ""))
@@ -145,14 +150,8 @@ def _targets_table(rows: list[dict], run: "Run") -> Table:
     return table
 
 
-def _frames(chain: list[str], keep: int = 4) -> str:
-    """The innermost op and the nearest Python frames of an allocation's op chain."""
-    ops = [c for c in chain if not ("(" in c and "): " in c)]
-    frames = [c for c in chain if "(" in c and "): " in c and "bench/" not in c]
-    return " <- ".join(ops[:1] + frames[:keep])
-
-
-def print_all(console: Console, run: "Run", target_rows: list[dict], elapsed_s: float) -> None:
+def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
+              elapsed_s: float) -> None:
     floor = run.floor
     if floor:
         console.print(f"copy bandwidth {floor['copy_bandwidth_gb_s']:.1f} GB/s "
@@ -163,23 +162,36 @@ def print_all(console: Console, run: "Run", target_rows: list[dict], elapsed_s: 
     if any(r.phase == "statistics" for r in run.results):
         console.print(_phase_table(run, "statistics", floor.get("statistics_floor_ms"),
                                    "floor (read x, g once)"))
+    if run.breakdown:
+        bandwidth = floor["copy_bandwidth_gb_s"] * 1e9
+        table = Table(title="fused statistics by op (summed over calls; median of passes)",
+                      title_justify="left")
+        for col in ("op", "calls", "reads", "ms", "x floor"):
+            table.add_column(col, justify="left" if col == "op" else "right")
+        for b in run.breakdown:
+            floor_ms = b["bytes"] / bandwidth * 1e3
+            table.add_row(b["op"], str(b["calls"]), fmt_bytes(b["bytes"]), fmt_ms(b["median_ms"]),
+                          fmt_ratio(b["median_ms"] / floor_ms) if floor_ms else "-")
+        console.print(table)
     if run.agreement:
-        table = Table(title="agreement: fused vs reference, same batches", title_justify="left")
-        for col in ("model", "steps", "TCov", "batch", "max rel diff"):
-            table.add_column(col, justify="right" if col != "model" else "left")
+        table = Table(title="agreement: fused vs reference, float32, same batches, parameters "
+                            "re-synchronised before each step", title_justify="left")
+        for col in ("model", "steps", "TCov", "batch", "max rel diff", "per step"):
+            table.add_column(col, justify="left" if col in ("model", "per step") else "right")
         for a in run.agreement:
             table.add_row(a["model"], str(a["steps"]), str(a["tcov"]), str(a["batch_size"]),
-                          f"{a['max_rel_diff']:.2e}")
+                          f"{a['max_rel_diff']:.2e}", " ".join(f"{d:.1e}" for d in a["per_step"]))
         console.print(table)
     # Where the fused variants allocate, so a nonzero count comes with its cause.
     for r in run.results:
-        if r.variant.startswith("fused") and r.allocated_bytes and r.allocations and r.allocations.top:
-            table = Table(title=f"allocations inside {r.phase} / {r.variant} "
-                                f"({r.allocations.count} in all, largest first)", title_justify="left")
+        if r.variant.startswith("fused") and r.allocated_bytes and r.allocations and r.allocations.sources:
+            table = Table(title=f"allocations inside {r.phase} / {r.variant}: {r.allocations.count} "
+                                f"allocations, {fmt_bytes(r.allocated_bytes)}", title_justify="left")
             table.add_column("bytes", justify="right")
-            table.add_column("op <- Python frames")
-            for size, chain in r.allocations.top:
-                table.add_row(fmt_bytes(size), _frames(chain))
+            table.add_column("count", justify="right")
+            table.add_column("made by (innermost op first) <- Python function")
+            for size, count, where in r.allocations.sources:
+                table.add_row(fmt_bytes(size), str(count), where)
             console.print(table)
     if run.skipped:
         table = Table(title="not measured", title_justify="left")
@@ -190,4 +202,9 @@ def print_all(console: Console, run: "Run", target_rows: list[dict], elapsed_s: 
             table.add_row(s.phase, s.variant, Text(s.reason[:300], style="red" if s.error else "dim"))
         console.print(table)
     console.print(_targets_table(target_rows, run))
+    loads = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
+    if loads and max(loads) > env["threads"] + 0.5:
+        console.print(f"[yellow]the machine was busy (1-minute load average {max(loads):.1f} on "
+                      f"{env['threads']} threads): parallel kernels wait for descheduled threads, "
+                      "so these numbers mostly measure the other processes; rerun when idle[/yellow]")
     console.print(f"done in {elapsed_s:.0f} s")

@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import math
+import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Callable
 
 import torch
@@ -64,13 +68,17 @@ class Result:
     repeats: int
     spread: float
     first_call_s: float  # the first warm-up call: it holds the compile of compiled variants
+    min_ms: float
     allocations: Allocations | None = None
 
     def to_json(self) -> dict:
         return {"model": self.model, "phase": self.phase, "variant": self.variant,
-                "median_ms": self.median_ms, "allocated_bytes": self.allocated_bytes,
+                "median_ms": self.median_ms, "min_ms": self.min_ms,
+                "allocated_bytes": self.allocated_bytes,
                 "repeats": self.repeats, "iqr_over_median": _finite_or_none(self.spread),
-                "first_call_s": self.first_call_s}
+                "first_call_s": self.first_call_s,
+                "allocation_sources": [{"bytes": b, "count": n, "source": where} for b, n, where
+                                       in (self.allocations.sources if self.allocations else [])]}
 
 
 @dataclass
@@ -98,6 +106,7 @@ class Run:
     skipped: list[Skip] = field(default_factory=list)
     agreement: list[dict] = field(default_factory=list)
     floor: dict = field(default_factory=dict)
+    breakdown: list[dict] = field(default_factory=list)  # the fused statistics, per op
 
     def result(self, phase: str, variant: str) -> Result | None:
         for r in self.results:
@@ -200,9 +209,9 @@ def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], o
 # --------------------------------------------------------------------------------- statistics
 @dataclass
 class Captured:
-    records: list  # (kind, module, x, g) per call of a supported module
-    stats: list[torch.Tensor]  # stat_H, stat_S per record
-    factors: list[torch.Tensor]
+    calls: list  # (layer kind, module, x, g or None, stat_H, stat_S) per call of a supported module
+    stats: list[torch.Tensor]  # stat_H, stat_S per module: what the optimizer accumulates into
+    factors: list[torch.Tensor]  # fisher_H, fisher_S per module
     grad_side: list[bool]
     activation_bytes: int  # every captured input and output gradient, read once
 
@@ -213,15 +222,22 @@ class Captured:
 
 def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
     """One forward/backward with hooks that keep each supported module's input and output
-    gradient (the modules the optimizer would take statistics of, in its order)."""
+    gradient: the modules, order and dtypes the optimizer's own hooks would use."""
     import cafin
+    from cafin.layers import can_take_statistics
+    from cafin.reference import state_dtype
     model = copy.deepcopy(base)
     opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")
     opt.remove_hooks()
-    curvature = list(opt._curvature)
-    calls: list[dict] = []
-    handles = []
-    from cafin.layers import can_take_statistics
+    buffers, stats, factors, grad_side = {}, [], [], []
+    for record in opt._curvature:  # the supported modules with optimised parameters
+        like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
+        s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
+        buffers[id(record)] = (torch.zeros(h + 1, **like), torch.zeros(s + 1, **like))
+        stats += buffers[id(record)]
+        factors += [torch.full((h,), -1.0, **like), torch.full((s,), -1.0, **like)]
+        grad_side += [False, True]
+    calls: list[list] = []
 
     def forward_hook(record, module, inputs, output):
         if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
@@ -229,34 +245,22 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
         xin = inputs[0].detach()
         if not can_take_statistics(module, xin):
             return
-        call = {"record": record, "x": xin.clone(), "g": None}
+        stat_h, stat_s = buffers[id(record)]
+        call = [record.kind, module, xin.to(stat_h.dtype, copy=True), None, stat_h, stat_s]
         calls.append(call)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             def keep(grad, call=call):
-                call["g"] = grad.detach().clone()
+                call[3] = grad.detach().to(stat_s.dtype, copy=True)
             output.register_hook(keep)
 
-    for record in curvature:
-        handles.append(record.module.register_forward_hook(
-            lambda module, inputs, output, record=record: forward_hook(record, module, inputs, output)))
+    handles = [record.module.register_forward_hook(
+        lambda module, inputs, output, record=record: forward_hook(record, module, inputs, output))
+        for record in opt._curvature]
     loss_for(name, model(x), y).backward()
     for h in handles:
         h.remove()
-    records, stats, factors, grad_side, nbytes = [], [], [], [], 0
-    for call in calls:
-        if call["g"] is None:
-            continue
-        record = call["record"]
-        s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
-        stat_h = torch.zeros(h + 1, device=call["x"].device)
-        stat_s = torch.zeros(s + 1, device=call["x"].device)
-        records.append((record.kind, record.module, call["x"], call["g"], stat_h, stat_s))
-        stats += [stat_h, stat_s]
-        factors += [torch.full((h,), -1.0, device=stat_h.device),
-                    torch.full((s,), -1.0, device=stat_h.device)]
-        grad_side += [False, True]
-        nbytes += sum(t.numel() * t.element_size() for t in (call["x"], call["g"]))
-    return Captured(records, stats, factors, grad_side, nbytes)
+    nbytes = sum(t.numel() * t.element_size() for c in calls for t in c[2:4] if t is not None)
+    return Captured([tuple(c) for c in calls], stats, factors, grad_side, nbytes)
 
 
 def statistics_variant(variant: str, captured: Captured, device: torch.device) -> Callable[[], None]:
@@ -266,34 +270,86 @@ def statistics_variant(variant: str, captured: Captured, device: torch.device) -
     gamma = 0.8
 
     def run():
-        for kind, module, x, g, stat_h, stat_s in captured.records:
+        for kind, module, x, g, stat_h, stat_s in captured.calls:
             kind.input_stats(impl, stat_h, module, x, None, 1)
-            kind.grad_stats(impl, stat_s, module, g, None, 1)
+            if g is not None:
+                kind.grad_stats(impl, stat_s, module, g, None, 1)
         impl.fisher_average_(captured.factors, captured.stats, skipped, gamma, captured.grad_side)
     return run
+
+
+def statistics_breakdown(captured: Captured, device: torch.device, passes: int) -> list[dict]:
+    """Where the fused statistics spend their time: per (layer type, side) the calls' summed
+    time, the median over `passes` passes after one warm-up pass, and the bytes they read."""
+    import cafin
+    impl = cafin.ops
+    skipped = torch.zeros((), device=device)
+    work = []  # (group, bytes read, call)
+    for kind, module, x, g, stat_h, stat_s in captured.calls:
+        layer = type(module).__name__
+        work.append((f"{layer} input", x.numel() * x.element_size(),
+                     partial(kind.input_stats, impl, stat_h, module, x, None, 1)))
+        if g is not None:
+            work.append((f"{layer} gradient", g.numel() * g.element_size(),
+                         partial(kind.grad_stats, impl, stat_s, module, g, None, 1)))
+    work.append(("fisher_average_", sum(t.numel() * t.element_size() for t in captured.stats),
+                 partial(impl.fisher_average_, captured.factors, captured.stats, skipped, 0.8,
+                         captured.grad_side)))
+    groups: dict[str, dict] = {}
+    for group, nbytes, _ in work:
+        entry = groups.setdefault(group, {"op": group, "calls": 0, "bytes": 0, "times": []})
+        entry["calls"] += 1
+        entry["bytes"] += nbytes
+    for index in range(passes + 1):
+        spent = dict.fromkeys(groups, 0.0)
+        for group, _, call in work:
+            sync(device)
+            began = time.perf_counter()
+            call()
+            sync(device)
+            spent[group] += time.perf_counter() - began
+        if index:  # the first pass warms up
+            for group, seconds in spent.items():
+                groups[group]["times"].append(seconds * 1e3)
+    return [{"op": e["op"], "calls": e["calls"], "bytes": e["bytes"],
+             "median_ms": statistics.median(e["times"])} for e in groups.values()]
 
 
 # --------------------------------------------------------------------------------- agreement
 def agreement(name: str, base: torch.nn.Module, batch_size: int, steps: int,
               device: torch.device) -> dict:
-    """Train two copies of one model, fused and reference, on the same batches; the largest
-    max|theta_fused - theta_reference| / max|theta_reference| over the parameter tensors."""
+    """Train two copies of one model, fused and reference, on the same batches, in lockstep: before
+    each step the fused copy takes the reference copy's parameters and buffers, so both compute
+    the same activations and gradients and only the optimizers' numerics differ (their state, m
+    and the factors, carries across the steps). Without the lockstep, a 1-ulp difference grows
+    with the training dynamics themselves (on random data a BatchNorm bias reaches 1e-2 relative
+    in two steps even reference against reference), which says nothing about the kernels.
+    The measure: the largest max|theta_fused - theta_reference| / max|theta_reference| over the
+    parameter tensors and the steps."""
     import cafin
     models = {b: copy.deepcopy(base) for b in ("fused", "reference")}
     opts = {b: cafin.AdaFisher(m, lr=LR, TCov=AGREEMENT_TCOV, backend=b) for b, m in models.items()}
     gen = torch.Generator().manual_seed(1234)
+    per_step = []
     for _ in range(steps):
         x, y = (t.to(device) for t in batch_for(name, base, batch_size, generator=gen))
+        with torch.no_grad():
+            for dst, src in zip(models["fused"].state_dict().values(),
+                                models["reference"].state_dict().values()):
+                dst.copy_(src)
         for b, model in models.items():
             opts[b].zero_grad(set_to_none=True)
             loss_for(name, model(x), y).backward()
             opts[b].step()
-    worst = 0.0
-    for pf, pr in zip(models["fused"].parameters(), models["reference"].parameters()):
-        scale = pr.detach().abs().max().clamp_min(torch.finfo(pr.dtype).tiny)
-        worst = max(worst, float((pf.detach() - pr.detach()).abs().max() / scale))
-    return {"model": name, "max_rel_diff": worst, "steps": steps, "tcov": AGREEMENT_TCOV,
-            "batch_size": batch_size, "dtype": "float32"}
+        worst = 0.0
+        for pf, pr in zip(models["fused"].parameters(), models["reference"].parameters()):
+            pf, pr = pf.detach(), pr.detach()
+            scale = pr.abs().max().clamp_min(torch.finfo(pr.dtype).tiny)
+            worst = max(worst, float((pf - pr).abs().max() / scale))
+        per_step.append(worst)
+    return {"model": name, "max_rel_diff": max(per_step), "per_step": per_step, "steps": steps,
+            "tcov": AGREEMENT_TCOV, "batch_size": batch_size, "dtype": "float32",
+            "method": "lockstep"}
 
 
 # --------------------------------------------------------------------------------- the run
@@ -302,16 +358,23 @@ def _measure(run: Run, progress, phase: str, variant: str, build: Callable[[], C
     task = progress.add_task(f"{phase:<10} {variant}", total=budget.warmup + budget.max_repeats)
     try:
         fn = build()
+        if variant.endswith("-compiled"):
+            progress.update(task, description=f"{phase:<10} {variant} (compiling)")
         first = time.perf_counter()
         fn()  # the first call: state creation, compilation
         sync(run.device)
         first_s = time.perf_counter() - first
-        progress.advance(task)
-        warm_began = time.perf_counter()
+        progress.update(task, description=f"{phase:<10} {variant}", advance=1)
+        # More warm-up only while it is cheap; a compiled variant gets one more call regardless
+        # (its first call was the compile, not a run).
+        warm_spent = 0.0 if variant.endswith("-compiled") else first_s
         for _ in range(budget.warmup - 1):
-            if time.perf_counter() - warm_began > budget.warm_s:
+            if warm_spent > budget.warm_s:
                 break
+            began = time.perf_counter()
             fn()
+            sync(run.device)
+            warm_spent += time.perf_counter() - began
             progress.advance(task)
         sync(run.device)
         progress.update(task, completed=budget.warmup)
@@ -327,7 +390,8 @@ def _measure(run: Run, progress, phase: str, variant: str, build: Callable[[], C
         if is_cuda(run.device):
             torch.cuda.empty_cache()
     run.results.append(Result(run.model, phase, variant, timing.median_ms, allocations.total_bytes,
-                              len(timing.samples_ms), timing.spread, first_s, allocations))
+                              len(timing.samples_ms), timing.spread, first_s, min(timing.samples_ms),
+                              allocations))
     progress.update(task, total=budget.warmup + len(timing.samples_ms),
                     completed=budget.warmup + len(timing.samples_ms))
 
@@ -348,8 +412,18 @@ def bench(run: Run, variants: set[str], console) -> None:
     columns = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
+        task = progress.add_task("prepare    one curvature step", total=1)
+        prepared = None
+        if fused_ok:
+            try:
+                prepared = prepare(name, base, x, y, "fused")
+            except Exception as exc:
+                run.skipped.append(Skip(name, "step", "prepare (fused)",
+                                        f"{type(exc).__name__}: {exc}", error=True))
+        if prepared is None:
+            prepared = prepare(name, base, x, y, "reference")
+        progress.advance(task)
         # The floor: copy a buffer pair with the step's working set (theta, g, m, and the write).
-        prepared = prepare(name, base, x, y, "fused" if fused_ok else "reference")
         task = progress.add_task("floor      copy bandwidth", total=1)
         numel = max(2 * prepared.params, 1 << 20)
         bandwidth = copy_bandwidth(numel, device)
@@ -390,6 +464,14 @@ def bench(run: Run, variants: set[str], console) -> None:
                     continue
                 _measure(run, progress, "statistics", variant,
                          lambda v=variant: statistics_variant(v, captured, device))
+            if run.result("statistics", "fused"):
+                task = progress.add_task("statistics fused, per op", total=1)
+                try:
+                    run.breakdown = statistics_breakdown(captured, device, 3 if run.quick else 7)
+                except Exception as exc:
+                    run.skipped.append(Skip(name, "statistics", "fused, per op",
+                                            f"{type(exc).__name__}: {exc}", error=True))
+                progress.advance(task)
             del captured
 
         if "agreement" in variants:
@@ -407,10 +489,12 @@ def bench(run: Run, variants: set[str], console) -> None:
 
 def environment(device: torch.device, threads: int) -> dict:
     import cafin
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {"torch": torch.__version__, "python": sys.version.split()[0], "device": str(device),
             "device_name": device_name(device), "threads": threads,
             "cuda_kernels_built": bool(cafin.cuda_kernels_built()),
-            "fused_kernels_for_device": not fused_kernels_missing(device)}
+            "fused_kernels_for_device": not fused_kernels_missing(device),
+            "load_average_1m": load}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -422,15 +506,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None,
                         help=f"default per model: {DEFAULT_BATCH}")
     parser.add_argument("--steps", type=int, default=None,
-                        help="training steps of the agreement check (default 4, 2 with --quick)")
+                        help="training steps of the agreement check (default 3, 2 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="short budgets (under a minute on 2 CPU cores); skips the slow "
                              "reference-compiled variant")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--variants", default=None,
                         help="comma list of what to run (default: all) out of "
-                             f"{', '.join(STEP_VARIANTS)}, agreement (statistics run reference "
-                             "and fused when either is named)")
+                             f"{', '.join(STEP_VARIANTS)}, agreement; 'reference' and 'fused' "
+                             "also select the statistics variants of those names")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
@@ -453,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(device)
     threads = machine_threads()
     torch.set_num_threads(threads)
+    # torch.optim's step wrapper opens a profiler region that dynamo notes it drops: noise here.
+    for logger in ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch"):
+        logging.getLogger(logger).addFilter(
+            lambda record: "will be ignored" not in record.getMessage())
 
     all_variants = set(STEP_VARIANTS) | {"agreement"}
     if args.variants:
@@ -469,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.perf_counter()
     run = Run(model=args.model, device=device,
               batch_size=args.batch_size or DEFAULT_BATCH[args.model],
-              steps=args.steps or (2 if args.quick else 4), quick=args.quick,
+              steps=args.steps or (2 if args.quick else 3), quick=args.quick,
               budget=QUICK if args.quick else FULL)
     env = environment(device, threads)
     console.print(report.header(env, run))
@@ -478,12 +566,16 @@ def main(argv: list[str] | None = None) -> int:
                                 "--quick: compiling the reference step takes minutes on a CPU"))
     bench(run, variants, console)
     elapsed = time.perf_counter() - began
+    if hasattr(os, "getloadavg"):
+        env["load_average_1m_end"] = os.getloadavg()[0]
     targets = report.targets(run)
-    report.print_all(console, run, targets, elapsed)
+    report.print_all(console, run, env, targets, elapsed)
     if args.json:
         out = {"environment": env, "floor": run.floor,
                "results": [r.to_json() for r in run.results],
                "agreement": run.agreement,
+               "statistics_breakdown": [{"model": run.model, "variant": "fused", **b}
+                                        for b in run.breakdown],
                "targets": targets,
                "skipped": [s.to_json() for s in run.skipped],
                "config": {"model": run.model, "batch_size": run.batch_size, "steps": run.steps,

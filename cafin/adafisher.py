@@ -504,9 +504,6 @@ class AdaFisher(torch.optim.Optimizer):
             self._k_base = next(iter(self._counters.values()))["k"]._version - k
         self._attach()  # state for parameters the checkpoint had none for
 
-    def __setstate__(self, state):  # pickling support keeps torch.optim's behaviour
-        super().__setstate__(state)
-
 
 class AdaFisherW(AdaFisher):
     """AdaFisherW: decoupled weight decay, m <- beta*m + (1-beta)*g,
