@@ -8,7 +8,10 @@ Phases (one model per run, ratios within the run; see DESIGN.md section 6):
 - statistics: the curvature work of one curvature step (every module's input and gradient
   statistics plus one fisher_average_) on activations and output gradients captured once.
 - memory: bytes allocated inside one call of each variant.
-- agreement: fused against reference after --steps training steps in float32.
+- agreement: fused against reference over --steps training steps in float32, in lockstep (the
+  fused copy takes the reference copy's parameters before each step).
+--quick leaves out reference-compiled: inductor takes 1.5 to 3.5 minutes to compile the reference
+step of ResNet-18 on 2 cores with a cold cache (about 10 s warm).
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_inp
 
 @dataclass(frozen=True)
 class Budget:
-    """How long each measurement may take: warm-up calls (the first may compile, so it is not
-    counted against warm_s), then timed calls until time_s is spent."""
+    """How long each measurement may take. The first call is untimed (state creation, compile);
+    more warm-up calls, up to `warmup` in all, run while warm-up has taken under warm_s (a
+    compile does not count); then timed calls until time_s is spent, within [min, max] repeats."""
     warmup: int
     warm_s: float
     min_repeats: int
@@ -121,6 +125,7 @@ def _finite_or_none(x: float) -> float | None:
 
 def fused_kernels_missing(device: torch.device) -> list[str]:
     """The cafin ops with no kernel for this device type in the loaded extension."""
+    import cafin  # noqa: F401  (registers the ops)
     key = "CUDA" if is_cuda(device) else "CPU"
     return [op for op in FUSED_OPS
             if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cafin::{op}", key)]

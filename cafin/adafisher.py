@@ -232,7 +232,9 @@ class AdaFisher(torch.optim.Optimizer):
             first = not self._counters
             k = self._k()
             counters = {"k": torch.full((), float(k), device=device),
-                        "skipped": torch.zeros((), device=device)}
+                        "skipped": torch.zeros((), device=device),
+                        # added as a tensor: a Python 1 becomes a new 0-dim tensor per call
+                        "one": torch.ones((), device=device)}
             for t in counters.values():
                 torch._dynamo.mark_static_address(t, guard=False)
             self._counters[device] = counters
@@ -400,7 +402,7 @@ class AdaFisher(torch.optim.Optimizer):
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            torch._foreach_add_(steps, 1)
+            torch._foreach_add_(steps, [self._counters[s.device]["one"] for s in steps])
             buckets: dict[tuple, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
@@ -419,7 +421,8 @@ class AdaFisher(torch.optim.Optimizer):
                     _on(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
                 torch._foreach_sub_(steps, [_on(found_inf, s.device) for s in steps])
-        torch._foreach_add_([c["k"] for c in self._counters.values()], 1)  # bumps versions once
+        ks = [c["k"] for c in self._counters.values()]
+        torch._foreach_add_(ks, [c["one"] for c in self._counters.values()])  # one version bump
         if not torch.compiler.is_compiling() and _capturing():
             self._device_gated = True
         return loss

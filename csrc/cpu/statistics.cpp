@@ -64,27 +64,37 @@ int64_t chunk_count(int64_t work) {
 template <bool kSquare, typename scalar_t>
 std::vector<double> channel_sums(const scalar_t* x, const ChannelView& v) {
   const int64_t channels = v.channels;
-  // With inner == 1 a chunk is a range of rows; otherwise a range of (outer, channel) runs.
-  const int64_t items = v.inner == 1 ? v.outer : v.outer * channels;
+  // Short inner runs (Linear rows, small feature maps) are summed whole rows at a time into
+  // per-(channel, inner) accumulators, reduced over inner at the end; long runs one at a time.
+  const bool by_rows = v.inner < 256;
+  const int64_t width = by_rows ? channels * v.inner : channels;
+  const int64_t items = by_rows ? v.outer : v.outer * channels;
   const int64_t chunks = std::min(items, chunk_count(v.outer * channels * v.inner));
-  std::vector<double> partial(chunks * channels, 0.0);
+  std::vector<double> partial(chunks * width, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
     for (int64_t k = first; k < last; ++k) {
-      double* acc = partial.data() + k * channels;
+      double* acc = partial.data() + k * width;
       const int64_t lo = items * k / chunks;
       const int64_t hi = items * (k + 1) / chunks;
       for (int64_t item = lo; item < hi; ++item) {
-        if (v.inner == 1) {
-          add_row<kSquare>(acc, x + item * channels, channels);
+        if (by_rows) {
+          add_row<kSquare>(acc, x + item * width, width);
         } else {
           acc[item % channels] += sum_run<kSquare>(x + item * v.inner, v.inner);
         }
       }
     }
   });
-  std::vector<double> sums(partial.begin(), partial.begin() + channels);
-  for (int64_t k = 1; k < chunks; ++k) {
-    for (int64_t c = 0; c < channels; ++c) sums[c] += partial[k * channels + c];
+  std::vector<double> sums(channels, 0.0);
+  for (int64_t k = 0; k < chunks; ++k) {
+    const double* acc = partial.data() + k * width;
+    for (int64_t c = 0; c < channels; ++c) {
+      if (by_rows) {
+        for (int64_t i = 0; i < v.inner; ++i) sums[c] += acc[c * v.inner + i];
+      } else {
+        sums[c] += acc[c];
+      }
+    }
   }
   return sums;
 }
@@ -175,32 +185,65 @@ std::vector<double> batch_sum_of_squares(const scalar_t* x, int64_t batch, int64
     for (int64_t k = first; k < last; ++k) {
       const int64_t lo = positions * k / chunks;
       const int64_t hi = positions * (k + 1) / chunks;
-      for (int64_t b = 0; b < batch; ++b) add_row<true>(x2.data() + lo, x + b * positions + lo, hi - lo);
+      // Tiles small enough for the double accumulators to stay in L1 across the batch.
+      constexpr int64_t kTile = 1024;
+      for (int64_t t = lo; t < hi; t += kTile) {
+        const int64_t n = std::min(kTile, hi - t);
+        for (int64_t b = 0; b < batch; ++b) add_row<true>(x2.data() + t, x + b * positions + t, n);
+      }
     }
   });
   return x2;
 }
 
+// Strided 2-D prefix sums of one X2 plane: q[y][x] = sum of X2[y'][x'] over y' <= y, x' <= x with
+// y' = y (mod sh) and x' = x (mod sw). The taps of one kernel entry (i, j) over every output
+// position lie on such a lattice, so each entry is four lookups instead of oh*ow additions.
+void strided_prefix(const double* x2, double* q, int64_t height, int64_t width, int64_t sh, int64_t sw) {
+  for (int64_t y = 0; y < height; ++y) {
+    for (int64_t x = 0; x < width; ++x) {
+      double v = x2[y * width + x];
+      if (y >= sh) v += q[(y - sh) * width + x];
+      if (x >= sw) v += q[y * width + x - sw];
+      if (y >= sh && x >= sw) v -= q[(y - sh) * width + x - sw];
+      q[y * width + x] = v;
+    }
+  }
+}
+
+// The sum of X2 over rows y0, y0 + sh, ..., y1 and columns x0, x0 + sw, ..., x1, from q.
+double lattice_sum(const double* q, int64_t width, int64_t sh, int64_t sw, int64_t y0, int64_t y1,
+                   int64_t x0, int64_t x1) {
+  double total = q[y1 * width + x1];
+  if (y0 >= sh) total -= q[(y0 - sh) * width + x1];
+  if (x0 >= sw) total -= q[y1 * width + x0 - sw];
+  if (y0 >= sh && x0 >= sw) total += q[(y0 - sh) * width + x0 - sw];
+  return total;
+}
+
 // h[(c, i, j)] = sum over groups and output positions of the in-range taps of X2.
 std::vector<double> patch_sums(const std::vector<double>& x2, const ConvGeometry& g) {
   const int64_t cg = g.group_channels();
+  const int64_t plane = g.height * g.width;
   std::vector<double> h(g.patch(), 0.0);
-  at::parallel_for(0, g.patch(), 1, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const int64_t c = k / (g.kh * g.kw);
-      const int64_t i = k / g.kw % g.kh;
-      const int64_t j = k % g.kw;
-      const TapRange ps = tap_range(g.out_h, g.sh, i * g.dh - g.top, g.height);
-      const TapRange rs = tap_range(g.out_w, g.sw, j * g.dw - g.left, g.width);
-      double total = 0.0;
-      for (int64_t q = 0; q < g.groups; ++q) {
-        const double* plane = x2.data() + (q * cg + c) * g.height * g.width;
-        for (int64_t p = ps.first; p <= ps.last; ++p) {
-          const double* line = plane + (p * g.sh + i * g.dh - g.top) * g.width + j * g.dw - g.left;
-          for (int64_t r = rs.first; r <= rs.last; ++r) total += line[r * g.sw];
+  at::parallel_for(0, cg, 1, [&](int64_t first, int64_t last) {
+    std::vector<double> q(plane);
+    for (int64_t c = first; c < last; ++c) {
+      for (int64_t grp = 0; grp < g.groups; ++grp) {
+        strided_prefix(x2.data() + (grp * cg + c) * plane, q.data(), g.height, g.width, g.sh, g.sw);
+        for (int64_t i = 0; i < g.kh; ++i) {
+          const TapRange ps = tap_range(g.out_h, g.sh, i * g.dh - g.top, g.height);
+          if (ps.first > ps.last) continue;
+          for (int64_t j = 0; j < g.kw; ++j) {
+            const TapRange rs = tap_range(g.out_w, g.sw, j * g.dw - g.left, g.width);
+            if (rs.first > rs.last) continue;
+            h[(c * g.kh + i) * g.kw + j] += lattice_sum(
+                q.data(), g.width, g.sh, g.sw, ps.first * g.sh + i * g.dh - g.top,
+                ps.last * g.sh + i * g.dh - g.top, rs.first * g.sw + j * g.dw - g.left,
+                rs.last * g.sw + j * g.dw - g.left);
+          }
         }
       }
-      h[k] = total;
     }
   });
   return h;
