@@ -230,16 +230,7 @@ def fisher_average_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tenso
         _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)
     if found_inf is not None:
         _check_scalar_tensor(found_inf, "found_inf", device, torch.float32)
-    for i, (f, s) in enumerate(zip(factors, stats)):
-        _check(f.device == device and s.device == device,
-               f"factors[{i}] and stats[{i}] must be on {device}, got {f.device} and {s.device}")
-        _check(f.dtype in (torch.float32, torch.float64) and s.dtype == f.dtype,
-               f"factors[{i}] and stats[{i}] must share a float32/float64 dtype, got {f.dtype}, {s.dtype}",
-               TypeError)
-        _check(f.dim() == 1 and s.dim() == 1 and f.is_contiguous() and s.is_contiguous(),
-               f"factors[{i}] and stats[{i}] must be contiguous 1-D tensors")
-        _check(f.numel() >= 1 and s.numel() == f.numel() + 1,
-               f"stats[{i}] must hold len(factors[{i}]) + 1 = {f.numel() + 1} entries, got {s.numel()}")
+    # Per-tensor checks: in the kernel (csrc/checks.h), as for adafisher_step_.
     torch.ops.cafin.fisher_average_(list(factors), list(stats), skipped, gamma,
                                     [bool(b) for b in grad_side], grad_scale, found_inf)
 

@@ -186,7 +186,7 @@ std::vector<double> batch_sum_of_squares(const scalar_t* x, int64_t batch, int64
       const int64_t lo = positions * k / chunks;
       const int64_t hi = positions * (k + 1) / chunks;
       // Tiles small enough for the double accumulators to stay in L1 across the batch.
-      constexpr int64_t kTile = 1024;
+      constexpr int64_t kTile = 32768;
       for (int64_t t = lo; t < hi; t += kTile) {
         const int64_t n = std::min(kTile, hi - t);
         for (int64_t b = 0; b < batch; ++b) add_row<true>(x2.data() + t, x + b * positions + t, n);
