@@ -24,11 +24,6 @@ run() {  # run NAME TIMEOUT CMD...: log to $logs/NAME.log, remember the exit sta
 
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -n 2
   $py -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } >"$logs/env.log" 2>&1
-# Wheels carried in .whl/ (e.g. expecttest for the generated opcheck tests) go on the path.
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $py -m pip install -q --no-index --no-deps --target /tmp/cafin-site .whl/*.whl >>"$logs/env.log" 2>&1
-  export PYTHONPATH=/tmp/cafin-site${PYTHONPATH:+:$PYTHONPATH}
-fi
 
 if run build 300 $py -m pip install --no-deps --no-build-isolation -v -e .; then
   run kernels 20 $py -c "import cafin, torch; assert cafin.cuda_kernels_built(), 'no CUDA kernels'; print('CUDA kernels built; device', torch.cuda.get_device_name())"

@@ -13,19 +13,10 @@
 
 #include "adafisher_math.h"
 #include "checks.h"
+#include "cpu/vectorize.h"
 
 namespace cafin {
 namespace {
-
-// Below this many elements threads cost more than they save (aten's TensorIterator grain).
-constexpr int64_t kGrainSize = 32768;
-
-// Hot loops are compiled for several ISAs and picked at load time: the build may not use -march.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define CAFIN_CPU_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define CAFIN_CPU_CLONES
-#endif
 
 // Squared in the op-math type, as the reference and the CUDA kernels do (a square that overflows
 // float32 is +inf, which the factor average maps to 1), then summed in double.
