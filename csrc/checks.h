@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
+#include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -17,6 +18,11 @@ inline at::ScalarType state_dtype(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// Messages name dtypes as Python does (torch.float32), not as C++ does (Float).
+inline std::string dtype_name(at::ScalarType t) {
+  return "torch." + std::string(c10::getDtypeNames(t).first);
+}
+
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf;
 }
@@ -26,8 +32,8 @@ inline void check_scalar_tensor(const at::Tensor& t, const std::string& name, co
   TORCH_CHECK_VALUE(t.dim() == 0, name, " must be a 0-dim tensor, got shape ", t.sizes());
   TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), ", expected ", device);
   if (dtype.has_value()) {
-    TORCH_CHECK_TYPE(t.scalar_type() == *dtype, name, " has dtype ", t.scalar_type(), ", expected ",
-                     *dtype);
+    TORCH_CHECK_TYPE(t.scalar_type() == *dtype, name, " has dtype ", dtype_name(t.scalar_type()),
+                     ", expected ", dtype_name(*dtype));
   }
 }
 
@@ -54,7 +60,7 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
   if (n == 0) return;
   const at::Device device = params[0].device();
   const at::ScalarType dtype = params[0].scalar_type();
-  TORCH_CHECK_TYPE(is_supported_float(dtype), "params[0] has dtype ", dtype,
+  TORCH_CHECK_TYPE(is_supported_float(dtype), "params[0] has dtype ", dtype_name(dtype),
                    "; cafin supports float32, float64, bfloat16 and float16");
   const at::ScalarType work = state_dtype(dtype);
   TORCH_CHECK_VALUE(0.0 <= beta && beta < 1.0, "beta must be in [0, 1), got ", beta);
@@ -70,16 +76,17 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
     const at::Tensor& S = fisher_S[i];
     const at::Tensor& H = fisher_H[i];
     TORCH_CHECK_VALUE(p.device() == device && p.scalar_type() == dtype, "params[", i, "] is ",
-                      p.scalar_type(), " on ", p.device(), "; a bucket is one device and one dtype (",
-                      dtype, " on ", device, ")");
+                      dtype_name(p.scalar_type()), " on ", p.device(),
+                      "; a bucket is one device and one dtype (", dtype_name(dtype), " on ", device, ")");
     TORCH_CHECK_VALUE(p.is_contiguous(), "params[", i, "] must be contiguous");
     TORCH_CHECK_VALUE(g.sizes() == p.sizes() && g.scalar_type() == dtype && g.device() == device &&
                           g.is_contiguous(),
-                      "grads[", i, "] must be a contiguous ", dtype, " tensor of shape ", p.sizes(),
-                      " on ", device, ", got ", g.scalar_type(), " ", g.sizes(), " on ", g.device());
+                      "grads[", i, "] must be a contiguous ", dtype_name(dtype), " tensor of shape ", p.sizes(),
+                      " on ", device, ", got ", dtype_name(g.scalar_type()), " ", g.sizes(), " on ",
+                      g.device());
     TORCH_CHECK_VALUE(m.sizes() == p.sizes() && m.scalar_type() == work && m.device() == device &&
                           m.is_contiguous(),
-                      "exp_avgs[", i, "] must be a contiguous ", work, " tensor of shape ", p.sizes(),
+                      "exp_avgs[", i, "] must be a contiguous ", dtype_name(work), " tensor of shape ", p.sizes(),
                       " on ", device);
     check_scalar_tensor(steps[i], "steps[" + std::to_string(i) + "]", device, at::kFloat);
     TORCH_CHECK_VALUE((S.numel() == 0) == (H.numel() == 0), "fisher_S[", i, "] and fisher_H[", i,
@@ -89,7 +96,7 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
                                   std::pair<const char*, const at::Tensor&>{"fisher_H", H}}) {
       TORCH_CHECK_VALUE(f.dim() == 1 && f.scalar_type() == work && f.device() == device &&
                             f.is_contiguous(),
-                        name, "[", i, "] must be a contiguous 1-D ", work, " tensor on ", device);
+                        name, "[", i, "] must be a contiguous 1-D ", dtype_name(work), " tensor on ", device);
     }
     TORCH_CHECK_VALUE(p.numel() % S.numel() == 0, "params[", i, "] has ", p.numel(),
                       " elements, not a multiple of len(fisher_S[", i, "]) = ", S.numel());
@@ -103,11 +110,11 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
 // ------------------------------------------------------------------------------------ statistics
 
 inline void check_stat(const at::Tensor& stat, const at::Tensor& x, int64_t length) {
-  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), "input dtype ", x.scalar_type(),
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()), "input dtype ", dtype_name(x.scalar_type()),
                    " is not a floating type cafin supports");
   TORCH_CHECK_TYPE(stat.scalar_type() == state_dtype(x.scalar_type()), "stat has dtype ",
-                   stat.scalar_type(), ", expected ", state_dtype(x.scalar_type()), " for input dtype ",
-                   x.scalar_type());
+                   dtype_name(stat.scalar_type()), ", expected ", dtype_name(state_dtype(x.scalar_type())),
+                   " for input dtype ", dtype_name(x.scalar_type()));
   TORCH_CHECK_VALUE(stat.device() == x.device(), "stat is on ", stat.device(), " but the input is on ",
                     x.device());
   TORCH_CHECK_VALUE(stat.dim() == 1 && stat.is_contiguous(), "stat must be a contiguous 1-D tensor");
@@ -240,8 +247,8 @@ inline void check_fisher_average(at::TensorList factors, at::TensorList stats, c
     TORCH_CHECK_TYPE((f.scalar_type() == at::kFloat || f.scalar_type() == at::kDouble) &&
                          s.scalar_type() == f.scalar_type(),
                      "factors[", i, "] and stats[", i,
-                     "] must share a float32/float64 dtype, got ", f.scalar_type(), ", ",
-                     s.scalar_type());
+                     "] must share a float32/float64 dtype, got ", dtype_name(f.scalar_type()), ", ",
+                     dtype_name(s.scalar_type()));
     TORCH_CHECK_VALUE(f.dim() == 1 && s.dim() == 1 && f.is_contiguous() && s.is_contiguous(),
                       "factors[", i, "] and stats[", i, "] must be contiguous 1-D tensors");
     TORCH_CHECK_VALUE(f.numel() >= 1 && s.numel() == f.numel() + 1, "stats[", i,

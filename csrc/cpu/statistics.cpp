@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "adafisher_math.h"
@@ -221,17 +222,30 @@ std::vector<double> patch_sums(const std::vector<double>& x2, const ConvGeometry
     std::vector<double> q(plane);
     for (int64_t c = first; c < last; ++c) {
       for (int64_t grp = 0; grp < g.groups; ++grp) {
-        strided_prefix(x2.data() + (grp * cg + c) * plane, q.data(), g.height, g.width, g.sh, g.sw);
+        const double* x2_plane = x2.data() + (grp * cg + c) * plane;
+        // Differences of prefix sums turn an overflowed (inf) square into NaN: such a plane is
+        // summed tap by tap, so it gives +inf like the reference.
+        const bool finite = std::all_of(x2_plane, x2_plane + plane, [](double v) { return std::isfinite(v); });
+        if (finite) strided_prefix(x2_plane, q.data(), g.height, g.width, g.sh, g.sw);
         for (int64_t i = 0; i < g.kh; ++i) {
           const TapRange ps = tap_range(g.out_h, g.sh, i * g.dh - g.top, g.height);
           if (ps.first > ps.last) continue;
+          const int64_t y0 = ps.first * g.sh + i * g.dh - g.top;
+          const int64_t y1 = ps.last * g.sh + i * g.dh - g.top;
           for (int64_t j = 0; j < g.kw; ++j) {
             const TapRange rs = tap_range(g.out_w, g.sw, j * g.dw - g.left, g.width);
             if (rs.first > rs.last) continue;
-            h[(c * g.kh + i) * g.kw + j] += lattice_sum(
-                q.data(), g.width, g.sh, g.sw, ps.first * g.sh + i * g.dh - g.top,
-                ps.last * g.sh + i * g.dh - g.top, rs.first * g.sw + j * g.dw - g.left,
-                rs.last * g.sw + j * g.dw - g.left);
+            const int64_t x0 = rs.first * g.sw + j * g.dw - g.left;
+            const int64_t x1 = rs.last * g.sw + j * g.dw - g.left;
+            double total = 0.0;
+            if (finite) {
+              total = lattice_sum(q.data(), g.width, g.sh, g.sw, y0, y1, x0, x1);
+            } else {
+              for (int64_t y = y0; y <= y1; y += g.sh) {
+                for (int64_t x = x0; x <= x1; x += g.sw) total += x2_plane[y * g.width + x];
+              }
+            }
+            h[(c * g.kh + i) * g.kw + j] += total;
           }
         }
       }
