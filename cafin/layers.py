@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import conv_padding
 
 
 @dataclass(frozen=True)
@@ -72,6 +71,20 @@ def _conv_patch_size(m: nn.Conv2d) -> int:
     return m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
 
 
+def conv_padding(module: nn.Conv2d) -> list[int]:
+    """Zero padding [top, bottom, left, right] of a Conv2d, with 'same'/'valid' resolved."""
+    if module.padding == "valid":
+        return [0, 0, 0, 0]
+    if module.padding == "same":
+        pads = []
+        for d, k in zip(module.dilation, module.kernel_size):
+            total = d * (k - 1)
+            pads += [total // 2, total - total // 2]  # torch pads the extra one at the end
+        return pads
+    ph, pw = module.padding
+    return [ph, ph, pw, pw]
+
+
 def _conv_input(impl, stat, module, x, step, interval):
     if x.dim() == 3:  # unbatched input
         x = x.unsqueeze(0)
@@ -80,7 +93,7 @@ def _conv_input(impl, stat, module, x, step, interval):
         x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
         padding = [0, 0, 0, 0]
     else:
-        padding = conv_padding(module, x.shape[2], x.shape[3])
+        padding = conv_padding(module)
     impl.conv2d_input_stats_(stat, x, list(module.kernel_size), list(module.stride), padding,
                              list(module.dilation), module.groups, module.bias is not None,
                              step, interval)

@@ -130,20 +130,6 @@ def _sumsq_stats_fake(stat, x, start_dim, end_dim, append_one, step=None, interv
     return None
 
 
-def conv_padding(module: torch.nn.Conv2d, height: int, width: int) -> list[int]:
-    """Zero padding [top, bottom, left, right] of a Conv2d, with 'same'/'valid' resolved."""
-    if module.padding == "valid":
-        return [0, 0, 0, 0]
-    if module.padding == "same":
-        pads = []
-        for d, k in zip(module.dilation, module.kernel_size):
-            total = d * (k - 1)
-            pads += [total // 2, total - total // 2]  # torch pads the extra one at the end
-        return pads
-    ph, pw = module.padding
-    return [ph, ph, pw, pw]
-
-
 def conv2d_input_stats_(stat: torch.Tensor, x: torch.Tensor, kernel_size: Sequence[int],
                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                         groups: int, append_one: bool, step: torch.Tensor | None = None,

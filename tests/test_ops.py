@@ -22,6 +22,7 @@ from torch.testing._internal.optests import generate_opcheck_tests
 
 import cafin
 from cafin import ops
+from cafin.layers import conv_padding
 from cafin import reference as ref
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -271,11 +272,11 @@ def test_conv2d_input_stats(device, dtype, case):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("padding", ["same", "valid", (2, 1)], ids=str)
 def test_conv2d_input_stats_module_padding(device, padding):
-    """ops.conv_padding resolves a Conv2d's padding (an even kernel pads one more at the end)."""
+    """layers.conv_padding resolves a Conv2d's padding (an even kernel pads one more at the end)."""
     conv = torch.nn.Conv2d(4, 6, (4, 3), padding=padding, dilation=(1, 2), groups=2)
     g = gen(6)
     x = randn(g, 3, 4, 9, 8, device=device)
-    pads = ops.conv_padding(conv, 9, 8)
+    pads = conv_padding(conv)
     stat = stat_like(g, 2 * 4 * 3 + 2, torch.float32, device)
     geometry = (list(conv.kernel_size), list(conv.stride), pads, list(conv.dilation), 2, True)
     want = reference_stat(ref.conv2d_input_stats_, stat, x, *geometry)
