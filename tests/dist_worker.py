@@ -33,7 +33,7 @@ CONTINUE = TCOV + 1   # after the checkpoint at k = STEPS: covers the curvature 
 HP = dict(lr=1e-3, beta=0.9, Lambda=1e-3, weight_decay=0.05, gamma=0.8)
 BATCH = 8  # per rank
 WORLD = 2
-GLOO_TIMEOUT_S = 30
+GLOO_TIMEOUT_S = 90
 # (name, how the optimizer sees the model, micro-batches per step)
 #   ddp:           AdaFisher(ddp_model), one backward per step
 #   ddp_module:    AdaFisher(ddp_model.module)

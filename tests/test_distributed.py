@@ -1,7 +1,7 @@
 """Distributed training and gradient accumulation (issue "Distributed factors", DESIGN.md 2.4).
 
 Distributed: two CPU processes on the gloo backend (tests/dist_worker.py, started with
-subprocess, meeting through a file; gloo timeout 30 s; each launch killed after LAUNCH_TIMEOUT_S).
+subprocess, meeting through a file; gloo timeout 90 s; each launch killed after LAUNCH_TIMEOUT_S).
 One launch per backend runs every case (4 ways of wiring data parallelism x 2 optimizers) and
 writes what it saw; the tests below assert on it:
 - parameters and factors bit-identical on both ranks after 3*TCov+1 steps and after more;
