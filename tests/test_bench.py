@@ -21,7 +21,6 @@ def _fused_on_cpu() -> bool:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    pytest.importorskip("rich")
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     # A fresh process: the extension is loaded once per process, as a user's run loads it.
     proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--model", "mlp",
