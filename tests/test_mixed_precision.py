@@ -41,11 +41,8 @@ from torch import nn
 from cafin import AdaFisher, AdaFisherW, ops, reference
 from bench.models import gpt, resnet18
 
-FUSED_CPU = torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CPU")
-_NO_FUSED = pytest.mark.skipif(
-    not FUSED_CPU, reason="cafin::adafisher_step_ has no CPU kernel yet (fused backend not built)")
-BACKENDS = ["reference", pytest.param("fused", marks=_NO_FUSED)]
-IMPLS = [pytest.param(reference, id="reference"), pytest.param(ops, id="fused", marks=_NO_FUSED)]
+BACKENDS = ["reference", "fused"]
+IMPLS = [pytest.param(reference, id="reference"), pytest.param(ops, id="fused")]
 OPTIMIZERS = [pytest.param(AdaFisher, id="AdaFisher"), pytest.param(AdaFisherW, id="AdaFisherW")]
 STATISTICS = ["per_step", "per_pass"]
 
@@ -212,7 +209,6 @@ def test_bf16_autocast_training(case, opt_cls, backend):
     assert motion > 0.05, f"parameters barely moved ({motion:.3g})"
 
 
-@_NO_FUSED
 @pytest.mark.parametrize("opt_cls", OPTIMIZERS)
 @pytest.mark.parametrize("case", list(MODELS))
 def test_bf16_autocast_fused_matches_reference(case, opt_cls):
@@ -804,7 +800,6 @@ def test_add_param_group_with_unsupported_dtype_leaves_optimizer_unchanged(dtype
     opt.step()
 
 
-@_NO_FUSED
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int64, torch.complex64], ids=str)
 def test_ops_reject_unsupported_dtypes(dtype):
     """The fused ops name the dtype in a TypeError (parameters, statistic inputs, factors)."""
