@@ -159,6 +159,20 @@ def normalise(z: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ the optimizer
+def adafisher_update(p, g, st, f_tilde, lr, beta, wd, decoupled):
+    """One AdaFisher (coupled L2) or AdaFisherW (decoupled) step of p in place; st holds the
+    parameter's step count and exp_avg, both updated."""
+    st["step"] += 1
+    bc = 1 - beta ** st["step"]
+    if decoupled:
+        st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
+        p.copy_(p - lr * (st["exp_avg"] / (bc * f_tilde) + wd * p))
+    else:
+        g = g + wd * p
+        st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
+        p.copy_(p - lr / bc * st["exp_avg"] / f_tilde)
+
+
 class Oracle:
     def __init__(self, model: nn.Module, groups=None, *, decoupled: bool, lr=1e-3, beta=0.9,
                  Lambda=1e-3, gamma=0.8, TCov=100, weight_decay=0.0):
@@ -278,16 +292,7 @@ class Oracle:
                     if g is None:
                         continue
                     st = self.state.setdefault(p, {"step": 0, "exp_avg": torch.zeros_like(p)})
-                    st["step"] += 1
-                    t = st["step"]
                     f_tilde = self.preconditioner(p, owner, group["Lambda"])
-                    bc = 1 - beta ** t
-                    if self.decoupled:
-                        st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
-                        p.copy_(p - lr * (st["exp_avg"] / (bc * f_tilde) + wd * p))
-                    else:
-                        g = g + wd * p
-                        st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
-                        p.copy_(p - lr / bc * st["exp_avg"] / f_tilde)
+                    adafisher_update(p, g, st, f_tilde, lr, beta, wd, self.decoupled)
         self.k += 1
         return loss.detach()

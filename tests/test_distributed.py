@@ -40,7 +40,8 @@ import cafin
 from cafin import AdaFisher, AdaFisherW
 
 import dist_worker as W
-from oracle import SUPPORTED, Oracle, normalise, raw_statistics, takes_statistics
+from oracle import (SUPPORTED, Oracle, adafisher_update, normalise, raw_statistics,
+                    takes_statistics)
 
 BACKENDS = ["reference", "fused"]
 OPTIMIZERS = [pytest.param(AdaFisher, id="AdaFisher"), pytest.param(AdaFisherW, id="AdaFisherW")]
@@ -187,17 +188,9 @@ def distributed_oracle(opt_name: str, n_micro: int, steps: int = W.STEPS):
             for p, g_sum in zip(params, grad_sum):
                 g = g_sum / W.WORLD
                 st = state[id(p)]
-                st["step"] += 1
                 f_tilde = oracle.preconditioner(p, owner, hp["Lambda"])
-                bc = 1 - hp["beta"] ** st["step"]
-                lr, beta, wd = hp["lr"], hp["beta"], hp["weight_decay"]
-                if decoupled:
-                    st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
-                    p.copy_(p - lr * (st["exp_avg"] / (bc * f_tilde) + wd * p))
-                else:
-                    g = g + wd * p
-                    st["exp_avg"] = beta * st["exp_avg"] + (1 - beta) * g
-                    p.copy_(p - lr / bc * st["exp_avg"] / f_tilde)
+                adafisher_update(p, g, st, f_tilde, hp["lr"], hp["beta"], hp["weight_decay"],
+                                 decoupled)
     factors = {}
     for name, m in W.anchors(model):
         factors[f"{name}.S"] = oracle.factors[m]["S"]
