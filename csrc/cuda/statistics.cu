@@ -163,38 +163,36 @@ __global__ void finish_norm_input_kernel(stat_t* stat, const acc_t* sums, int64_
 #define CAFIN_DISPATCH_INPUT(TYPE, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "cafin_statistics", __VA_ARGS__)
 
-void sumsq_stats_cuda(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
-                      bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
+// The two per-channel statistics: kSquares sums x^2 then divides by the rows (sumsq_stats_);
+// otherwise it sums x, then squares and divides by the batch (norm_grad_stats_).
+template <bool kSquares>
+void channel_statistic(const at::Tensor& stat, const at::Tensor& x, const ChannelView& v,
+                       const std::optional<at::Tensor>& step, int64_t interval, bool append_one) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
   const at::Tensor input = x.contiguous();
+  const int64_t divisor = kSquares ? v.outer * v.inner : x.size(0);
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor sums = channel_sums<true, scalar_t, acc_t>(input, v, gate, stream);
-    finish_channels_kernel<false><<<1, kThreads, 0, stream>>>(
+    const at::Tensor sums = channel_sums<kSquares, scalar_t, acc_t>(input, v, gate, stream);
+    finish_channels_kernel<!kSquares><<<1, kThreads, 0, stream>>>(
         stat.mutable_data_ptr<acc_t>(), sums.const_data_ptr<acc_t>(), v.channels,
-        static_cast<acc_t>(v.outer * v.inner), append_one, gate);
+        static_cast<acc_t>(divisor), append_one, gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+}
+
+void sumsq_stats_cuda(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
+                      bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
+  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
+  channel_statistic<true>(stat, x, v, step, interval, append_one);
 }
 
 void norm_grad_stats_cuda(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim, int64_t end_dim,
                           const std::optional<at::Tensor>& step, int64_t interval) {
   const ChannelView v = check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
-  const c10::cuda::CUDAGuard guard(g.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Gate gate = make_gate(step, interval);
-  const at::Tensor input = g.contiguous();
-  CAFIN_DISPATCH_INPUT(g.scalar_type(), [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor sums = channel_sums<false, scalar_t, acc_t>(input, v, gate, stream);
-    finish_channels_kernel<true><<<1, kThreads, 0, stream>>>(
-        stat.mutable_data_ptr<acc_t>(), sums.const_data_ptr<acc_t>(), v.channels,
-        static_cast<acc_t>(g.size(0)), false, gate);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  channel_statistic<false>(stat, g, v, step, interval, false);
 }
 
 void norm_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, const std::optional<at::Tensor>& step,
