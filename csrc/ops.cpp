@@ -16,7 +16,6 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(cafin, m) {
-  m.set_python_module("cafin.ops");
   // One AdaFisher/AdaFisherW update for a bucket of same-device, same-dtype parameters.
   // F = S[r] * H[h_offsets[i] + c] + damping for parameter i viewed as [S.numel(), -1];
   // an empty S/H, or a factor still holding its initial -1, means F = 1.

@@ -1,7 +1,7 @@
 """Mixed precision: bf16/fp16 activations and parameters, torch.amp.GradScaler, unsupported dtypes
 (issue "Mixed precision", "Shown by").
 
-Contracts under test (DESIGN.md sections 1 and 4, cafin/adafisher.py, cafin/ops.py):
+Contracts under test (DESIGN.md sections 1 and 4, cafin/optim/adafisher.py, cafin/ops/adafisher.py):
 - statistics of bf16/fp16 inputs accumulate in fp32 (never overflow in the input dtype); a square
   that overflows fp32 is +inf and becomes 1 before the min-max normalisation (section 1);
 - moments, factors and statistics are fp32 for bf16/fp16 parameters; the update is computed in

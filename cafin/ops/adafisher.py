@@ -1,7 +1,7 @@
 """The Python face of the fused ops: typed wrappers that check their arguments with clear errors,
 and the fake (meta) implementations that let torch.compile trace them.
 
-Schemas: csrc/ops.cpp. Semantics: the function of the same name in cafin/reference.py.
+Schemas: csrc/ops.cpp. Semantics: the function of the same name in cafin/reference/adafisher.py.
 The kernels check their inputs again before writing anything, so a rejected call writes nothing.
 The statistics of gradients skip the Python checks while torch.compile traces them: Dynamo refuses
 gradient hooks that branch on the gradient's metadata, and the kernels check the same conditions.
@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from .reference import state_dtype
+from ..reference import state_dtype
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

@@ -24,9 +24,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from . import ops, reference
-from .layers import LayerType, can_take_statistics, layer_type_of, supported_types
-from .reference import state_dtype
+from .. import ops, reference
+from ..layers import LayerType, can_take_statistics, layer_type_of, supported_types
+from ..reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule

@@ -1,0 +1,2 @@
+"""The optimizers of the family, one small file each, on the shared core (`cafin.curvature`)."""
+from .adafisher import AdaFisher, AdaFisherW  # noqa: F401

@@ -1,0 +1,8 @@
+"""Every cafin op in plain PyTorch, one file per member, computed the way the published code
+computes it: the ground truth of the tests and the baseline of the bench. Each function has the
+signature and in-place semantics of the op of the same name in `cafin.ops`.
+"""
+from .adafisher import (  # noqa: F401
+    MINMAX_EPS, adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_,
+    norm_input_stats_, preconditioner, state_dtype, sumsq_stats_,
+)
