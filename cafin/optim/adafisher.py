@@ -7,44 +7,26 @@ module, in the state of its first optimised parameter (its anchor), the factors 
 (sums of raw statistics, their last entry counting contributions).
 
 Curvature steps: statistics are taken on the forward/backward passes of the steps k with
-k % TCov == 0 (k = completed optimizer steps, a per-device tensor the step increments). Eager
-hooks decide on the host and launch nothing on other steps; the host knows k without a sync from
-the tensor's version counter, which every step bumps once, compiled or not (a store into a Python
-attribute made inside a compiled step is dropped, so a host counter could not follow). Hooks
-traced by torch.compile, and everything after a CUDA-graph capture (replays run no Python), always
-launch the statistics ops, which then decide on the device by reading k.
+k % TCov == 0 (k = completed optimizer steps). Hooks, the step counter and its host/device gating
+are the family's core (`cafin.curvature`); this file holds AdaFisher's statistics kind, factor
+average and update rule.
 """
 from __future__ import annotations
 
+import copy
 import warnings
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from .. import ops, reference
-from ..layers import LayerType, can_take_statistics, layer_type_of, supported_types
+from ..curvature import Hooks, Layer, StepCounter, average_over_ranks, discover, distributed, on, unwrap
+from ..layers import supported_types
 from ..reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
-_COMPILED = torch._dynamo.eval_frame.OptimizedModule
-_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-@dataclass
-class _Curvature:
-    """A supported module with at least one optimised parameter."""
-    name: str
-    module: nn.Module
-    kind: LayerType
-    anchor: torch.Tensor  # the parameter whose state holds the module's factors
 
 
 class AdaFisher(torch.optim.Optimizer):
@@ -97,12 +79,9 @@ class AdaFisher(torch.optim.Optimizer):
         if statistics == "per_pass" and grad_scaler is not None:
             raise ValueError("statistics='per_pass' folds statistics during backward, before a "
                              "GradScaler's overflow check: use statistics='per_step' with grad_scaler")
-        if process_group is not None and not _distributed():
+        if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
-        # Look through DDP/DataParallel and torch.compile wrappers: hooks go on the model itself and
-        # checkpoints name its layers the same way with or without a wrapper.
-        while isinstance(model, _WRAPPERS):
-            model = model._orig_mod if isinstance(model, _COMPILED) else model.module
+        model = unwrap(model)
         self.model = model
         self.statistics = statistics
         self.process_group = process_group
@@ -111,13 +90,12 @@ class AdaFisher(torch.optim.Optimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._k_base = 0  # k = version of a k tensor - _k_base (see the module docstring)
-        self._device_gated = False  # set once a step was captured in a CUDA graph
         self._opt_called = True  # see `step._wrapped_by_lr_sched` below
-        self._counters: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._curvature: list[_Curvature] = []
-        self._owner: dict[torch.Tensor, tuple[_Curvature, int]] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._steps = StepCounter()
+        self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
+        self._curvature: list[Layer] = []
+        self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
+        self._hooks: Hooks | None = None
         self._no_curvature: dict[tuple, torch.Tensor] = {}
         self._attached = False
         self._model_params = {id(p) for p in model.parameters()}
@@ -167,44 +145,33 @@ class AdaFisher(torch.optim.Optimizer):
         modules that own optimised parameters."""
         self.remove_hooks()
         self._attached = True
-        optimised = {p for g in self.param_groups for p in g["params"]}
-        kept = {id(c.module): c for c in self._curvature}
-        self._curvature, self._owner = [], {}
-        for name, module in self.model.named_modules():
-            kind = layer_type_of(module)
-            if kind is None:
-                continue
-            claimed = []
-            for pname, offset in kind.h_offsets(module).items():
-                p = getattr(module, pname, None)
-                if isinstance(p, nn.Parameter) and p in optimised and p not in self._owner:
-                    claimed.append((p, offset))
-            if not claimed:
-                continue
-            previous = kept.get(id(module))
-            record = _Curvature(name, module, kind, previous.anchor if previous else claimed[0][0])
-            self._curvature.append(record)
-            for p, offset in claimed:
-                self._owner[p] = (record, offset)
+        kept = {id(layer.module): layer.anchor for layer in self._curvature}
+        self._curvature = discover(self.model, [p for g in self.param_groups for p in g["params"]])
+        self._owner = {}
+        for layer in self._curvature:
+            layer.anchor = kept.get(id(layer.module), layer.anchor)  # its factors stay where they are
+            offsets = layer.kind.h_offsets(layer.module)
+            for pname, p in layer.params.items():
+                self._owner[p] = (layer, offsets[pname])
         if not self._curvature:
             warnings.warn(f"{type(self).__name__}: the model has no optimised parameter in a "
                           f"supported layer ({', '.join(t.__name__ for t in supported_types())}); "
                           "every parameter uses F~ = 1", UserWarning, stacklevel=3)
         for group in self.param_groups:
             for p in group["params"]:
-                self._counter(p.device)
+                self._steps.tensor(p.device)
+                self._skipped_counter(p.device)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p.dtype),
                                                         memory_format=torch.contiguous_format)
-        for record in self._curvature:
-            state = self.state[record.anchor]
+        for layer in self._curvature:
+            state = self.state[layer.anchor]
             if "fisher_S" not in state:
-                state.update(self._new_factors(record))
-            self._hooks.append(record.module.register_forward_hook(
-                partial(self._forward_hook, record)))
-        if _distributed():
+                state.update(self._new_factors(layer))
+        self._hooks = Hooks(self, self._curvature)
+        if distributed():
             self._check_ranks_agree()
 
     def _check_ranks_agree(self) -> None:
@@ -219,96 +186,61 @@ class AdaFisher(torch.optim.Optimizer):
                                  f"layers: rank 0 has {layouts[0]}, rank {rank} has {layout}")
 
     @staticmethod
-    def _new_factors(record: _Curvature) -> dict[str, torch.Tensor]:
+    def _new_factors(record: Layer) -> dict[str, torch.Tensor]:
         s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
         like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
         return {"fisher_S": torch.full((s,), -1.0, **like), "fisher_H": torch.full((h,), -1.0, **like),
                 "stat_S": torch.zeros(s + 1, **like), "stat_H": torch.zeros(h + 1, **like)}
 
-    def _counter(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Per-device k (completed steps, read by device-gated statistics) and the count of
-        factor updates dropped for NaN."""
-        if device not in self._counters:
-            first = not self._counters
-            k = self._k()
-            counters = {"k": torch.full((), float(k), device=device),
-                        "skipped": torch.zeros((), device=device),
-                        # added as a tensor: a Python 1 becomes a new 0-dim tensor per call
-                        "one": torch.ones((), device=device)}
-            for t in counters.values():
-                torch._dynamo.mark_static_address(t, guard=False)
-            self._counters[device] = counters
-            if first:
-                self._k_base = counters["k"]._version - k
-        return self._counters[device]
-
-    def _k(self) -> int:
-        """Completed steps, as the host knows them without reading a device value."""
-        if not self._counters:
-            return 0
-        return next(iter(self._counters.values()))["k"]._version - self._k_base
+    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros((), device=device)
+            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
+        return self._skipped[device]
 
     def remove_hooks(self) -> None:
         """Remove the statistics hooks from the model (the optimizer then keeps its factors)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
 
     @property
     def skipped_factor_updates(self) -> int:
         """Factor updates dropped because a statistic held NaN (reads device counters)."""
-        return int(sum(c["skipped"].item() for c in self._counters.values()))
+        return int(sum(c.item() for c in self._skipped.values()))
 
     # ------------------------------------------------------------------ statistics hooks
-    def _statistics_gate(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-        if torch.compiler.is_compiling():
-            return True, self._counter(device)["k"]
-        if self._device_gated or _capturing():
-            self._device_gated = True
-            return True, self._counter(device)["k"]
-        return self._k() % self.TCov == 0, None
+    # The three methods the core's hooks call (cafin.curvature.Hooks).
+    def _statistics_gate(self, layer: Layer, device: torch.device):
+        return self._steps.due(self.TCov, device)
 
-    def _forward_hook(self, record: _Curvature, module, inputs, output) -> torch.Tensor | None:
-        if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
-            return
-        x = inputs[0].detach()
-        if not can_take_statistics(module, x):
-            return
-        collect, step = self._statistics_gate(x.device)
-        if not collect:
-            return
-        state = self.state[record.anchor]
+    def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+        state = self.state[layer.anchor]
         stat = state["stat_H"]
         if state_dtype(x.dtype) != stat.dtype:
             x = x.to(stat.dtype)
-        record.kind.input_stats(self._impl, stat, module, x, step, self.TCov)
+        layer.kind.input_stats(self._impl, stat, layer.module, x, step, self.TCov)
         if self.statistics == "per_pass":
             self._fold([state["fisher_H"]], [stat], [False], None, None)
-        if not (isinstance(output, torch.Tensor) and output.requires_grad):
-            return None
-        # A tensor hook, not a module backward hook: it sees the gradient of the module's own
-        # output even when an in-place activation later overwrites that tensor. A view (Linear on
-        # 3-D input, unbatched Conv2d) loses its hooks when modified in place, so the hook goes on
-        # the tensor it views when that holds the same elements, or on a copy returned instead.
-        target, returned = output, None
-        if not torch.compiler.is_compiling() and output._is_view():
-            base = output._base
-            if (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
-                    and base.storage_offset() == output.storage_offset()):
-                target = base
-            else:
-                target = returned = output.clone()
-        target.register_hook(partial(self._grad_hook, record, step, output.shape))
-        return returned
 
-    def _grad_hook(self, record: _Curvature, step, shape, grad: torch.Tensor) -> None:
-        grad = grad.reshape(shape)
-        stat = self.state[record.anchor]["stat_S"]
+    def _grad_statistics(self, layer: Layer, grad: torch.Tensor, step) -> None:
+        state = self.state[layer.anchor]
+        stat = state["stat_S"]
         if state_dtype(grad.dtype) != stat.dtype:
             grad = grad.to(stat.dtype)
-        record.kind.grad_stats(self._impl, stat, record.module, grad, step, self.TCov)
+        layer.kind.grad_stats(self._impl, stat, layer.module, grad, step, self.TCov)
         if self.statistics == "per_pass":
-            self._fold([self.state[record.anchor]["fisher_S"]], [stat], [True], None, None)
+            self._fold([state["fisher_S"]], [stat], [True], None, None)
+
+    def __deepcopy__(self, memo):
+        """A copy optimises a copy of the model, with hooks of its own."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_hooks":
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._hooks = Hooks(new, new._curvature) if self._hooks is not None else None
+        return new
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
@@ -345,8 +277,8 @@ class AdaFisher(torch.optim.Optimizer):
 
     def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
         device = factors[0].device
-        self._impl.fisher_average_(factors, stats, self._counter(device)["skipped"], self.gamma,
-                                   grad_side, _on(grad_scale, device), _on(found_inf, device))
+        self._impl.fisher_average_(factors, stats, self._skipped_counter(device), self.gamma,
+                                   grad_side, on(grad_scale, device), on(found_inf, device))
 
     def _update_factors(self, grad_scale, found_inf) -> None:
         """On a step after statistics were taken: fold them into the factors (one call per
@@ -357,7 +289,7 @@ class AdaFisher(torch.optim.Optimizer):
             return
         # On the host: whether this step is a curvature step (the same on every rank, so either
         # all ranks average or none does, whatever their hooks saw).
-        if not (torch.compiler.is_compiling() or self._device_gated or self._k() % self.TCov == 0):
+        if self._steps.host_due(self.TCov) is False:
             return
         by_device: dict[torch.device, tuple[list, list, list]] = {}
         for record in self._curvature:
@@ -376,9 +308,9 @@ class AdaFisher(torch.optim.Optimizer):
                 grad_scale = self.grad_scaler._get_scale_async()
             for factors, stats, grad_side in by_device.values():
                 self._fold(factors, stats, grad_side, grad_scale, found_inf)
-        if _distributed():
+        if distributed():
             for factors, _, _ in by_device.values():
-                _average_over_ranks(factors, self.process_group)
+                average_over_ranks(factors, self.process_group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -402,7 +334,7 @@ class AdaFisher(torch.optim.Optimizer):
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            torch._foreach_add_(steps, [self._counters[s.device]["one"] for s in steps])
+            torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
             buckets: dict[tuple, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
@@ -417,14 +349,11 @@ class AdaFisher(torch.optim.Optimizer):
                 self._impl.adafisher_step_(
                     pick(params), pick(grads), pick(exp_avgs), pick(steps), pick(fisher_S),
                     pick(fisher_H), pick(h_offsets), lr, group["beta"], group["weight_decay"],
-                    group["Lambda"], self.decoupled_weight_decay, _on(grad_scale, device),
-                    _on(found_inf, device))
+                    group["Lambda"], self.decoupled_weight_decay, on(grad_scale, device),
+                    on(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
-                torch._foreach_sub_(steps, [_on(found_inf, s.device) for s in steps])
-        ks = [c["k"] for c in self._counters.values()]
-        torch._foreach_add_(ks, [c["one"] for c in self._counters.values()])  # one version bump
-        if not torch.compiler.is_compiling() and _capturing():
-            self._device_gated = True
+                torch._foreach_sub_(steps, [on(found_inf, s.device) for s in steps])
+        self._steps.advance()
         return loss
 
     # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
@@ -440,10 +369,7 @@ class AdaFisher(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        k = self._k()
-        if self._device_gated:  # graph replays bump no version
-            k = int(next(iter(self._counters.values()))["k"].item())
-        sd["curvature"] = {"k": k, "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
+        sd["curvature"] = {"k": self._steps.value(), "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -500,11 +426,7 @@ class AdaFisher(torch.optim.Optimizer):
                 elif isinstance(value, torch.Tensor):
                     value = value.detach().clone()
                 group[key] = value
-        k = int(state_dict["curvature"]["k"])
-        for counters in self._counters.values():
-            counters["k"].fill_(float(k))
-        if self._counters:
-            self._k_base = next(iter(self._counters.values()))["k"]._version - k
+        self._steps.load(int(state_dict["curvature"]["k"]))
         self._attach()  # state for parameters the checkpoint had none for
 
 
@@ -513,23 +435,6 @@ class AdaFisherW(AdaFisher):
     theta <- theta - lr*(m/((1-beta^t)*F~) + wd*theta). Same arguments as AdaFisher."""
 
     decoupled_weight_decay = True
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _average_over_ranks(factors: list[torch.Tensor], group) -> None:
-    """Average the factors over the ranks in one collective over one flat buffer."""
-    import torch.distributed as dist
-    flat = torch.cat([f.reshape(-1) for f in factors])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    torch._foreach_copy_(factors, list(flat.split([f.numel() for f in factors])))
-
-
-def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return t if t is None or t.device == device else t.to(device)
 
 
 def _check_hyperparameters(group: dict[str, Any]) -> None:
