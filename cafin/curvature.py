@@ -313,3 +313,17 @@ def check_int(value: Any, name: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     return value
+
+
+def check_hyperparameter(value: Any, name: str, low: float, high: float, low_open: bool,
+                         high_open: bool) -> None:
+    """A hyperparameter given as a number or a 1-element real tensor, in its range."""
+    check_range(value, name, low, high, low_open=low_open, high_open=high_open)
+
+
+def hyperparameter_tensor(value: Any, params: list[torch.Tensor]) -> torch.Tensor:
+    """A 0-dim tensor of the parameters' op-math dtype on their device (float32 on the CPU for
+    an empty group): what the step reads, and what schedules update in place."""
+    dtype = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
+    device = params[0].device if params else torch.device("cpu")
+    return torch.as_tensor(value).detach().reshape(()).to(device=device, dtype=dtype).clone()

@@ -14,6 +14,7 @@ average and update rule.
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any, Callable, Iterable
 
@@ -21,7 +22,10 @@ import torch
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import Hooks, Layer, StepCounter, average_over_ranks, discover, distributed, on, unwrap
+from ..curvature import (
+    Hooks, Layer, StepCounter, average_over_ranks, check_hyperparameter, check_int, check_range,
+    discover, distributed, hyperparameter_tensor, on, unwrap,
+)
 from ..layers import supported_types
 from ..reference import state_dtype
 
@@ -70,10 +74,8 @@ class AdaFisher(torch.optim.Optimizer):
                             "cafin optimizers take the model first (parameters go in params=)")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if not (isinstance(TCov, int) and not isinstance(TCov, bool) and TCov >= 1):
-            raise ValueError(f"TCov must be an int >= 1, got {TCov!r}")
-        if not 0.0 < gamma <= 10.0:
-            raise ValueError(f"gamma must be in (0, 10], got {gamma}")
+        check_int(TCov, "TCov", 1)
+        gamma = check_range(gamma, "gamma", 0.0, 10.0, low_open=True)
         if statistics not in ("per_step", "per_pass"):
             raise ValueError(f"statistics must be 'per_step' or 'per_pass', got {statistics!r}")
         if statistics == "per_pass" and grad_scaler is not None:
@@ -90,38 +92,38 @@ class AdaFisher(torch.optim.Optimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._opt_called = True  # see `step._wrapped_by_lr_sched` below
+        self._opt_called = False  # see `step._wrapped_by_lr_sched` below
         self._steps = StepCounter()
         self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
         self._curvature: list[Layer] = []
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._hooks: Hooks | None = None
         self._no_curvature: dict[tuple, torch.Tensor] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}
         self._attached = False
-        self._model_params = {id(p) for p in model.parameters()}
         defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay)
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self._attach()
+        if distributed():
+            self._check_ranks_agree()
 
     # ------------------------------------------------------------------ param groups and state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        before = len(self.param_groups)
-        super().add_param_group(param_group)
-        try:
-            self._check_group(self.param_groups[-1])
-        except Exception:
-            del self.param_groups[before:]  # a rejected group leaves nothing behind
-            raise
-        group = self.param_groups[-1]
-        group["lr"] = self._lr_tensor(group["lr"], group["params"])
-        if getattr(self, "_attached", False):  # a group added after construction
-            self._attach()
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if id(p) not in self._model_params:
+        """Add a group; its parameters may belong to layers added to the model after
+        construction (they get curvature). A rejected group leaves nothing behind."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a param group holds the same parameter twice")
+        model_params = {id(p) for p in self.model.parameters()}
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must hold Tensors, got {type(p).__name__}")
+            if id(p) not in model_params:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
                                  "parameter of the model")
             if p.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -130,14 +132,27 @@ class AdaFisher(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
                                  "(e.g. channels_last); cafin needs contiguous parameters")
-        _check_hyperparameters(group)
-
-    @staticmethod
-    def _lr_tensor(lr, params) -> torch.Tensor:
-        if not params:
-            return torch.as_tensor(lr, dtype=torch.float32).detach().clone()
-        work = state_dtype(params[0].dtype)
-        return torch.as_tensor(lr).detach().to(device=params[0].device, dtype=work).clone()
+        for name in _HYPERPARAMETERS:
+            check_hyperparameter(param_group.get(name, self.defaults.get(name)), name,
+                                 *_HYPERPARAMETERS[name])
+        before = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            # Tensors end to end: schedules change them in place (fill_) or assign numbers,
+            # and a compiled step sees new values, not new constants.
+            for name in _HYPERPARAMETERS:
+                group[name] = hyperparameter_tensor(group[name], group["params"])
+            if getattr(self, "_attached", False):  # a group added after construction
+                self._attach()
+        except BaseException:
+            del self.param_groups[before:]
+            for p in params:
+                if not any(p is q for g in self.param_groups for q in g["params"]):
+                    self.state.pop(p, None)
+            if getattr(self, "_attached", False):
+                self._attach()
+            raise
 
     def _attach(self) -> None:
         """Map parameters to modules (by identity, first supported module wins), create every
@@ -171,13 +186,15 @@ class AdaFisher(torch.optim.Optimizer):
             if "fisher_S" not in state:
                 state.update(self._new_factors(layer))
         self._hooks = Hooks(self, self._curvature)
-        if distributed():
-            self._check_ranks_agree()
+        self._ranks_checked = False
 
     def _check_ranks_agree(self) -> None:
         """Every rank must hold the same factors, or the collective over them would hang or mix
-        unrelated numbers: compare the layouts once, on every rank, and fail the same way."""
+        unrelated numbers: compare the layouts on every rank, and fail the same way. Collective:
+        it runs in the constructor (collective, like DDP's) and in the first step after the
+        layout may have changed (add_param_group, load_state_dict), never in those calls."""
         import torch.distributed as dist
+        self._ranks_checked = True
         layouts = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(layouts, self._layout(), group=self.process_group)
         for rank, layout in enumerate(layouts):
@@ -243,13 +260,46 @@ class AdaFisher(torch.optim.Optimizer):
         return new
 
     # ------------------------------------------------------------------ step
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """Everything the kernels would reject, checked before the step writes anything.
+        Hyperparameter values are read only where that costs no sync (numbers, CPU tensors) and
+        not while compiling (the values are symbolic there)."""
+        for name, rule in _HYPERPARAMETERS.items():
+            value = group[name]
+            if isinstance(value, torch.Tensor):
+                if value.dim() != 0 or not value.is_floating_point():
+                    raise ValueError(f"param group {index}: {name} must be a number or a 0-dim "
+                                     f"float tensor, got a {value.dtype} tensor of shape "
+                                     f"{tuple(value.shape)}")
+                if value.device.type != "cpu" or torch.compiler.is_compiling():
+                    continue
+            elif torch.compiler.is_compiling():
+                continue
+            try:
+                check_hyperparameter(value, name, *rule)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {index}: {e}") from None
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            where = f"param group {index}, parameter of shape {tuple(p.shape)}"
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
+            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
+                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
+                                 f"shape {tuple(p.shape)} on {p.device}")
+            if not p.is_contiguous():
+                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
+                                 "channels_last after the optimizer was built); cafin needs "
+                                 "contiguous parameters")
+
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
         """Collect one group's tensors (torch.compile runs this eagerly and marks them static)."""
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdaFisher does not support sparse gradients")
             state = self.state[p]
             params.append(p)
             grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
@@ -268,6 +318,18 @@ class AdaFisher(torch.optim.Optimizer):
                 fisher_H.append(anchor_state["fisher_H"])
                 h_offsets.append(offset)
         return False
+
+    def _hyperparameter(self, value, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A group's hyperparameter as the 0-dim tensor the op reads. A number that a schedule
+        assigned is multiplied into a cached one, not wrapped with torch.tensor: under compile
+        the number becomes symbolic after its first change, and this stays one graph."""
+        if isinstance(value, torch.Tensor):
+            return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
+        key = (device, dtype)
+        if key not in self._ones:
+            self._ones[key] = torch.ones((), device=device, dtype=dtype)
+            torch._dynamo.mark_static_address(self._ones[key], guard=False)
+        return self._ones[key] * value
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.device, state_dtype(p.dtype))
@@ -325,6 +387,12 @@ class AdaFisher(torch.optim.Optimizer):
             raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
                                "already folded scaled gradient statistics into the factors: "
                                "use statistics='per_step' (the default) with a GradScaler")
+        self._opt_called = True  # for the LR scheduler's call-order warning
+        # Check every group before anything is written: a rejected step leaves no trace.
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+        if not self._ranks_checked and not torch.compiler.is_compiling() and distributed():
+            self._check_ranks_agree()
         groups = []
         for group in self.param_groups:
             lists: tuple[list, ...] = ([], [], [], [], [], [], [])
@@ -339,18 +407,15 @@ class AdaFisher(torch.optim.Optimizer):
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
             for (device, dtype), idx in buckets.items():
-                lr = group["lr"]
                 work = state_dtype(dtype)
-                if not isinstance(lr, torch.Tensor):
-                    lr = torch.tensor(lr, dtype=work, device=device)
-                elif lr.device != device or lr.dtype != work:
-                    lr = lr.to(device=device, dtype=work)
+                lr, beta, weight_decay, damping = (
+                    self._hyperparameter(group[name], device, work)
+                    for name in ("lr", "beta", "weight_decay", "Lambda"))
                 pick = (lambda xs: xs) if len(idx) == len(params) else (lambda xs: [xs[i] for i in idx])
                 self._impl.adafisher_step_(
                     pick(params), pick(grads), pick(exp_avgs), pick(steps), pick(fisher_S),
-                    pick(fisher_H), pick(h_offsets), lr, group["beta"], group["weight_decay"],
-                    group["Lambda"], self.decoupled_weight_decay, on(grad_scale, device),
-                    on(found_inf, device))
+                    pick(fisher_H), pick(h_offsets), lr, beta, weight_decay, damping,
+                    self.decoupled_weight_decay, on(grad_scale, device), on(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
                 torch._foreach_sub_(steps, [on(found_inf, s.device) for s in steps])
         self._steps.advance()
@@ -358,8 +423,8 @@ class AdaFisher(torch.optim.Optimizer):
 
     # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
     # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
-    # fullgraph=True)`. This marks the step as already wrapped; `_opt_called`, which the wrapper
-    # records for the scheduler's call-order warning, is set once in __init__.
+    # fullgraph=True)`. This marks the step as already wrapped; the step itself sets
+    # `_opt_called`, which the wrapper would record for the scheduler's call-order warning.
     step._wrapped_by_lr_sched = True
 
     # ------------------------------------------------------------------ checkpoints
@@ -373,8 +438,12 @@ class AdaFisher(torch.optim.Optimizer):
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of this optimizer on this model; validates everything first, copies
-        every tensor onto the parameters' devices and leaves `state_dict` unchanged."""
+        """Load a checkpoint of this optimizer on this model. Everything is validated before
+        anything is replaced (a rejected checkpoint leaves the optimizer as it was); every tensor
+        is copied onto its parameter's device and `state_dict` is left unchanged. Local: no
+        collective runs here (ranks are compared at the next step)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups", "curvature"):
             if key not in state_dict:
                 raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
@@ -383,16 +452,35 @@ class AdaFisher(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
                              f"has {len(self.param_groups)}")
         index_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"checkpoint group has {len(saved['params'])} parameters, "
-                                 f"this optimizer's has {len(group['params'])}")
+        new_groups = []
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(f"checkpoint group {i} has {len(saved.get('params', ()))} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
             index_to_param.update(zip(saved["params"], group["params"]))
-        layout = state_dict["curvature"].get("layout")
+            values = {}
+            for name, rule in _HYPERPARAMETERS.items():
+                if name not in saved:
+                    raise ValueError(f"checkpoint group {i} has no {name}")
+                try:
+                    check_hyperparameter(saved[name], name, *rule)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"checkpoint group {i}: {e}") from None
+                values[name] = hyperparameter_tensor(saved[name], group["params"])
+            for key, value in saved.items():
+                if key != "params" and key not in values:
+                    values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            new_groups.append(values)
+        curvature = state_dict["curvature"]
+        k = curvature.get("k") if isinstance(curvature, dict) else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"checkpoint curvature['k'] (completed steps) must be an int >= 0, "
+                             f"got {k!r}")
+        layout = curvature.get("layout")
         if layout != self._layout():
             raise ValueError("checkpoint was saved for a different model: its curvature layers "
                              f"{layout} do not match this model's {self._layout()}")
-        anchors = {r.anchor for r in self._curvature}
+        anchors = {layer.anchor for layer in self._curvature}
         new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for index, saved in state_dict["state"].items():
             if index not in index_to_param:
@@ -401,32 +489,46 @@ class AdaFisher(torch.optim.Optimizer):
             p = index_to_param[index]
             expected = {"step": (), "exp_avg": tuple(p.shape)}
             if p in anchors:
-                expected.update({k: tuple(v.shape) for k, v in self.state[p].items()
-                                 if k in _FACTOR_KEYS})
+                expected.update({key: tuple(v.shape) for key, v in self.state[p].items()
+                                 if key in _FACTOR_KEYS})
             if set(saved) != set(expected):
                 raise ValueError(f"checkpoint state of parameter {index} has keys {sorted(saved)}, "
                                  f"expected {sorted(expected)}")
-            for key, shape in expected.items():
-                if tuple(saved[key].shape) != shape:
-                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
-                                     f"{tuple(saved[key].shape)}, expected {shape}")
             work = state_dtype(p.dtype)
-            new_state[p] = {key: value.detach().to(
-                device=p.device, dtype=torch.float32 if key == "step" else work, copy=True)
-                for key, value in saved.items()}
+            entry = {}
+            for key, shape in expected.items():
+                value = saved[key]
+                if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    value = torch.tensor(float(value))  # torch.optim style: a Python number
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
+                                    f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
+                                     f"{tuple(value.shape)}, expected {shape}")
+                if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
+                    raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
+                                     f"got {float(value)}")
+                if key in _FACTOR_KEYS and not torch.isfinite(value).all():
+                    raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
+                entry[key] = value.detach().to(
+                    device=p.device, dtype=torch.float32 if key == "step" else work, copy=True)
+            new_state[p] = entry
+        missing = [layer.name for layer in self._curvature if layer.anchor not in new_state]
+        if missing:
+            raise ValueError(f"checkpoint has no factors for the layers {missing}")
+        for name in ("TCov", "gamma"):
+            saved = curvature.get(name)
+            if saved is not None and saved != getattr(self, name):
+                warnings.warn(f"checkpoint was saved with {name}={saved}; this optimizer keeps "
+                              f"its own {name}={getattr(self, name)} (the constructor's wins)",
+                              UserWarning, stacklevel=2)
         # Everything checked: now replace.
         self.state.clear()
         self.state.update(new_state)
-        for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key == "params":
-                    continue
-                if key == "lr":
-                    value = self._lr_tensor(value, group["params"])
-                elif isinstance(value, torch.Tensor):
-                    value = value.detach().clone()
-                group[key] = value
-        self._steps.load(int(state_dict["curvature"]["k"]))
+        for values, group in zip(new_groups, self.param_groups):
+            group.update(values)
+        self._steps.load(k)
         self._attach()  # state for parameters the checkpoint had none for
 
 
@@ -437,19 +539,10 @@ class AdaFisherW(AdaFisher):
     decoupled_weight_decay = True
 
 
-def _check_hyperparameters(group: dict[str, Any]) -> None:
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr must be a number or a 1-element tensor, got shape {tuple(lr.shape)}")
-        lr_value = float(lr)
-    else:
-        lr_value = float(lr)
-    if not lr_value >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr_value}")
-    if not 0.0 <= group["beta"] < 1.0:
-        raise ValueError(f"beta must be in [0, 1), got {group['beta']}")
-    if not group["Lambda"] > 0.0:
-        raise ValueError(f"Lambda must be > 0, got {group['Lambda']}")
-    if not group["weight_decay"] >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+# name -> (low, high, low_open, high_open): the range a group's value must lie in.
+_HYPERPARAMETERS = {
+    "lr": (0.0, math.inf, False, True),
+    "beta": (0.0, 1.0, False, True),
+    "Lambda": (0.0, math.inf, True, True),
+    "weight_decay": (0.0, math.inf, False, True),
+}
