@@ -95,6 +95,7 @@ class StepCounter:
     def __init__(self) -> None:
         self.host = 0
         self.device_gated = False
+        self.stepped = False  # whether any step ran (for the LR scheduler's call-order warning)
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _pair(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +140,7 @@ class StepCounter:
 
     def advance(self) -> None:
         """One completed step: +1 on every device tensor (one op), and on the host when eager."""
+        self.stepped = True
         if self._tensors:
             ks, ones = zip(*self._tensors.values())
             torch._foreach_add_(list(ks), list(ones))
@@ -241,6 +243,8 @@ class Hooks:
 
     def __init__(self, owner, layers: list[Layer]) -> None:
         self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._owner = weakref.ref(owner)
+        self._modules = [layer.module for layer in layers]
         for layer in layers:
             other = _HOOKED.get(layer.module)
             if other is not None and other() is not None and other() is not owner:
@@ -263,6 +267,9 @@ class Hooks:
     def remove(self) -> None:
         self._finalizer.detach()
         Hooks._remove_handles(self.handles)
+        for module in self._modules:
+            if _HOOKED.get(module) == self._owner:  # weak references compare their referents
+                del _HOOKED[module]
 
     def __deepcopy__(self, memo):
         raise TypeError("Hooks are not copied; the owner re-hooks its copy")
@@ -321,9 +328,13 @@ def check_hyperparameter(value: Any, name: str, low: float, high: float, low_ope
     check_range(value, name, low, high, low_open=low_open, high_open=high_open)
 
 
-def hyperparameter_tensor(value: Any, params: list[torch.Tensor]) -> torch.Tensor:
-    """A 0-dim tensor of the parameters' op-math dtype on their device (float32 on the CPU for
-    an empty group): what the step reads, and what schedules update in place."""
-    dtype = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
+def hyperparameter_tensor(value: Any, params: list[torch.Tensor],
+                          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A 0-dim tensor on the parameters' device (the CPU for an empty group) of `dtype`, by
+    default their op-math dtype: what the step reads, and what schedules update in place."""
+    if dtype is None:
+        dtype = torch.float64 if params and params[0].dtype == torch.float64 else torch.float32
     device = params[0].device if params else torch.device("cpu")
-    return torch.as_tensor(value).detach().reshape(()).to(device=device, dtype=dtype).clone()
+    if not isinstance(value, torch.Tensor):  # straight to `dtype`: no float32 detour for 0.9
+        return torch.tensor(float(value), dtype=dtype, device=device)
+    return value.detach().reshape(()).to(device=device, dtype=dtype).clone()

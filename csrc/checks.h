@@ -66,9 +66,11 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
                    "; cafin supports float32, float64, bfloat16 and float16");
   const at::ScalarType work = state_dtype(dtype);
   check_scalar_tensor(lr, "lr", device, work);
-  check_scalar_tensor(beta, "beta", device, work);
-  check_scalar_tensor(weight_decay, "weight_decay", device, work);
-  check_scalar_tensor(damping, "damping", device, work);
+  // float64 whatever the parameters: the published code forms these coefficients from Python
+  // floats, and 1 - beta of a float32 beta would not round like 1 - 0.9.
+  check_scalar_tensor(beta, "beta", device, at::kDouble);
+  check_scalar_tensor(weight_decay, "weight_decay", device, at::kDouble);
+  check_scalar_tensor(damping, "damping", device, at::kDouble);
   if (device.is_cpu()) {  // values are read without a sync only on the CPU
     const double b = beta.item<double>(), d = damping.item<double>(), wd = weight_decay.item<double>();
     TORCH_CHECK_VALUE(0.0 <= b && b < 1.0, "beta must be in [0, 1), got ", b);

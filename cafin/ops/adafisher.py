@@ -66,14 +66,14 @@ def _channels(shape, start_dim, end_dim, what):
     return c
 
 
-def _hyperparameter(value, name, device, work, valid, rule):
-    """A 0-dim `work` tensor on `device`. A Python number is checked and wrapped (a convenience
+def _hyperparameter(value, name, device, dtype, valid, rule):
+    """A 0-dim `dtype` tensor on `device`. A Python number is checked and wrapped (a convenience
     for direct calls: optimizers keep their hyperparameters as tensors). A tensor's value is
     checked where that costs no sync: on the CPU, eagerly (the CPU kernel checks it again)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         _check(valid(float(value)), f"{name} must be {rule}, got {value}")
-        return torch.tensor(float(value), dtype=work, device=device)
-    _check_scalar_tensor(value, name, device, work)
+        return torch.tensor(float(value), dtype=dtype, device=device)
+    _check_scalar_tensor(value, name, device, dtype)
     if value.device.type == "cpu" and not torch.compiler.is_compiling():
         _check(valid(float(value)), f"{name} must be {rule}, got {float(value)}")
     return value
@@ -90,9 +90,10 @@ def adafisher_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     """AdaFisher (decoupled=False) or AdaFisherW (decoupled=True) update of one bucket of
     parameters (one device, one dtype), in place: params and exp_avgs are written.
 
-    lr, beta, weight_decay and damping are 0-dim tensors of the op-math dtype (float64 for
-    float64 parameters, float32 otherwise) on the parameters' device: read on the device, so a
-    schedule that changes them neither syncs nor recompiles."""
+    lr is a 0-dim tensor of the op-math dtype (float64 for float64 parameters, float32
+    otherwise), beta, weight_decay and damping 0-dim float64 tensors (numbers are accepted), all
+    on the parameters' device: read on the device, so a schedule that changes them neither syncs
+    nor recompiles."""
     n = len(params)
     lists = dict(grads=grads, exp_avgs=exp_avgs, steps=steps, fisher_S=fisher_S,
                  fisher_H=fisher_H, h_offsets=h_offsets)
@@ -104,10 +105,11 @@ def adafisher_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     _check(dtype in _FLOATS, f"params[0] has dtype {dtype}; cafin supports {list(_FLOATS)}", TypeError)
     work = state_dtype(dtype)
     _check_scalar_tensor(lr, "lr", device, work)
-    beta = _hyperparameter(beta, "beta", device, work, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
-    damping = _hyperparameter(damping, "damping", device, work, lambda v: 0.0 < v < math.inf,
+    f64 = torch.float64
+    beta = _hyperparameter(beta, "beta", device, f64, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    damping = _hyperparameter(damping, "damping", device, f64, lambda v: 0.0 < v < math.inf,
                               "> 0 and finite")
-    weight_decay = _hyperparameter(weight_decay, "weight_decay", device, work,
+    weight_decay = _hyperparameter(weight_decay, "weight_decay", device, f64,
                                    lambda v: 0.0 <= v < math.inf, ">= 0 and finite")
     if grad_scale is not None:
         _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)

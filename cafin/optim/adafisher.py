@@ -92,7 +92,6 @@ class AdaFisher(torch.optim.Optimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._opt_called = False  # see `step._wrapped_by_lr_sched` below
         self._steps = StepCounter()
         self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
         self._curvature: list[Layer] = []
@@ -142,7 +141,7 @@ class AdaFisher(torch.optim.Optimizer):
             # Tensors end to end: schedules change them in place (fill_) or assign numbers,
             # and a compiled step sees new values, not new constants.
             for name in _HYPERPARAMETERS:
-                group[name] = hyperparameter_tensor(group[name], group["params"])
+                group[name] = hyperparameter_tensor(group[name], group["params"], _DTYPES.get(name))
             if getattr(self, "_attached", False):  # a group added after construction
                 self._attach()
         except BaseException:
@@ -176,6 +175,8 @@ class AdaFisher(torch.optim.Optimizer):
             for p in group["params"]:
                 self._steps.tensor(p.device)
                 self._skipped_counter(p.device)
+                self._one(p.device, state_dtype(p.dtype))
+                self._one(p.device, torch.float64)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
@@ -254,7 +255,9 @@ class AdaFisher(torch.optim.Optimizer):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         for key, value in self.__dict__.items():
-            if key != "_hooks":
+            if key == "_impl":  # the backend: a module, shared
+                new._impl = value
+            elif key != "_hooks":
                 setattr(new, key, copy.deepcopy(value, memo))
         new._hooks = Hooks(new, new._curvature) if self._hooks is not None else None
         return new
@@ -325,11 +328,15 @@ class AdaFisher(torch.optim.Optimizer):
         the number becomes symbolic after its first change, and this stays one graph."""
         if isinstance(value, torch.Tensor):
             return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
+        return self._one(device, dtype) * value
+
+    def _one(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         key = (device, dtype)
-        if key not in self._ones:
+        if key not in self._ones:  # made in _attach for every parameter; here only for strays
             self._ones[key] = torch.ones((), device=device, dtype=dtype)
-            torch._dynamo.mark_static_address(self._ones[key], guard=False)
-        return self._ones[key] * value
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._ones[key], guard=False)
+        return self._ones[key]
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.device, state_dtype(p.dtype))
@@ -339,8 +346,17 @@ class AdaFisher(torch.optim.Optimizer):
 
     def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
         device = factors[0].device
-        self._impl.fisher_average_(factors, stats, self._skipped_counter(device), self.gamma,
-                                   grad_side, on(grad_scale, device), on(found_inf, device))
+        skipped = self._skipped_counter(device)
+        # NaN statistics are dropped and counted on the device; where reading the count costs no
+        # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
+        watch = device.type == "cpu" and not torch.compiler.is_compiling()
+        before = float(skipped) if watch else 0.0
+        self._impl.fisher_average_(factors, stats, skipped, self.gamma, grad_side,
+                                   on(grad_scale, device), on(found_inf, device))
+        if watch and float(skipped) > before:
+            warnings.warn(f"{type(self).__name__}: {int(float(skipped) - before)} curvature "
+                          "statistic(s) held NaN and were dropped; their factors keep their "
+                          "previous values", RuntimeWarning, stacklevel=3)
 
     def _update_factors(self, grad_scale, found_inf) -> None:
         """On a step after statistics were taken: fold them into the factors (one call per
@@ -387,7 +403,6 @@ class AdaFisher(torch.optim.Optimizer):
             raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
                                "already folded scaled gradient statistics into the factors: "
                                "use statistics='per_step' (the default) with a GradScaler")
-        self._opt_called = True  # for the LR scheduler's call-order warning
         # Check every group before anything is written: a rejected step leaves no trace.
         for index, group in enumerate(self.param_groups):
             self._check_group(index, group)
@@ -409,7 +424,7 @@ class AdaFisher(torch.optim.Optimizer):
             for (device, dtype), idx in buckets.items():
                 work = state_dtype(dtype)
                 lr, beta, weight_decay, damping = (
-                    self._hyperparameter(group[name], device, work)
+                    self._hyperparameter(group[name], device, _DTYPES.get(name, work))
                     for name in ("lr", "beta", "weight_decay", "Lambda"))
                 pick = (lambda xs: xs) if len(idx) == len(params) else (lambda xs: [xs[i] for i in idx])
                 self._impl.adafisher_step_(
@@ -423,9 +438,18 @@ class AdaFisher(torch.optim.Optimizer):
 
     # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
     # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
-    # fullgraph=True)`. This marks the step as already wrapped; the step itself sets
-    # `_opt_called`, which the wrapper would record for the scheduler's call-order warning.
+    # fullgraph=True)`. This marks the step as already wrapped; `_opt_called`, which the wrapper
+    # would record for the scheduler's call-order warning, comes from the step counter (a store
+    # into the optimizer made inside a compiled step is dropped; one into the counter is not).
     step._wrapped_by_lr_sched = True
+
+    @property
+    def _opt_called(self) -> bool:
+        return self._steps.stepped
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        self._steps.stepped = bool(value)
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> list[list]:
@@ -466,7 +490,7 @@ class AdaFisher(torch.optim.Optimizer):
                     check_hyperparameter(saved[name], name, *rule)
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"checkpoint group {i}: {e}") from None
-                values[name] = hyperparameter_tensor(saved[name], group["params"])
+                values[name] = hyperparameter_tensor(saved[name], group["params"], _DTYPES.get(name))
             for key, value in saved.items():
                 if key != "params" and key not in values:
                     values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
@@ -546,3 +570,6 @@ _HYPERPARAMETERS = {
     "Lambda": (0.0, math.inf, True, True),
     "weight_decay": (0.0, math.inf, False, True),
 }
+# lr is kept in the parameters' op-math dtype (as torch's fused optimizers keep it); the others in
+# float64, the precision the published code forms its coefficients in (from Python floats).
+_DTYPES = {"beta": torch.float64, "Lambda": torch.float64, "weight_decay": torch.float64}

@@ -137,12 +137,11 @@ def adafisher_step_(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offset
         g = g.to(work)
         if grad_scale is not None:
             g = g / grad_scale.to(work)
-        # The hyperparameters are 0-dim tensors (numbers are taken as the op-math dtype, as the
-        # fused op's wrapper takes them); per-tensor coefficients are formed in float64 and
-        # rounded once to the op-math type, as the kernels do.
-        beta, weight_decay, damping = (torch.as_tensor(v, dtype=work, device=p.device)
-                                       for v in (beta, weight_decay, damping))
-        beta64 = beta.to(torch.float64)
+        # beta, weight_decay and damping are 0-dim float64 tensors (or numbers); per-tensor
+        # coefficients are formed in float64 and rounded once to the op-math type, as the
+        # kernels do.
+        beta64, weight_decay, damping = (torch.as_tensor(v, dtype=torch.float64, device=p.device)
+                                         for v in (beta, weight_decay, damping))
         b, one_minus_b = beta64.to(work), (1 - beta64).to(work)
         wd, damp = weight_decay.to(work), damping.to(work)
         f_tilde = preconditioner(p, S, H, off, damp)

@@ -73,16 +73,11 @@ void fisher_average_cpu(at::TensorList factors, at::TensorList stats, const at::
       });
     }
   });
-  std::string which;
+  // Counted, not warned here: the optimizer turns the count into a Python warning, the same
+  // for both backends (a C++ warning from a kernel is not always a catchable Python one).
   int64_t count = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!dropped[i]) continue;
-    which += (count++ ? ", " : "") + std::to_string(i);
-  }
-  if (count == 0) return;
+  for (int64_t i = 0; i < n; ++i) count += dropped[i] ? 1 : 0;
   *skipped.mutable_data_ptr<float>() += static_cast<float>(count);
-  TORCH_WARN("fisher_average_: dropped ", count, " statistic(s) holding NaN (entries ", which,
-             "); their factors keep their previous values");
 }
 
 }  // namespace

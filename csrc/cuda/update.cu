@@ -36,9 +36,9 @@ struct UpdateArgs {
   const opmath_t* lr;
   const float* grad_scale;  // nullptr: gradients are not scaled
   const float* found_inf;   // nullptr: always apply
-  const opmath_t* beta;
-  const opmath_t* weight_decay;
-  const opmath_t* damping;
+  const double* beta;
+  const double* weight_decay;
+  const double* damping;
   bool decoupled;
 };
 
@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kBlockSize)
   const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = min(table.numel[slot], begin + kChunkSize);
   const UpdateCoeffs<opmath_t> c = update_coeffs<opmath_t>(
-      static_cast<double>(*args.lr), *t.step, static_cast<double>(*args.beta),
-      static_cast<double>(*args.weight_decay), static_cast<double>(*args.damping), kDecoupled);
+      static_cast<double>(*args.lr), *t.step, *args.beta, *args.weight_decay, *args.damping,
+      kDecoupled);
   const bool scaled = args.grad_scale != nullptr;
   const opmath_t scale = scaled ? static_cast<opmath_t>(*args.grad_scale) : opmath_t(1);
 
@@ -157,9 +157,9 @@ void adafisher_step_cuda(at::TensorList params, at::TensorList grads, at::Tensor
     const UpdateArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(),
                                     grad_scale.has_value() ? grad_scale->const_data_ptr<float>() : nullptr,
                                     found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr,
-                                    beta.const_data_ptr<opmath_t>(),
-                                    weight_decay.const_data_ptr<opmath_t>(),
-                                    damping.const_data_ptr<opmath_t>(), decoupled};
+                                    beta.const_data_ptr<double>(),
+                                    weight_decay.const_data_ptr<double>(),
+                                    damping.const_data_ptr<double>(), decoupled};
     update_bucket<scalar_t>(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets, args);
   });
 }
