@@ -5,14 +5,11 @@ Agreement: every element within rtol * max|expected| of the reference, rtol 1e-1
 compared with the reference run in float64 on the same (rounded) input values, so the measure is
 the kernel's error and not the float32 reference's own summation error.
 CUDA variants skip (with the reason) where no GPU or no CUDA build is at hand; their sources are
-still compiled by test_kernel_sources_compile_with_nvcc.
+still compiled by tests/test_cuda_sources.py.
 """
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -25,10 +22,9 @@ from cafin import ops
 from cafin.layers import conv_padding
 from cafin import reference as ref
 
-ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available() and cafin.cuda_kernels_built()
 CUDA_SKIP = ("no CUDA device" if not torch.cuda.is_available() else "cafin built without CUDA kernels") + \
-    ": CUDA kernels only compiled here (test_kernel_sources_compile_with_nvcc)"
+    ": CUDA kernels only compiled here (tests/test_cuda_sources.py)"
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=CUDA_SKIP))]
 PARAM_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -798,12 +794,3 @@ generate_opcheck_tests(
     TestOps, ["cafin"], failures_dict_path=str(Path(__file__).with_name("failures_dict.json")),
     additional_decorators={},
     test_utils=["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"])
-
-
-# ----------------------------------------------------------------------------------- nvcc
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: the CUDA sources are not compiled")
-def test_kernel_sources_compile_with_nvcc():
-    """Every csrc/cuda/*.cu compiles for sm_90 (tools/compile_cuda.py), GPU or not."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_cuda.py")], capture_output=True,
-                          text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
