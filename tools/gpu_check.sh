@@ -158,7 +158,7 @@ print('CUDA kernels built, from', cafin.__file__, 'on', torch.cuda.get_device_na
     else note build FAIL "$build_time" "$(tail -n 1 "$logs/kernels.log")"; fi
   else
     note build "$( ((build_rc == 124)) && echo TIMEOUT || echo FAIL)" "$build_time" \
-         "$(grep -m 1 -E 'error' "$logs/build.log" || tail -n 1 "$logs/build.log")"
+         "$(grep -m 1 -E 'error:|ERROR:' "$logs/build.log" || tail -n 1 "$logs/build.log")"
   fi
 fi
 
