@@ -72,7 +72,10 @@ def build_flags(cuda_home: str) -> tuple[list[str], list[str]]:
     saved_home, saved_compose = cpp.CUDA_HOME, cpp._write_ninja_file_and_compile_objects
     saved_cwd, saved_argv = os.getcwd(), sys.argv[:]
 
-    def compose(**kwargs):
+    def compose(*args, **kwargs):
+        if args or "cuda_post_cflags" not in kwargs:
+            raise RuntimeError("compile_cuda: this torch's BuildExtension passes its nvcc flags in a way "
+                               "this tool does not know; update build_flags()")
         if not kwargs.get("with_cuda"):
             raise RuntimeError("compile_cuda: setup.py gave BuildExtension no CUDA sources")
         split = lambda flags: shlex.split(" ".join(flags or []))  # noqa: E731
