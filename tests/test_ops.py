@@ -17,7 +17,6 @@ import pytest
 import torch
 from torch.testing._internal.optests import generate_opcheck_tests
 
-import cafin
 from cafin import ops
 from cafin.layers import conv_padding
 from cafin import reference as ref
