@@ -1,6 +1,7 @@
 """A whole training step (forward with statistics hooks, backward, step) captured in a CUDA graph
 and replayed; the step compiled with mode="reduce-overhead"; no host sync anywhere.
 These need a CUDA GPU and the CUDA kernels; tools/gpu_check.sh runs them."""
+import contextlib
 import copy
 
 import pytest
@@ -9,10 +10,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import cafin
+from devices import CUDA_MARKS
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or not cafin.cuda_kernels_built(),
-    reason="needs a CUDA GPU and cafin built with its CUDA kernels (tools/gpu_check.sh)")
+pytestmark = CUDA_MARKS
 
 OPTIMIZERS = [cafin.AdaFisher, cafin.AdaFisherW]
 TCOV = 3
@@ -28,6 +28,17 @@ def batches(n):
     g = torch.Generator(device="cuda").manual_seed(0)
     return [(torch.randn(7, 3, 6, 6, device="cuda", generator=g),
              torch.randint(0, 5, (7,), device="cuda", generator=g)) for _ in range(n)]
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any host-device synchronisation inside raises (torch's sync debug mode "error"). Only for
+    what must not sync: torch.equal, assert_close, .item() sync by design."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
 
 
 def train_step(model, opt, x, y):
@@ -74,18 +85,15 @@ def test_captured_training_step_replays_like_eager(cls):
         train_step(model, opt, static_x, static_y)
 
     anchor_state = opt.state[opt._curvature[0].anchor]
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for i, (x, y) in enumerate(data[warmup:], start=warmup):
+    for i, (x, y) in enumerate(data[warmup:], start=warmup):
+        before = anchor_state["fisher_H"].clone()
+        with no_host_sync():  # a training loop's part; the checks below sync, as they must
             static_x.copy_(x)
             static_y.copy_(y)
-            before = anchor_state["fisher_H"].clone()
             graph.replay()
-            changed = not torch.equal(before, anchor_state["fisher_H"])
-            assert changed == (i % TCOV == 0), f"step {i}: factor changed={changed}"
-            torch.testing.assert_close(anchor_state["fisher_H"], eager_factors[i], rtol=1e-5, atol=1e-7)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+        changed = not torch.equal(before, anchor_state["fisher_H"])
+        assert changed == (i % TCOV == 0), f"step {i}: factor changed={changed}"
+        torch.testing.assert_close(anchor_state["fisher_H"], eager_factors[i], rtol=1e-5, atol=1e-7)
     for p, q in zip(model.parameters(), eager_model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
 
@@ -96,13 +104,10 @@ def test_eager_steps_do_not_sync(cls):
     opt = cls(model, TCov=2)
     data = batches(5)
     train_step(model, opt, *data[0])  # first step: lazy CUDA/library initialisation
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with no_host_sync():
         for x, y in data[1:]:
             opt.zero_grad()
             train_step(model, opt, x, y)
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)

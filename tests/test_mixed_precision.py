@@ -40,6 +40,7 @@ from torch import nn
 
 from cafin import AdaFisher, AdaFisherW, ops, reference
 from bench.models import gpt, resnet18
+from devices import DEVICES
 
 BACKENDS = ["reference", "fused"]
 IMPLS = [pytest.param(reference, id="reference"), pytest.param(ops, id="fused")]
@@ -92,13 +93,14 @@ def _ce(model, x, y):
     return F.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
 
 
-def _fresh(case, dtype=None):
+def _fresh(case, dtype=None, device="cpu"):
+    """The model (initialised on the CPU, then moved) and its batches on `device`."""
     make, batch = MODELS[case]
     torch.manual_seed(0)
-    model = make()
+    model = make().to(device)
     if dtype is not None:
         model = model.to(dtype)
-    return model, batch
+    return model, lambda k: tuple(t.to(device) for t in batch(k))
 
 
 def _batch_as(batch, dtype):
@@ -159,11 +161,11 @@ def _assert_state_fp32(model, opt, label):
 
 # ------------------------------------------------------------------- 1. bf16 autocast training
 @functools.lru_cache(maxsize=None)
-def _autocast_run(case, opt_cls, backend):
-    """STEPS steps of an fp32 model under torch.autocast("cpu", bfloat16); records the dtypes
+def _autocast_run(case, opt_cls, backend, device="cpu"):
+    """STEPS steps of an fp32 model under torch.autocast(device, bfloat16); records the dtypes
     the statistics see (inputs of the supported modules, output gradients of Linear/Conv2d; the
     norm layers run in fp32 under CPU autocast)."""
-    model, batch = _fresh(case)
+    model, batch = _fresh(case, device=device)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt = opt_cls(model, backend=backend, **HP)
     seen = {"input": set(), "grad": set()}
@@ -179,7 +181,7 @@ def _autocast_run(case, opt_cls, backend):
     losses = []
     for k in range(STEPS):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = _ce(model, *batch(k))
         loss.backward()
         opt.step()
@@ -187,13 +189,14 @@ def _autocast_run(case, opt_cls, backend):
     return model, opt, initial, seen, losses
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("opt_cls", OPTIMIZERS)
 @pytest.mark.parametrize("case", list(MODELS))
-def test_bf16_autocast_training(case, opt_cls, backend):
+def test_bf16_autocast_training(case, opt_cls, backend, device):
     """fp32 parameters, bf16 activations and output gradients: statistics and factors stay fp32,
     every factor is updated, parameters stay finite and move."""
-    model, opt, initial, seen, losses = _autocast_run(case, opt_cls, backend)
+    model, opt, initial, seen, losses = _autocast_run(case, opt_cls, backend, device)
     assert torch.bfloat16 in seen["input"], "no statistic saw a bf16 input: autocast not exercised"
     assert seen["grad"] == {torch.bfloat16}, f"Linear/Conv2d output gradients were {seen['grad']}"
     assert all(math.isfinite(v) for v in losses)
@@ -209,13 +212,14 @@ def test_bf16_autocast_training(case, opt_cls, backend):
     assert motion > 0.05, f"parameters barely moved ({motion:.3g})"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("opt_cls", OPTIMIZERS)
 @pytest.mark.parametrize("case", list(MODELS))
-def test_bf16_autocast_fused_matches_reference(case, opt_cls):
+def test_bf16_autocast_fused_matches_reference(case, opt_cls, device):
     """Same model, same data, both backends: agreement within one bf16 unit roundoff (2**-8),
     parameters measured against how far they moved, factors and moments against their size."""
-    mr, opr, initial, _, _ = _autocast_run(case, opt_cls, "reference")
-    mf, opf, _, _, _ = _autocast_run(case, opt_cls, "fused")
+    mr, opr, initial, _, _ = _autocast_run(case, opt_cls, "reference", device)
+    mf, opf, _, _, _ = _autocast_run(case, opt_cls, "fused", device)
     worst = {"param": 0.0, "exp_avg": 0.0, "factor": 0.0}
     fused_params = dict(mf.named_parameters())
     for name, pr in mr.named_parameters():
@@ -233,7 +237,7 @@ def test_bf16_autocast_fused_matches_reference(case, opt_cls):
             d = rel(ff, fr)
             worst["factor"] = max(worst["factor"], d)
             assert d <= BF16_TOL, f"factor of {name}: rel diff {d:.3g}"
-    label = f"bf16 autocast {case} {opt_cls.__name__} fused vs reference"
+    label = f"bf16 autocast {case} {opt_cls.__name__} fused vs reference ({device})"
     OBSERVED[label] = ", ".join(f"{k} {v:.2g}" for k, v in worst.items())
     print(f"\n{label}: {OBSERVED[label]}")
 
@@ -267,14 +271,15 @@ def _expected_update(p, grad, exp_avg, step, S, H, off, opt_cls, group):
     return theta - update, m, update
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case,opt_cls", LOW_PARAM_CASES)
-def test_low_precision_params_fp32_state_rounded_once(case, opt_cls, dtype, backend):
+def test_low_precision_params_fp32_state_rounded_once(case, opt_cls, dtype, backend, device):
     """model.to(bf16/fp16): exp_avg, factors and statistics fp32; every step, each stored
     parameter equals our fp32 computation of the update (from the state before the step, factors
     as folded in that step) rounded once to the parameter dtype."""
-    model, batch = _fresh(case, dtype)
+    model, batch = _fresh(case, dtype, device)
     opt = opt_cls(model, backend=backend, **HP)
     optimised = {p for g in opt.param_groups for p in g["params"]}
     owners = _owners(model, optimised)
@@ -321,10 +326,10 @@ def test_low_precision_params_fp32_state_rounded_once(case, opt_cls, dtype, back
     assert changed > total // 2, "parameters barely changed: the check would be vacuous"
     assert ambiguous < total // 100
     assert twice > total // 100, "rounding twice would pass this test too"
-    OBSERVED[f"rounded once {case} {dtype} {backend}"] = (
+    OBSERVED[f"rounded once {case} {dtype} {backend} {device}"] = (
         f"{total} elements, {mismatched} off by one rounding (all within {ambiguous} near a boundary), "
         f"{twice} would differ if rounded twice")
-    print(f"\n{case} {dtype} {backend}: {OBSERVED[f'rounded once {case} {dtype} {backend}']}")
+    print(f"\n{case} {dtype} {backend} {device}: {OBSERVED[f'rounded once {case} {dtype} {backend} {device}']}")
 
 
 # ----------------------------------------------------------------- 3. statistics op dtypes
@@ -364,19 +369,20 @@ STAT_OPS = {
 
 
 def _stat_of(op, impl, x, length):
-    stat = torch.zeros(length)
+    stat = torch.zeros(length, device=x.device)
     op(impl, stat, x)
     return stat
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", list(STAT_OPS))
-def test_statistics_of_low_precision_inputs(name, dtype, impl):
+def test_statistics_of_low_precision_inputs(name, dtype, impl, device):
     """A bf16/fp16 input gives the fp32 statistic of its (rounded) values: impl(x) equals the
     reference on x.float() within fp32 summation error (1e-5)."""
     op, shape, length = STAT_OPS[name]
-    x = (torch.randn(shape, generator=gen(3)) * 3 + 0.5).to(dtype)
+    x = (torch.randn(shape, generator=gen(3)) * 3 + 0.5).to(device=device, dtype=dtype)
     want = _stat_of(op, reference, x.float(), length)
     got = _stat_of(op, impl, x, length)
     assert got.dtype == torch.float32
@@ -384,7 +390,7 @@ def test_statistics_of_low_precision_inputs(name, dtype, impl):
     assert rel(got, want) <= STAT_TOL, f"rel diff {rel(got, want):.3g}\n{got}\n{want}"
     if impl is ops:  # a stat in the input dtype is refused (statistics are fp32)
         with pytest.raises(TypeError, match="float32"):
-            op(impl, torch.zeros(length, dtype=dtype), x)
+            op(impl, torch.zeros(length, dtype=dtype, device=device), x)
 
 
 def test_statistics_tolerance_detects_low_precision_squares():
@@ -395,16 +401,17 @@ def test_statistics_tolerance_detects_low_precision_squares():
     assert rel(in_bf16, fp32) > 100 * STAT_TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("name", list(STAT_OPS))
-def test_fp16_squares_overflowing_fp16_are_finite(name, impl):
+def test_fp16_squares_overflowing_fp16_are_finite(name, impl, device):
     """|x| in [300, 3000]: x*x overflows fp16 (max 65504) but the fp32 statistic is finite and
     equals the reference on x.float()."""
     op, shape, length = STAT_OPS[name]
     g = gen(5)
     magnitude = 300 + 2700 * torch.rand(shape, generator=g)
     sign = torch.where(torch.rand(shape, generator=g) < 0.3, -1.0, 1.0)
-    x = (magnitude * sign).to(torch.float16)
+    x = (magnitude * sign).to(device=device, dtype=torch.float16)
     assert torch.isinf(x * x).all(), "precondition: every square overflows fp16"
     got = _stat_of(op, impl, x, length)
     want = _stat_of(op, reference, x.float(), length)
@@ -421,33 +428,34 @@ def _fold_expected(stat):
     return 0.1 * 0.8 * 1.0 + 0.01 * 0.8 * z_hat
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("which", ["linear_input", "conv2d_input"])
-def test_bf16_squares_overflowing_fp32_map_to_one(which, impl):
+def test_bf16_squares_overflowing_fp32_map_to_one(which, impl, device):
     """A bf16 activation of 1e20 squares to 1e40, beyond fp32 (max 3.4e38): accumulated in fp32,
     as DESIGN.md section 4 says, the statistic is +inf, and section 1 maps it to 1 before the
     min-max normalisation. The batch is large enough that the mean (1e40 / N) would be finite if
     the square were taken in double: the statistic must not depend on that."""
     if which == "linear_input":
-        x = torch.randn(64, 5, generator=gen(6)).to(torch.bfloat16)
+        x = torch.randn(64, 5, generator=gen(6)).to(device=device, dtype=torch.bfloat16)
         x[7, 2] = 1e20
-        stat = torch.zeros(5 + 1 + 1)
+        stat = torch.zeros(5 + 1 + 1, device=device)
         impl.sumsq_stats_(stat, x, 1, 2, True)
-        overflowed = torch.zeros(6, dtype=torch.bool)
+        overflowed = torch.zeros(6, dtype=torch.bool, device=device)
         overflowed[2] = True
     else:
-        x = torch.randn(2, 3, 6, 6, generator=gen(6)).to(torch.bfloat16)
+        x = torch.randn(2, 3, 6, 6, generator=gen(6)).to(device=device, dtype=torch.bfloat16)
         x[0, 1, 2, 2] = 1e20  # every tap of channel 1 of a 3x3 'same' kernel sees it
-        stat = torch.zeros(3 * 9 + 1 + 1)
+        stat = torch.zeros(3 * 9 + 1 + 1, device=device)
         impl.conv2d_input_stats_(stat, x, [3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1, True)
-        overflowed = torch.zeros(28, dtype=torch.bool)
+        overflowed = torch.zeros(28, dtype=torch.bool, device=device)
         overflowed[9:18] = True
     assert (1e20 ** 2) / x[:, 0].numel() / 100 < 3.4e38  # finite if squared in double
     z = stat[:-1]
     assert torch.isposinf(z[overflowed]).all(), f"overflowing squares must give +inf, got {z}"
     assert torch.isfinite(z[~overflowed]).all()
-    factor = torch.full((z.numel(),), -1.0)
-    skipped = torch.zeros(())
+    factor = torch.full((z.numel(),), -1.0, device=device)
+    skipped = torch.zeros((), device=device)
     want = _fold_expected(stat.clone())
     impl.fisher_average_([factor], [stat], skipped, 0.8, [False])
     assert torch.isfinite(factor).all() and float(skipped) == 0
@@ -455,58 +463,62 @@ def test_bf16_squares_overflowing_fp32_map_to_one(which, impl):
 
 
 # -------------------------------------------------- 4. GradScaler: op contract (device tensors)
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_step_op_takes_grad_scale_and_found_inf_tensors(dtype, impl):
+def test_step_op_takes_grad_scale_and_found_inf_tensors(dtype, impl, device):
     """adafisher_step_ with 0-dim fp32 grad_scale/found_inf tensors, like torch's fused Adam:
     found_inf != 0 writes nothing; otherwise the scaled gradients are unscaled in fp32 (a power
     of two: bitwise the same as the unscaled call)."""
     g = gen(7)
-    p0 = torch.randn(4, 6, generator=g).to(dtype)
-    grad = (torch.randn(4, 6, generator=g) * 1e-3).to(dtype)
-    m0 = torch.randn(4, 6, generator=g) * 1e-3
-    S, H = torch.rand(4, generator=g), torch.rand(7, generator=g)
-    lr = torch.tensor(1e-2)
-    scale = torch.tensor(2.0 ** 12)
+    on = dict(device=device)
+    p0 = torch.randn(4, 6, generator=g).to(device=device, dtype=dtype)
+    grad = (torch.randn(4, 6, generator=g) * 1e-3).to(device=device, dtype=dtype)
+    m0 = (torch.randn(4, 6, generator=g) * 1e-3).to(device)
+    S, H = torch.rand(4, generator=g).to(device), torch.rand(7, generator=g).to(device)
+    lr = torch.tensor(1e-2, **on)
+    scale = torch.tensor(2.0 ** 12, **on)
 
     def call(grads, grad_scale, found_inf):
         p, m = p0.clone(), m0.clone()
-        impl.adafisher_step_([p], [grads], [m], [torch.tensor(3.0)], [S], [H], [1], lr, 0.9, 0.01,
+        impl.adafisher_step_([p], [grads], [m], [torch.tensor(3.0, **on)], [S], [H], [1], lr, 0.9, 0.01,
                              1e-3, False, grad_scale, found_inf)
         return p, m
 
-    p, m = call(grad * 2 ** 12, scale, torch.tensor(1.0))
+    p, m = call(grad * 2 ** 12, scale, torch.tensor(1.0, **on))
     assert torch.equal(p, p0) and torch.equal(m, m0)
     p_plain, m_plain = call(grad, None, None)
     assert not torch.equal(p_plain, p0)
-    p, m = call(grad * 2 ** 12, scale, torch.tensor(0.0))
+    p, m = call(grad * 2 ** 12, scale, torch.tensor(0.0, **on))
     assert torch.equal(p, p_plain) and torch.equal(m, m_plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("impl", IMPLS)
-def test_average_op_takes_grad_scale_and_found_inf_tensors(impl):
+def test_average_op_takes_grad_scale_and_found_inf_tensors(impl, device):
     """fisher_average_: grad_scale divides the gradient-side statistics by grad_scale^2 (not the
     activation side); found_inf != 0 leaves every factor and discards the statistics."""
     g = gen(8)
-    raw_h, raw_s = torch.rand(6, generator=g) * 1e-3, torch.rand(4, generator=g) * 1e-7
-    base = [torch.rand(6, generator=g), torch.rand(4, generator=g)]
-    scale = torch.tensor(2.0 ** 16)
+    on = dict(device=device)
+    raw_h, raw_s = (torch.rand(6, generator=g) * 1e-3).to(device), (torch.rand(4, generator=g) * 1e-7).to(device)
+    base = [torch.rand(6, generator=g).to(device), torch.rand(4, generator=g).to(device)]
+    scale = torch.tensor(2.0 ** 16, **on)
 
     def call(stats, grad_scale, found_inf):
         factors = [f.clone() for f in base]
         stats = [s.clone() for s in stats]
-        skipped = torch.zeros(())
+        skipped = torch.zeros((), **on)
         impl.fisher_average_(factors, stats, skipped, 0.8, [False, True], grad_scale, found_inf)
         assert all((s == 0).all() for s in stats), "statistics are emptied"
         return factors
 
-    plain = [torch.cat([raw_h, torch.ones(1)]), torch.cat([raw_s, torch.ones(1)])]
-    scaled = [plain[0], torch.cat([raw_s * 2.0 ** 32, torch.ones(1)])]
+    plain = [torch.cat([raw_h, torch.ones(1, **on)]), torch.cat([raw_s, torch.ones(1, **on)])]
+    scaled = [plain[0], torch.cat([raw_s * 2.0 ** 32, torch.ones(1, **on)])]
     want = call(plain, None, None)
-    got = call(scaled, scale, torch.tensor(0.0))
+    got = call(scaled, scale, torch.tensor(0.0, **on))
     for a, b in zip(got, want):
         assert rel(a, b) <= SCALER_TOL
-    skipped_step = call(scaled, scale, torch.tensor(1.0))
+    skipped_step = call(scaled, scale, torch.tensor(1.0, **on))
     assert all(torch.equal(a, b) for a, b in zip(skipped_step, base))
     # without unscaling, the 1e-6 min-max eps no longer dominates the 1e-7 statistics
     assert rel(call(scaled, None, None)[1], want[1]) > 0.1
@@ -521,11 +533,11 @@ class _NoUnscale(AdaFisher):
 
 
 def _scaler_run(backend, *, scaled, statistics="per_step", cls=AdaFisher, clip=None,
-                give_scaler=False, steps=STEPS):
+                give_scaler=False, steps=STEPS, device="cpu"):
     """The resnet (Conv2d, BatchNorm2d, Linear: tiny BatchNorm gradient statistics) for `steps`
     steps: unscaled, or the documented GradScaler flow (with `clip`: unscale_, clip, step)."""
-    model, batch = _fresh("resnet")
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE) if scaled else None
+    model, batch = _fresh("resnet", device=device)
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE) if scaled else None
     opt = cls(model, backend=backend, statistics=statistics,
               grad_scaler=scaler if give_scaler else None, **HP)
     norms = []
@@ -548,8 +560,8 @@ def _scaler_run(backend, *, scaled, statistics="per_step", cls=AdaFisher, clip=N
 
 
 @functools.lru_cache(maxsize=None)
-def _unscaled(backend, statistics, clip=None):
-    return _scaler_run(backend, scaled=False, statistics=statistics, clip=clip)
+def _unscaled(backend, statistics, clip=None, device="cpu"):
+    return _scaler_run(backend, scaled=False, statistics=statistics, clip=clip, device=device)
 
 
 def _compare_runs(a, b, label):
@@ -595,23 +607,25 @@ def test_per_pass_refuses_a_grad_scaler(backend):
         assert int(opt.state[p]["step"]) == 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("statistics,give_scaler", SCALER_FLOWS)
-def test_grad_scaler_factors_equal_unscaled_run(statistics, give_scaler, backend):
+def test_grad_scaler_factors_equal_unscaled_run(statistics, give_scaler, backend, device):
     """scaler.scale(loss).backward(); scaler.step(opt); scaler.update() with init_scale 2**16:
     the hooks see gradients 2**16 too large, yet factors and parameters equal those of the
-    unscaled run (1e-6; exact in practice: the scale is a power of two)."""
-    base = _unscaled(backend, statistics)
+    unscaled run (1e-6; exact in practice on the CPU: the scale is a power of two; on CUDA the
+    float atomics of the statistics may order a sum differently from run to run, a few ulps)."""
+    base = _unscaled(backend, statistics, device=device)
     try:
         model, opt, scaler, _ = _scaler_run(backend, scaled=True, statistics=statistics,
-                                            give_scaler=give_scaler)
+                                            give_scaler=give_scaler, device=device)
     except (RuntimeError, ValueError) as err:
         if _per_pass_refused(statistics, err):
             return
         raise
     assert scaler.get_scale() == INIT_SCALE  # no overflow: every step was taken
     assert all(int(opt.state[p]["step"]) == STEPS for p in model.parameters())
-    label = f"GradScaler {statistics}{'+grad_scaler' if give_scaler else ''} {backend}"
+    label = f"GradScaler {statistics}{'+grad_scaler' if give_scaler else ''} {backend} {device}"
     worst_p, worst_f = _compare_runs((model, opt), base[:2], label)
     assert worst_f <= SCALER_TOL, f"factors differ from the unscaled run by {worst_f:.3g}"
     assert worst_p <= SCALER_TOL, f"parameters differ from the unscaled run by {worst_p:.3g}"
@@ -628,17 +642,18 @@ def test_grad_scaler_unscaling_the_statistics_matters(backend):
     assert worst_f > 100 * SCALER_TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("statistics,give_scaler", SCALER_FLOWS)
 @pytest.mark.parametrize("how", ["inf_grad", "inf_loss"])
-def test_grad_scaler_overflow_skips_step(how, statistics, give_scaler, backend):
+def test_grad_scaler_overflow_skips_step(how, statistics, give_scaler, backend, device):
     """An overflow on a curvature step (k = TCov): scaler.step skips it, leaving parameters,
     exp_avg, step counts and factors bitwise unchanged and the statistics discarded (no NaN
     drop counted, no warning); scaler.update halves the scale; training goes on and the next
     curvature step updates the factors. inf_grad: one parameter gradient set to inf by a hook
     (statistics finite); inf_loss: the loss times inf (statistics inf/NaN)."""
-    model, batch = _fresh("resnet")
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    model, batch = _fresh("resnet", device=device)
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE)
     opt = AdaFisher(model, backend=backend, statistics=statistics,
                     grad_scaler=scaler if give_scaler else None, **HP)
     anchors = _anchors(model, opt)
@@ -688,17 +703,18 @@ def test_grad_scaler_overflow_skips_step(how, statistics, give_scaler, backend):
         "the curvature step after the overflow did not update the factors"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("statistics", STATISTICS)
-def test_grad_scaler_unscale_then_clip(statistics, backend):
+def test_grad_scaler_unscale_then_clip(statistics, backend, device):
     """scaler.unscale_(opt); clip_grad_norm_; scaler.step(opt) with grad_scaler=scaler: the same
     parameters and factors as the unscaled run with the same clipping (1e-6)."""
     clip = 0.5
-    base = _unscaled(backend, statistics, clip)
+    base = _unscaled(backend, statistics, clip, device)
     assert max(base[3]) > clip, "precondition: clipping is active"
     try:
         model, opt, scaler, norms = _scaler_run(backend, scaled=True, statistics=statistics,
-                                                clip=clip, give_scaler=True)
+                                                clip=clip, give_scaler=True, device=device)
     except (RuntimeError, ValueError) as err:
         if _per_pass_refused(statistics, err):
             return
@@ -706,7 +722,7 @@ def test_grad_scaler_unscale_then_clip(statistics, backend):
     assert scaler.get_scale() == INIT_SCALE
     assert norms == pytest.approx(base[3], rel=1e-6)
     worst_p, worst_f = _compare_runs((model, opt), base[:2],
-                                     f"unscale_+clip {statistics} {backend}")
+                                     f"unscale_+clip {statistics} {backend} {device}")
     assert worst_f <= SCALER_TOL and worst_p <= SCALER_TOL
 
 
@@ -736,16 +752,17 @@ def test_grad_scaler_unscale_without_grad_scaler_raises(statistics, backend):
             assert (S == -1).all() and (H == -1).all(), "factors written by a refused step"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_fp16_autocast_with_grad_scaler(backend):
-    """The usual fp16 recipe on the CPU: torch.autocast(float16) + GradScaler on the transformer
-    block: finite parameters, fp32 state, every factor updated, no step lost."""
-    model, batch = _fresh("gpt")
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+def test_fp16_autocast_with_grad_scaler(backend, device):
+    """The usual fp16 recipe: torch.autocast(float16) + GradScaler on the transformer block:
+    finite parameters, fp32 state, every factor updated, no step lost."""
+    model, batch = _fresh("gpt", device=device)
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE)
     opt = AdaFisher(model, backend=backend, **HP)
     for k in range(STEPS):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss = _ce(model, *batch(k))
         scaler.scale(loss).backward()
         scaler.step(opt)

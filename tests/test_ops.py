@@ -5,14 +5,11 @@ Agreement: every element within rtol * max|expected| of the reference, rtol 1e-1
 compared with the reference run in float64 on the same (rounded) input values, so the measure is
 the kernel's error and not the float32 reference's own summation error.
 CUDA variants skip (with the reason) where no GPU or no CUDA build is at hand; their sources are
-still compiled by test_kernel_sources_compile_with_nvcc.
+still compiled by tests/test_cuda_sources.py.
 """
 from __future__ import annotations
 
 import copy
-import shutil
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -20,16 +17,11 @@ import pytest
 import torch
 from torch.testing._internal.optests import generate_opcheck_tests
 
-import cafin
 from cafin import ops
 from cafin.layers import conv_padding
 from cafin import reference as ref
+from devices import DEVICES
 
-ROOT = Path(__file__).resolve().parents[1]
-CUDA = torch.cuda.is_available() and cafin.cuda_kernels_built()
-CUDA_SKIP = ("no CUDA device" if not torch.cuda.is_available() else "cafin built without CUDA kernels") + \
-    ": CUDA kernels only compiled here (test_kernel_sources_compile_with_nvcc)"
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=CUDA_SKIP))]
 PARAM_DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
 
@@ -447,6 +439,143 @@ def test_fisher_average_found_inf(device):
     assert skipped.item() == 0.0
 
 
+# ----------------------------------------------------------------------------------- kernel paths
+# Sizes past the single-pass limits of the CUDA kernels (csrc/cuda/statistics.cu, average.cu), so
+# their second passes run: a run longer than one segment a warp sums, more rows than the column-sum
+# grid has threads for, more runs or patch entries than the grid has warps, more input positions
+# than one grid covers, more factors than one fisher_average_ launch holds. The CPU runs the same
+# cases (a few seconds), which also checks the tests themselves where no GPU is at hand.
+SEGMENT = 8192               # statistics.cu kSegment: elements of a run one warp sums
+GRID_WARPS = 4096 * 8        # statistics.cu kMaxGrid blocks x kWarps
+GRID_THREADS = 4096 * 256    # statistics.cu kMaxGrid blocks x kThreads
+COLUMN_GRID_ROWS = 4096 * 4  # statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
+AVERAGE_ENTRIES = 128        # average.cu kMaxEntries: statistics one fisher_average_ launch folds
+
+
+def channel_view(shape, start, end):
+    outer, channels, inner = 1, 1, 1
+    for d, size in enumerate(shape):
+        if d < start:
+            outer *= size
+        elif d < end:
+            channels *= size
+        else:
+            inner *= size
+    return outer, channels, inner
+
+
+# (id, op, input shape, start_dim, end_dim, append_one (sumsq only), the path it reaches)
+MULTI_PASS_CASES = [
+    ("sumsq-long-runs", "sumsq_stats_", (3, 4, 130, 130), 1, 2, False, "segments"),
+    ("norm-grad-long-runs", "norm_grad_stats_", (2, 3, 9001), 1, 2, None, "segments"),
+    ("norm-input-long-runs", "norm_input_stats_", (2, 3, 95, 97), 1, 2, None, "segments"),
+    ("sumsq-many-runs", "sumsq_stats_", (300, 128, 3, 3), 1, 2, False, "runs"),
+    ("sumsq-many-rows", "sumsq_stats_", (40000, 5), 1, 2, True, "rows"),
+    ("sumsq-many-rows-wide", "sumsq_stats_", (9000, 300), 1, 2, True, "rows"),
+    ("norm-grad-many-rows", "norm_grad_stats_", (40000, 5), 1, 2, None, "rows"),
+    ("norm-input-many-rows", "norm_input_stats_", (40000, 5), 1, 2, None, "rows"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", MULTI_PASS_CASES, ids=lambda c: c[0])
+def test_channel_statistics_multi_pass(device, dtype, case):
+    _, name, shape, start, end, append_one, path = case
+    outer, channels, inner = channel_view(shape, start, end)  # norm_input_stats_ views [B, T, rest] alike
+    if path == "segments":
+        assert inner > SEGMENT and inner % SEGMENT != 0  # several segments per run, a partial last one
+    elif path == "runs":
+        assert inner > 1 and outer * channels > GRID_WARPS
+    else:  # a thread sums several rows of its column
+        assert inner == 1 and outer > COLUMN_GRID_ROWS // -(-channels // 256)
+    g = gen(30)
+    x = randn(g, *shape, dtype=dtype, device=device) + (0.5 if name == "norm_input_stats_" else 0.0)
+    if name == "sumsq_stats_":
+        rest, length = (start, end, append_one), channels + append_one + 1
+    elif name == "norm_grad_stats_":
+        rest, length = (start, end), channels + 1
+    else:
+        rest, length = (), 3
+    stat = stat_like(g, length, dtype, device)
+    want = reference_stat(getattr(ref, name), stat, x, *rest)
+    getattr(ops, name)(stat, x, *rest)
+    # float64 (1e-12) is what catches a row or a segment summed twice or not at all. float32 on
+    # CUDA adds ~1e4 partial sums with atomics: emulated in that order, 5e-6 relative.
+    assert_close(stat, want, RTOL[dtype] if dtype == torch.float64 else 3e-5)
+
+
+# (id, input shape, kernel, stride, padding [t, b, l, r], dilation, groups, append_one, the path)
+BIG_CONV_CASES = [
+    ("many-patch-entries", (1, 4096, 3, 3), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1, True, "entries"),
+    ("3x3-same-1M-outputs", (2, 2, 1030, 1030), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1, True, "positions"),
+    ("dilated-groups-1M-outputs", (1, 4, 1100, 1000), (2, 3), (1, 1), (0, 1, 1, 0), (2, 1), 2, False,
+     "positions"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", BIG_CONV_CASES, ids=lambda c: c[0])
+def test_conv2d_input_stats_multi_pass(device, dtype, case):
+    _, shape, kernel, stride, padding, dilation, groups, append_one, path = case
+    batch, channels, height, width = shape
+    out_h = (height + padding[0] + padding[1] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
+    out_w = (width + padding[2] + padding[3] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
+    d = channels // groups * kernel[0] * kernel[1]
+    if path == "entries":  # more patch entries than the grid has warps
+        assert d > GRID_WARPS
+    else:  # more input positions than one grid covers, and over a million output positions
+        assert channels * height * width > GRID_THREADS and out_h * out_w > 2 ** 20
+    g = gen(31)
+    x = randn(g, *shape, dtype=dtype, device=device)
+    stat = stat_like(g, d + append_one + 1, dtype, device)
+    geometry = (list(kernel), list(stride), list(padding), list(dilation), groups, append_one)
+    want = reference_stat(ref.conv2d_input_stats_, stat, x, *geometry)
+    ops.conv2d_input_stats_(stat, x, *geometry)
+    # float64 (1e-12) is what catches a tap summed twice or not at all. float32: a warp lane adds
+    # ~3e4 taps in sequence over a million positions, ~1e-5 relative rounding error.
+    assert_close(stat, want, RTOL[dtype] if dtype == torch.float64 or path == "entries" else 1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fisher_average_more_entries_than_one_launch(device, dtype):
+    """Three launches' worth of statistics (on CUDA), of lengths up to 20x a block's threads: first
+    uses, empty counts, NaN drops in every launch, gradient sides scaled."""
+    n = 2 * AVERAGE_ENTRIES + 45
+    lengths = [1 + (37 * i) % 300 for i in range(n)]
+    lengths[200] = 5000
+    g = gen(32)
+    factors = [0.05 + rand(g, k, dtype=dtype, device=device) for k in lengths]
+    stats = [rand(g, k + 1, dtype=dtype, device=device) for k in lengths]
+    for i, (factor, stat) in enumerate(zip(factors, stats)):
+        if i % 5 == 1:
+            factor.fill_(-1.0)  # never updated: starts from ones
+        stat[-1] = float(i % 4)  # count 0 every fourth entry: not folded
+    nan_entries = (3, AVERAGE_ENTRIES + 22, 2 * AVERAGE_ENTRIES + 34)  # one per launch, counts > 0
+    for i in nan_entries:
+        stats[i][lengths[i] // 2] = float("nan")
+    grad_side = [i % 3 == 0 for i in range(n)]
+    grad_scale = torch.tensor(4.0, device=device)
+    skipped = torch.tensor(1.0, device=device)
+    before = copy.deepcopy(factors)
+    want_f, want_s, want_skipped = copy.deepcopy((factors, stats, skipped))
+    ref.fisher_average_(want_f, want_s, want_skipped, 0.8, grad_side, grad_scale)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the CPU kernel warns about the dropped statistics
+        ops.fisher_average_(factors, stats, skipped, 0.8, grad_side, grad_scale)
+    assert skipped.item() == want_skipped.item() == 1.0 + len(nan_entries)
+    for i, (got, want, was) in enumerate(zip(factors, want_f, before)):
+        if i % 4 == 0 or i in nan_entries:
+            assert_unchanged(got, was)
+        else:
+            assert not torch.equal(got, was), i
+        assert_close(got, want, RTOL[dtype])
+    for got in stats:
+        assert torch.count_nonzero(got) == 0
+
+
 # ----------------------------------------------------------------------------------- errors
 def step_args():
     g = gen(13)
@@ -801,12 +930,3 @@ generate_opcheck_tests(
     TestOps, ["cafin"], failures_dict_path=str(Path(__file__).with_name("failures_dict.json")),
     additional_decorators={},
     test_utils=["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"])
-
-
-# ----------------------------------------------------------------------------------- nvcc
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: the CUDA sources are not compiled")
-def test_kernel_sources_compile_with_nvcc():
-    """Every csrc/cuda/*.cu compiles for sm_90 (tools/compile_cuda.py), GPU or not."""
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "compile_cuda.py")], capture_output=True,
-                          text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
