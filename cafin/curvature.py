@@ -13,7 +13,9 @@
 """
 from __future__ import annotations
 
+import copy
 import math
+import types
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -338,3 +340,301 @@ def hyperparameter_tensor(value: Any, params: list[torch.Tensor],
     if not isinstance(value, torch.Tensor):  # straight to `dtype`: no float32 detour for 0.9
         return torch.tensor(float(value), dtype=dtype, device=device)
     return value.detach().reshape(()).to(device=device, dtype=dtype).clone()
+
+
+# ------------------------------------------------------------------------------ the optimizer base
+_FLOAT_PARAMS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class CurvatureOptimizer(torch.optim.Optimizer):
+    """What every hook-based member that is a torch optimizer shares: validated param groups
+    whose hyperparameters are tensors end to end, a step that checks everything before it
+    writes, a step counter, hooks held weakly, copies, and checkpoints validated field by field.
+
+    A member sets `hyperparameters` (name -> (low, high, low_open, high_open, dtype); dtype None
+    means the parameters' op-math dtype) and `checkpoint_settings` (constructor arguments that
+    checkpoints record), and implements `_attach()` (discover layers, create every state tensor,
+    install `Hooks`), `_layout()`, `_expected_state(p)` (key -> (shape, dtype) of a parameter's
+    state) and the three hook callbacks."""
+
+    hyperparameters: dict[str, tuple] = {}
+    checkpoint_settings: tuple[str, ...] = ()
+    finite_state: tuple[str, ...] = ()  # state keys a checkpoint must hold finite values in
+
+    def __init__(self, model: nn.Module, params, defaults: dict[str, Any], process_group=None):
+        if process_group is not None and not distributed():
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        self.model = unwrap(model)
+        self.process_group = process_group
+        self._steps = StepCounter()
+        self._hooks: Hooks | None = None
+        self._ones: dict[tuple, torch.Tensor] = {}
+        self._curvature: list[Layer] = []
+        self._attached = False
+        self._ranks_checked = False
+        if params is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+        super().__init__(params, defaults)
+        self._attached = True
+        self._attach()
+        if distributed():
+            self._check_ranks_agree()
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
+        # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
+        # fullgraph=True)`: mark every member's step as already wrapped. `_opt_called`, which the
+        # wrapper would record for the scheduler's call-order warning, comes from the step counter
+        # (a store into the optimizer inside a compiled step is dropped; one into the counter is not).
+        if "step" in cls.__dict__:
+            cls.step._wrapped_by_lr_sched = True
+
+    @property
+    def _opt_called(self) -> bool:
+        return self._steps.stepped
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        self._steps.stepped = bool(value)
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; its parameters may belong to layers added to the model after
+        construction (they get curvature). A rejected group leaves nothing behind."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a param group holds the same parameter twice")
+        model_params = {id(p) for p in self.model.parameters()}
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must hold Tensors, got {type(p).__name__}")
+            if id(p) not in model_params:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
+                                 "parameter of the model")
+            if p.dtype not in _FLOAT_PARAMS:
+                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; "
+                                "cafin supports float32, float64, bfloat16 and float16")
+            if not p.is_contiguous():
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
+                                 "(e.g. channels_last); cafin needs contiguous parameters")
+        for name, rule in self.hyperparameters.items():
+            check_hyperparameter(param_group.get(name, self.defaults.get(name)), name, *rule[:4])
+        before = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            # Tensors end to end: schedules change them in place (fill_) or assign numbers,
+            # and a compiled step sees new values, not new constants.
+            for name, rule in self.hyperparameters.items():
+                group[name] = hyperparameter_tensor(group[name], group["params"], rule[4])
+            if self._attached:  # a group added after construction
+                self._attach()
+        except BaseException:
+            del self.param_groups[before:]
+            for p in params:
+                if not any(p is q for g in self.param_groups for q in g["params"]):
+                    self.state.pop(p, None)
+            if self._attached:
+                self._attach()
+            raise
+
+    def _attach(self) -> None:
+        raise NotImplementedError
+
+    def _layout(self) -> list:
+        raise NotImplementedError
+
+    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
+        raise NotImplementedError
+
+    def remove_hooks(self) -> None:
+        """Remove the statistics hooks from the model (the optimizer then keeps its factors)."""
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    def _check_ranks_agree(self) -> None:
+        """Every rank must hold the same factors, or the collective over them would hang or mix
+        unrelated numbers: compare the layouts on every rank, and fail the same way. Collective:
+        it runs in the constructor (collective, like DDP's) and in the first step after the
+        layout may have changed (add_param_group, load_state_dict), never in those calls."""
+        import torch.distributed as dist
+        self._ranks_checked = True
+        layouts = [None] * dist.get_world_size(self.process_group)
+        dist.all_gather_object(layouts, self._layout(), group=self.process_group)
+        for rank, layout in enumerate(layouts):
+            if layout != layouts[0]:
+                raise ValueError(f"{type(self).__name__}: ranks disagree on the model's supported "
+                                 f"layers: rank 0 has {layouts[0]}, rank {rank} has {layout}")
+
+    def __deepcopy__(self, memo):
+        """A copy optimises a copy of the model, with hooks of its own."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if isinstance(value, types.ModuleType):  # a backend (cafin.ops, cafin.reference): shared
+                setattr(new, key, value)
+            elif key != "_hooks":
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._hooks = Hooks(new, new._curvature) if self._hooks is not None else None
+        return new
+
+    # ------------------------------------------------------------------ step
+    def _begin_step(self) -> None:
+        """Check every group before the step writes anything (a rejected step leaves no trace),
+        and compare the ranks' layouts when they may have changed."""
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+        if not self._ranks_checked and not torch.compiler.is_compiling() and distributed():
+            self._check_ranks_agree()
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """Everything the kernels would reject. Hyperparameter values are read only where that
+        costs no sync (numbers, CPU tensors) and not while compiling (they are symbolic there)."""
+        for name, rule in self.hyperparameters.items():
+            value = group[name]
+            if isinstance(value, torch.Tensor):
+                if value.dim() != 0 or not value.is_floating_point():
+                    raise ValueError(f"param group {index}: {name} must be a number or a 0-dim "
+                                     f"float tensor, got a {value.dtype} tensor of shape "
+                                     f"{tuple(value.shape)}")
+                if value.device.type != "cpu" or torch.compiler.is_compiling():
+                    continue
+            elif torch.compiler.is_compiling():
+                continue
+            try:
+                check_hyperparameter(value, name, *rule[:4])
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {index}: {e}") from None
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            where = f"param group {index}, parameter of shape {tuple(p.shape)}"
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
+            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
+                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
+                                 f"shape {tuple(p.shape)} on {p.device}")
+            if not p.is_contiguous():
+                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
+                                 "channels_last after the optimizer was built); cafin needs "
+                                 "contiguous parameters")
+
+    def _hyperparameter(self, group: dict[str, Any], name: str, device: torch.device,
+                        work: torch.dtype) -> torch.Tensor:
+        """A group's hyperparameter as the 0-dim tensor an op reads. A number that a schedule
+        assigned is multiplied into a cached one, not wrapped with torch.tensor: under compile
+        the number becomes symbolic after its first change, and this stays one graph."""
+        value, dtype = group[name], self.hyperparameters[name][4] or work
+        if isinstance(value, torch.Tensor):
+            return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
+        return self._one(device, dtype) * value
+
+    def _one(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self._ones:  # members make them in _attach; here only for strays
+            self._ones[key] = torch.ones((), device=device, dtype=dtype)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._ones[key], guard=False)
+        return self._ones[key]
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["curvature"] = {"k": self._steps.value(), "layout": self._layout(),
+                           **{name: getattr(self, name) for name in self.checkpoint_settings}}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of this optimizer on this model. Everything is validated before
+        anything is replaced (a rejected checkpoint leaves the optimizer as it was); every tensor
+        is copied onto its parameter's device and `state_dict` is left unchanged. Local: no
+        collective runs here (ranks are compared at the next step)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        for key in ("state", "param_groups", "curvature"):
+            if key not in state_dict:
+                raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
+        index_to_param = {}
+        new_groups = []
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(f"checkpoint group {i} has {len(saved.get('params', ()))} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
+            index_to_param.update(zip(saved["params"], group["params"]))
+            values = {}
+            for name, rule in self.hyperparameters.items():
+                if name not in saved:
+                    raise ValueError(f"checkpoint group {i} has no {name}")
+                try:
+                    check_hyperparameter(saved[name], name, *rule[:4])
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"checkpoint group {i}: {e}") from None
+                values[name] = hyperparameter_tensor(saved[name], group["params"], rule[4])
+            for key, value in saved.items():
+                if key != "params" and key not in values:
+                    values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            new_groups.append(values)
+        curvature = state_dict["curvature"]
+        k = curvature.get("k") if isinstance(curvature, dict) else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"checkpoint curvature['k'] (completed steps) must be an int >= 0, "
+                             f"got {k!r}")
+        layout = curvature.get("layout")
+        if layout != self._layout():
+            raise ValueError("checkpoint was saved for a different model: its curvature layers "
+                             f"{layout} do not match this model's {self._layout()}")
+        new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for index, saved in state_dict["state"].items():
+            if index not in index_to_param:
+                raise ValueError(f"checkpoint has state for parameter {index}, which this "
+                                 "optimizer does not have")
+            p = index_to_param[index]
+            expected = self._expected_state(p)
+            if set(saved) != set(expected):
+                raise ValueError(f"checkpoint state of parameter {index} has keys {sorted(saved)}, "
+                                 f"expected {sorted(expected)}")
+            entry = {}
+            for key, (shape, dtype) in expected.items():
+                value = saved[key]
+                if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    value = torch.tensor(float(value))  # torch.optim style: a Python number
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
+                                    f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+                if tuple(value.shape) != tuple(shape):
+                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
+                                     f"{tuple(value.shape)}, expected {tuple(shape)}")
+                if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
+                    raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
+                                     f"got {float(value)}")
+                if key in self.finite_state and not torch.isfinite(value).all():
+                    raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
+                entry[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
+            new_state[p] = entry
+        missing = [layer.name for layer in self._curvature if layer.anchor not in new_state]
+        if missing:
+            raise ValueError(f"checkpoint has no factors for the layers {missing}")
+        for name in self.checkpoint_settings:
+            saved = curvature.get(name)
+            if saved is not None and saved != getattr(self, name):
+                warnings.warn(f"checkpoint was saved with {name}={saved}; this optimizer keeps "
+                              f"its own {name}={getattr(self, name)} (the constructor's wins)",
+                              UserWarning, stacklevel=2)
+        # Everything checked: now replace.
+        self.state.clear()
+        self.state.update(new_state)
+        for values, group in zip(new_groups, self.param_groups):
+            group.update(values)
+        self._steps.load(k)
+        self._attach()  # state for parameters the checkpoint had none for
