@@ -26,6 +26,9 @@ namespace {
 // Terms a partial sum in the op-math type takes before it is folded into double.
 constexpr int64_t kPartialTerms = 16;
 
+// Positions whose partial and double sums one thread keeps in its L2 while it reads the batch.
+constexpr int64_t kTilePositions = 32768;
+
 template <bool kSquare, typename acc_t, typename scalar_t>
 C10_ALWAYS_INLINE acc_t term(scalar_t v) {
   const auto x = static_cast<acc_t>(v);
@@ -63,10 +66,46 @@ CAFIN_CPU_CLONES double sum_run(const scalar_t* __restrict x, int64_t n) {
     }
     for (int64_t j = 0; j < kLanes; ++j) wide[j] += static_cast<double>(lanes[j]);
   }
-  double total = 0.0;
+  // Halving, not a running sum: the lanes fold in vector adds, not a 64-add dependency chain.
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
+    for (int64_t j = 0; j < w; ++j) wide[j] += wide[j + w];
+  }
+  double total = wide[0];
   for (; k < n; ++k) total += static_cast<double>(term<kSquare, acc_t>(x[k]));
-  for (int64_t j = 0; j < kLanes; ++j) total += wide[j];
   return total;
+}
+
+// part[p] += sum over r < rows of term(x[r * stride + p]), p < n: a block of rows (batch entries)
+// at once, the partial sums of 64 positions held in registers across the block, so the partial
+// sums are loaded and stored once per block instead of once per row.
+template <bool kSquare, typename acc_t, typename scalar_t>
+CAFIN_CPU_CLONES void add_rows(acc_t* __restrict part, const scalar_t* __restrict x, int64_t stride,
+                               int64_t rows, int64_t n) {
+  constexpr int64_t kWidth = 256 / sizeof(acc_t);
+  int64_t p = 0;
+  for (; p + kWidth <= n; p += kWidth) {
+    acc_t acc[kWidth];
+    for (int64_t j = 0; j < kWidth; ++j) acc[j] = part[p + j];
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* row = x + r * stride + p;
+      for (int64_t j = 0; j < kWidth; ++j) acc[j] += term<kSquare, acc_t>(row[j]);
+    }
+    for (int64_t j = 0; j < kWidth; ++j) part[p + j] = acc[j];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t q = p; q < n; ++q) part[q] += term<kSquare, acc_t>(x[r * stride + q]);
+  }
+}
+
+// x2[p] += sum over the batch of term(x[b * stride + p]): partial sums of kPartialTerms entries
+// (in blocks of eight, the streams the prefetcher follows at once), folded into double.
+template <bool kSquare, typename acc_t, typename scalar_t>
+void add_batch(double* x2, acc_t* part, const scalar_t* x, int64_t stride, int64_t batch, int64_t n) {
+  constexpr int64_t kBlock = 8;
+  for (int64_t b = 0; b < batch; b += kBlock) {
+    add_rows<kSquare>(part, x + b * stride, stride, std::min(kBlock, batch - b), n);
+    if ((b + kBlock) % kPartialTerms == 0 || b + kBlock >= batch) fold(x2, part, n);
+  }
 }
 
 int64_t chunk_count(int64_t work) {
@@ -98,13 +137,62 @@ std::vector<double> row_sums(const scalar_t* x, int64_t rows, int64_t width, con
   return partial;
 }
 
+// Per-position sums of term(x) over `outer` blocks of `block` contiguous elements, block o at
+// x + o * stride. Small blocks: chunks of blocks per thread, each into its own accumulator, added
+// in chunk order; large blocks: tiles of positions per thread over every block.
+template <bool kSquare, typename scalar_t>
+std::vector<double> block_sums(const scalar_t* x, int64_t outer, int64_t stride, int64_t block) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t threads = chunk_count(outer * block);
+  if (block > kTilePositions && threads > 1) {
+    std::vector<double> total(block, 0.0);
+    const int64_t tile = std::min(kTilePositions, (block + threads - 1) / threads);
+    const int64_t tiles = (block + tile - 1) / tile;
+    at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+      std::vector<acc_t> part(tile, acc_t(0));
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t lo = t * tile, n = std::min(tile, block - lo);
+        add_batch<kSquare>(total.data() + lo, part.data(), x + lo, stride, outer, n);
+      }
+    });
+    return total;
+  }
+  const int64_t chunks = std::min(outer, threads);
+  std::vector<double> partial(chunks * block, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(block, acc_t(0));
+    for (int64_t k = first; k < last; ++k) {
+      const int64_t lo = outer * k / chunks, hi = outer * (k + 1) / chunks;
+      add_batch<kSquare>(partial.data() + k * block, part.data(), x + lo * stride, stride, hi - lo, block);
+    }
+  });
+  for (int64_t k = 1; k < chunks; ++k) {
+    for (int64_t i = 0; i < block; ++i) partial[i] += partial[k * block + i];
+  }
+  partial.resize(block);
+  return partial;
+}
+
 // Per-channel sums of term(x) over x viewed [outer, channels, inner] through its strides. Returns
 // false (and nothing) for a layout it does not read directly.
 template <bool kSquare, typename scalar_t>
 bool channel_sums(const scalar_t* x, const StridedView& v, std::vector<double>& sums) {
-  const int64_t channels = v.channels, inner = v.inner;
+  const int64_t channels = v.channels, inner = v.inner, block = channels * inner;
   if (!v.ok) return false;
-  if (v.inner_stride == 1 && inner >= 256) {
+  // One outer index's [channels, inner] (NCHW, Linear rows) or [inner, channels] (channels_last)
+  // is one contiguous block.
+  const bool channels_major = v.inner_stride == 1 && (v.channel_stride == inner || channels == 1);
+  const bool channels_minor = v.channel_stride == 1 && (v.inner_stride == channels || inner == 1);
+  const bool long_runs = v.inner_stride == 1 && inner >= 1024;
+  if ((channels_major || channels_minor) && !(long_runs && block > kTilePositions)) {
+    const std::vector<double> acc = block_sums<kSquare>(x, v.outer, v.outer_stride, block);
+    sums.assign(channels, 0.0);
+    for (int64_t c = 0; c < channels; ++c) {
+      for (int64_t i = 0; i < inner; ++i) sums[c] += acc[channels_major ? c * inner + i : i * channels + c];
+    }
+    return true;
+  }
+  if (v.inner_stride == 1) {
     // Long contiguous runs (feature maps): one run per (outer, channel), summed whole.
     const int64_t items = v.outer * channels;
     const int64_t chunks = std::min(items, chunk_count(items * inner));
@@ -124,18 +212,8 @@ bool channel_sums(const scalar_t* x, const StridedView& v, std::vector<double>& 
     }
     return true;
   }
-  if (v.inner_stride == 1 && (v.channel_stride == inner || channels == 1)) {
-    // Short runs (small feature maps, Linear rows): a [channels, inner] block per outer index.
-    const std::vector<double> acc = row_sums<kSquare>(
-        x, v.outer, channels * inner, [&](int64_t r) { return r * v.outer_stride; });
-    sums.assign(channels, 0.0);
-    for (int64_t c = 0; c < channels; ++c) {
-      for (int64_t i = 0; i < inner; ++i) sums[c] += acc[c * inner + i];
-    }
-    return true;
-  }
   if (v.channel_stride == 1) {
-    // Channels innermost (channels_last feature maps): a row of channels per (outer, inner).
+    // Channels innermost but inner positions apart: a row of channels per (outer, inner).
     sums = row_sums<kSquare>(x, v.outer * inner, channels, [&](int64_t r) {
       return (r / inner) * v.outer_stride + (r % inner) * v.inner_stride;
     });
@@ -229,6 +307,22 @@ void norm_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x,
 // With padding p and stride 1, a 3x3 tap excludes at most one row and one column: a few dozen
 // additions per tap instead of oh*ow, and no unfold.
 
+// sum_k p[k * step] for k < n, in independent lanes (an in-order sum would not vectorise).
+CAFIN_CPU_CLONES double lattice_sum(const double* __restrict p, int64_t n, int64_t step) {
+  constexpr int64_t kLanes = 8;
+  double lanes[kLanes] = {};
+  int64_t k = 0;
+  if (step == 1) {
+    for (; k + kLanes <= n; k += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += p[k + j];
+    }
+  }
+  double total = 0.0;
+  for (; k < n; ++k) total += p[k * step];
+  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
 struct PlaneScratch {
   std::vector<double> rows, cols;
 };
@@ -236,17 +330,29 @@ struct PlaneScratch {
 // The kh*kw tap sums of one X2 plane (double, [height, width]) into taps.
 void plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
   const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
+  if (H * W <= 64) {
+    // A small plane (the last stages of a network): summing each window costs less than the sums
+    // the differences need.
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
+        double total = 0.0;
+        for (int64_t y = wy.first, m = 0; m < wy.count; y += sh, ++m) {
+          for (int64_t x = wx.first, n = 0; n < wx.count; x += sw, ++n) total += plane[y * W + x];
+        }
+        taps[i * g.kw + j] = total;
+      }
+    }
+    return;
+  }
   s.rows.assign(sw * H, 0.0);
   s.cols.assign(sh * W, 0.0);
   for (int64_t y = 0; y < H; ++y) {
     const double* p = plane + y * W;
     double* col = s.cols.data() + (y % sh) * W;
     for (int64_t x = 0; x < W; ++x) col[x] += p[x];
-    for (int64_t rx = 0; rx < sw; ++rx) {
-      double total = 0.0;
-      for (int64_t x = rx; x < W; x += sw) total += p[x];
-      s.rows[rx * H + y] = total;
-    }
+    for (int64_t rx = 0; rx < sw; ++rx) s.rows[rx * H + y] = lattice_sum(p + rx, (W - rx + sw - 1) / sw, sw);
   }
   double all = 0.0;
   for (const double value : s.rows) all += value;
@@ -284,24 +390,40 @@ void plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, dou
 }
 
 // Per channel, its kh*kw tap sums, for x with contiguous [H, W] planes (NCHW, any batch and
-// channel strides): each thread sums a channel's planes over the batch in cache, then its taps.
+// channel strides). A thread takes a tile of neighbouring channels and reads it batch entry by
+// batch entry, so each read is one long run in memory order (a plane alone is often a single
+// page, where the hardware prefetcher would restart at every plane); the tile's X2 stays in cache
+// for its taps.
 template <typename scalar_t>
 void channel_taps_planar(const scalar_t* x, int64_t batch_stride, int64_t channel_stride,
                          const ConvGeometry& g, double* taps) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t plane = g.height * g.width, taps_per = g.kh * g.kw;
-  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * plane));
-  at::parallel_for(0, g.channels, grain, [&](int64_t first, int64_t last) {
-    std::vector<acc_t> part(plane, acc_t(0));
-    std::vector<double> x2(plane);
+  // Tiles of up to 32K positions (their partial and double sums fit in L2), at least one per
+  // thread when there is enough work.
+  const int64_t threads = chunk_count(g.batch * plane * g.channels);
+  const int64_t per_tile = std::max<int64_t>(
+      1, std::min<int64_t>(kTilePositions / plane, (g.channels + threads - 1) / threads));
+  const int64_t tiles = (g.channels + per_tile - 1) / per_tile;
+  const bool adjacent = channel_stride == plane;  // a tile's planes form one run
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * plane * per_tile));
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(per_tile * plane, acc_t(0));
+    std::vector<double> x2(per_tile * plane);
     PlaneScratch scratch;
-    for (int64_t c = first; c < last; ++c) {
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t c0 = t * per_tile, nc = std::min(per_tile, g.channels - c0);
       std::fill(x2.begin(), x2.end(), 0.0);
-      for (int64_t b = 0; b < g.batch; ++b) {
-        add_row<true>(part.data(), x + b * batch_stride + c * channel_stride, plane);
-        if (b % kPartialTerms == kPartialTerms - 1 || b == g.batch - 1) fold(x2.data(), part.data(), plane);
+      const scalar_t* base = x + c0 * channel_stride;
+      if (adjacent) {
+        add_batch<true>(x2.data(), part.data(), base, batch_stride, g.batch, nc * plane);
+      } else {
+        for (int64_t c = 0; c < nc; ++c) {
+          add_batch<true>(x2.data() + c * plane, part.data(), base + c * channel_stride, batch_stride,
+                          g.batch, plane);
+        }
       }
-      plane_taps(x2.data(), g, scratch, taps + c * taps_per);
+      for (int64_t c = 0; c < nc; ++c) plane_taps(x2.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
     }
   });
 }
@@ -314,25 +436,29 @@ void channel_taps_channels_last(const scalar_t* x, int64_t batch_stride, const C
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t plane = g.height * g.width, block = plane * g.channels, taps_per = g.kh * g.kw;
   std::vector<double> x2(block, 0.0);
-  constexpr int64_t kTile = 2048;  // partial and total sums of a tile stay in L1
+  const int64_t threads = chunk_count(g.batch * block);
+  const int64_t kTile = std::min(kTilePositions, (block + threads - 1) / threads);
   const int64_t tiles = (block + kTile - 1) / kTile;
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * kTile));
   at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
     std::vector<acc_t> part(kTile, acc_t(0));
     for (int64_t t = first; t < last; ++t) {
       const int64_t lo = t * kTile, n = std::min(kTile, block - lo);
-      for (int64_t b = 0; b < g.batch; ++b) {
-        add_row<true>(part.data(), x + b * batch_stride + lo, n);
-        if (b % kPartialTerms == kPartialTerms - 1 || b == g.batch - 1) fold(x2.data() + lo, part.data(), n);
-      }
+      add_batch<true>(x2.data() + lo, part.data(), x + lo, batch_stride, g.batch, n);
     }
   });
-  at::parallel_for(0, g.channels, std::max<int64_t>(1, kGrainSize / plane), [&](int64_t first, int64_t last) {
-    std::vector<double> one(plane);
+  // Planes are gathered eight channels at a time: one pass over a cache line serves them all.
+  constexpr int64_t kGather = 8;
+  const int64_t groups = (g.channels + kGather - 1) / kGather;
+  at::parallel_for(0, groups, std::max<int64_t>(1, kGrainSize / (plane * kGather)), [&](int64_t first, int64_t last) {
+    std::vector<double> planes(kGather * plane);
     PlaneScratch scratch;
-    for (int64_t c = first; c < last; ++c) {
-      for (int64_t p = 0; p < plane; ++p) one[p] = x2[p * g.channels + c];
-      plane_taps(one.data(), g, scratch, taps + c * taps_per);
+    for (int64_t q = first; q < last; ++q) {
+      const int64_t c0 = q * kGather, nc = std::min(kGather, g.channels - c0);
+      for (int64_t p = 0; p < plane; ++p) {
+        for (int64_t c = 0; c < nc; ++c) planes[c * plane + p] = x2[p * g.channels + c0 + c];
+      }
+      for (int64_t c = 0; c < nc; ++c) plane_taps(planes.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
     }
   });
 }
