@@ -97,8 +97,16 @@ __global__ void column_partials_kernel(const scalar_t* x, int64_t rows, int64_t 
     const int64_t lo = rows * item / items, hi = rows * (item + 1) / items;
     acc_t acc = 0;
     if (column < width) {
-      for (int64_t r = lo + threadIdx.y; r < hi; r += 8) {
-        acc += term<kSquare, acc_t>(x[(r / inner) * outer_stride + (r % inner) * inner_stride + column]);
+      // (o, i) of row r, stepped without a 64-bit division per element.
+      const int64_t first = lo + threadIdx.y;
+      int64_t o = first / inner, i = first % inner;
+      for (int64_t r = first; r < hi; r += 8) {
+        acc += term<kSquare, acc_t>(x[o * outer_stride + i * inner_stride + column]);
+        i += 8;
+        while (i >= inner) {
+          i -= inner;
+          ++o;
+        }
       }
     }
     lanes[threadIdx.y][threadIdx.x] = acc;
@@ -187,8 +195,8 @@ __global__ void finish_norm_input_kernel(stat_t* stat, const acc_t* sums, int64_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "cafin_statistics", __VA_ARGS__)
 
 // The partial sums of x viewed [outer, channels, inner], launched on `stream`; returns the scratch
-// they are written to and how to read it. Holds the input (or, for a layout no view covers, its
-// contiguous copy) alive until the launches are queued.
+// they are written to and how to read it. A layout no view covers is read from a contiguous copy,
+// freed at return: the caching allocator reuses it only after this stream's queued work.
 struct Partials {
   at::Tensor data;
   int64_t items, width, per_channel;
@@ -340,7 +348,8 @@ __global__ void batch_squares_kernel(const scalar_t* x, int64_t batch, int64_t b
 }
 
 // A warp per patch entry k = (c, i, j): the in-range taps of X2 over groups and output positions,
-// in a fixed order (lane t sums taps t, t + 32, ...; then the shuffle tree).
+// in a fixed order (lane n sums columns n, n + 32, ... of every window row; then the shuffle tree).
+// X2 is 1/B of the input and stays in L2: these reads cost kh*kw/B of the input's, from cache.
 template <typename stat_t, typename acc_t>
 __global__ void patch_sums_kernel(const acc_t* x2, ConvGeometry g, stat_t* stat, acc_t divisor,
                                   bool append_one, Gate gate) {
@@ -358,13 +367,13 @@ __global__ void patch_sums_kernel(const acc_t* x2, ConvGeometry g, stat_t* stat,
     const int64_t j = k % g.kw;
     const TapWindow wy = tap_window(g.out_h, g.sh, i * g.dh - g.top, g.height);
     const TapWindow wx = tap_window(g.out_w, g.sw, j * g.dw - g.left, g.width);
-    const int64_t taps = g.groups * wy.count * wx.count;
     acc_t acc = 0;
-    for (int64_t t = lane; t < taps; t += 32) {
-      const int64_t q = t / (wy.count * wx.count);
-      const int64_t y = wy.first + (t / wx.count % wy.count) * g.sh;
-      const int64_t x = wx.first + (t % wx.count) * g.sw;
-      acc += x2[((q * g.group_channels() + c) * g.height + y) * g.width + x];
+    for (int64_t q = 0; q < g.groups; ++q) {
+      const acc_t* plane = x2 + (q * g.group_channels() + c) * g.height * g.width;
+      for (int64_t m = 0; m < wy.count; ++m) {
+        const acc_t* row = plane + (wy.first + m * g.sh) * g.width + wx.first;
+        for (int64_t n = lane; n < wx.count; n += 32) acc += row[n * g.sw];
+      }
     }
     acc = warp_sum(acc);
     if (lane == 0) stat[k] += static_cast<stat_t>(acc / divisor);
