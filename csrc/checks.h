@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <optional>
 #include <string>
 
@@ -46,8 +47,9 @@ inline void check_optional_scalar(const std::optional<at::Tensor>& t, const char
 
 inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                                  at::TensorList steps, at::TensorList fisher_S, at::TensorList fisher_H,
-                                 at::IntArrayRef h_offsets, const at::Tensor& lr, double beta,
-                                 double weight_decay, double damping,
+                                 at::IntArrayRef h_offsets, const at::Tensor& lr,
+                                 const at::Tensor& beta, const at::Tensor& weight_decay,
+                                 const at::Tensor& damping,
                                  const std::optional<at::Tensor>& grad_scale,
                                  const std::optional<at::Tensor>& found_inf) {
   const size_t n = params.size();
@@ -63,10 +65,16 @@ inline void check_adafisher_step(at::TensorList params, at::TensorList grads, at
   TORCH_CHECK_TYPE(is_supported_float(dtype), "params[0] has dtype ", dtype_name(dtype),
                    "; cafin supports float32, float64, bfloat16 and float16");
   const at::ScalarType work = state_dtype(dtype);
-  TORCH_CHECK_VALUE(0.0 <= beta && beta < 1.0, "beta must be in [0, 1), got ", beta);
-  TORCH_CHECK_VALUE(damping > 0.0, "damping must be > 0, got ", damping);
-  TORCH_CHECK_VALUE(weight_decay >= 0.0, "weight_decay must be >= 0, got ", weight_decay);
   check_scalar_tensor(lr, "lr", device, work);
+  check_scalar_tensor(beta, "beta", device, work);
+  check_scalar_tensor(weight_decay, "weight_decay", device, work);
+  check_scalar_tensor(damping, "damping", device, work);
+  if (device.is_cpu()) {  // values are read without a sync only on the CPU
+    const double b = beta.item<double>(), d = damping.item<double>(), wd = weight_decay.item<double>();
+    TORCH_CHECK_VALUE(0.0 <= b && b < 1.0, "beta must be in [0, 1), got ", b);
+    TORCH_CHECK_VALUE(d > 0.0 && std::isfinite(d), "damping must be > 0 and finite, got ", d);
+    TORCH_CHECK_VALUE(wd >= 0.0 && std::isfinite(wd), "weight_decay must be >= 0 and finite, got ", wd);
+  }
   check_optional_scalar(grad_scale, "grad_scale", device);
   check_optional_scalar(found_inf, "found_inf", device);
   for (size_t i = 0; i < n; ++i) {

@@ -19,10 +19,12 @@ TORCH_LIBRARY(cafin, m) {
   // One AdaFisher/AdaFisherW update for a bucket of same-device, same-dtype parameters.
   // F = S[r] * H[h_offsets[i] + c] + damping for parameter i viewed as [S.numel(), -1];
   // an empty S/H, or a factor still holding its initial -1, means F = 1.
+  // The hyperparameters are 0-dim op-math tensors read on the device: a float that a schedule
+  // changes would be a new constant, and a recompile, every step.
   m.def(
       "adafisher_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor[] steps, "
-      "Tensor[] fisher_S, Tensor[] fisher_H, int[] h_offsets, Tensor lr, float beta, "
-      "float weight_decay, float damping, bool decoupled, Tensor? grad_scale=None, "
+      "Tensor[] fisher_S, Tensor[] fisher_H, int[] h_offsets, Tensor lr, Tensor beta, "
+      "Tensor weight_decay, Tensor damping, bool decoupled, Tensor? grad_scale=None, "
       "Tensor? found_inf=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // Raw statistics accumulate into `stat`, whose last element counts the contributions.

@@ -140,8 +140,10 @@ def update_bucket(device, dtype, seed=0, specs=UPDATE_SPECS, scaled=False):
         offsets.append(offset)
     lr = torch.tensor(1e-2, dtype=work, device=device)
     return dict(params=params, grads=grads, exp_avgs=exp_avgs, steps=steps, fisher_S=fisher_S,
-                fisher_H=fisher_H, h_offsets=offsets, lr=lr, beta=0.9, weight_decay=0.1,
-                damping=1e-3, decoupled=False,
+                fisher_H=fisher_H, h_offsets=offsets, lr=lr,
+                beta=torch.tensor(0.9, dtype=work, device=device),
+                weight_decay=torch.tensor(0.1, dtype=work, device=device),
+                damping=torch.tensor(1e-3, dtype=work, device=device), decoupled=False,
                 grad_scale=torch.tensor(64.0, device=device) if scaled else None, found_inf=None)
 
 
@@ -455,7 +457,8 @@ def step_args():
         steps=[torch.tensor(1.0), torch.tensor(2.0), torch.tensor(3.0)],
         fisher_S=[rand(g, 4), torch.empty(0), rand(g, 2)],
         fisher_H=[rand(g, 4), torch.empty(0), rand(g, 6)],
-        h_offsets=[1, 0, 0], lr=torch.tensor(1e-2), beta=0.9, weight_decay=0.1, damping=1e-3,
+        h_offsets=[1, 0, 0], lr=torch.tensor(1e-2), beta=torch.tensor(0.9),
+        weight_decay=torch.tensor(0.1), damping=torch.tensor(1e-3),
         decoupled=False, grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
 
 
@@ -508,9 +511,9 @@ ERRORS = [
      r"h_offsets has 2 entries but params has 3", True),
     ("params-dtype", "adafisher_step_", step_args,
      put("params", fn=lambda v: [t.long() for t in v]), TypeError, r"params\[0\] has dtype", True),
-    ("beta", "adafisher_step_", step_args, put("beta", value=1.0), ValueError, r"beta must be in \[0, 1\)", True),
-    ("damping", "adafisher_step_", step_args, put("damping", value=0.0), ValueError, r"damping must be > 0", True),
-    ("weight_decay", "adafisher_step_", step_args, put("weight_decay", value=-0.1), ValueError,
+    ("beta", "adafisher_step_", step_args, put("beta", value=torch.tensor(1.0)), ValueError, r"beta must be in \[0, 1\)", True),
+    ("damping", "adafisher_step_", step_args, put("damping", value=torch.tensor(0.0)), ValueError, r"damping must be > 0", True),
+    ("weight_decay", "adafisher_step_", step_args, put("weight_decay", value=torch.tensor(-0.1)), ValueError,
      r"weight_decay must be >= 0", True),
     ("lr-float", "adafisher_step_", step_args, put("lr", value=0.01), TypeError, r"lr must be a Tensor", False),
     ("lr-shape", "adafisher_step_", step_args, put("lr", value=torch.tensor([0.01])), ValueError,

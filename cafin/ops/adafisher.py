@@ -7,6 +7,7 @@ The statistics ops leave their checks to the kernels (see the statistics section
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -35,15 +36,33 @@ def _check_scalar_tensor(t, name, device, dtype=None):
         _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
 
 
+def _hyperparameter(value, name, device, work, valid, rule):
+    """A 0-dim `work` tensor on `device`. A Python number is checked and wrapped (a convenience
+    for direct calls: optimizers keep their hyperparameters as tensors). A tensor's value is
+    checked where that costs no sync: on the CPU, eagerly (the CPU kernel checks it again)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check(valid(float(value)), f"{name} must be {rule}, got {value}")
+        return torch.tensor(float(value), dtype=work, device=device)
+    _check_scalar_tensor(value, name, device, work)
+    if value.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check(valid(float(value)), f"{name} must be {rule}, got {float(value)}")
+    return value
+
+
 # ----------------------------------------------------------------------------------- update
 def adafisher_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                     exp_avgs: Sequence[torch.Tensor], steps: Sequence[torch.Tensor],
                     fisher_S: Sequence[torch.Tensor], fisher_H: Sequence[torch.Tensor],
-                    h_offsets: Sequence[int], lr: torch.Tensor, beta: float, weight_decay: float,
-                    damping: float, decoupled: bool, grad_scale: torch.Tensor | None = None,
+                    h_offsets: Sequence[int], lr: torch.Tensor, beta: torch.Tensor,
+                    weight_decay: torch.Tensor, damping: torch.Tensor, decoupled: bool,
+                    grad_scale: torch.Tensor | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
     """AdaFisher (decoupled=False) or AdaFisherW (decoupled=True) update of one bucket of
-    parameters (one device, one dtype), in place: params and exp_avgs are written."""
+    parameters (one device, one dtype), in place: params and exp_avgs are written.
+
+    lr, beta, weight_decay and damping are 0-dim tensors of the op-math dtype (float64 for
+    float64 parameters, float32 otherwise) on the parameters' device: read on the device, so a
+    schedule that changes them neither syncs nor recompiles."""
     n = len(params)
     lists = dict(grads=grads, exp_avgs=exp_avgs, steps=steps, fisher_S=fisher_S,
                  fisher_H=fisher_H, h_offsets=h_offsets)
@@ -54,10 +73,12 @@ def adafisher_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor
     device, dtype = params[0].device, params[0].dtype
     _check(dtype in _FLOATS, f"params[0] has dtype {dtype}; cafin supports {list(_FLOATS)}", TypeError)
     work = state_dtype(dtype)
-    _check(0.0 <= beta < 1.0, f"beta must be in [0, 1), got {beta}")
-    _check(damping > 0.0, f"damping must be > 0, got {damping}")
-    _check(weight_decay >= 0.0, f"weight_decay must be >= 0, got {weight_decay}")
     _check_scalar_tensor(lr, "lr", device, work)
+    beta = _hyperparameter(beta, "beta", device, work, lambda v: 0.0 <= v < 1.0, "in [0, 1)")
+    damping = _hyperparameter(damping, "damping", device, work, lambda v: 0.0 < v < math.inf,
+                              "> 0 and finite")
+    weight_decay = _hyperparameter(weight_decay, "weight_decay", device, work,
+                                   lambda v: 0.0 <= v < math.inf, ">= 0 and finite")
     if grad_scale is not None:
         _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)
     if found_inf is not None:

@@ -7,44 +7,30 @@ module, in the state of its first optimised parameter (its anchor), the factors 
 (sums of raw statistics, their last entry counting contributions).
 
 Curvature steps: statistics are taken on the forward/backward passes of the steps k with
-k % TCov == 0 (k = completed optimizer steps, a per-device tensor the step increments). Eager
-hooks decide on the host and launch nothing on other steps; the host knows k without a sync from
-the tensor's version counter, which every step bumps once, compiled or not (a store into a Python
-attribute made inside a compiled step is dropped, so a host counter could not follow). Hooks
-traced by torch.compile, and everything after a CUDA-graph capture (replays run no Python), always
-launch the statistics ops, which then decide on the device by reading k.
+k % TCov == 0 (k = completed optimizer steps). Hooks, the step counter and its host/device gating
+are the family's core (`cafin.curvature`); this file holds AdaFisher's statistics kind, factor
+average and update rule.
 """
 from __future__ import annotations
 
+import copy
+import math
 import warnings
-from dataclasses import dataclass
-from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 
 from .. import ops, reference
-from ..layers import LayerType, can_take_statistics, layer_type_of, supported_types
+from ..curvature import (
+    Hooks, Layer, StepCounter, average_over_ranks, check_hyperparameter, check_int, check_range,
+    discover, distributed, hyperparameter_tensor, on, unwrap,
+)
+from ..layers import supported_types
 from ..reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
-_COMPILED = torch._dynamo.eval_frame.OptimizedModule
-_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-@dataclass
-class _Curvature:
-    """A supported module with at least one optimised parameter."""
-    name: str
-    module: nn.Module
-    kind: LayerType
-    anchor: torch.Tensor  # the parameter whose state holds the module's factors
 
 
 class AdaFisher(torch.optim.Optimizer):
@@ -88,21 +74,16 @@ class AdaFisher(torch.optim.Optimizer):
                             "cafin optimizers take the model first (parameters go in params=)")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if not (isinstance(TCov, int) and not isinstance(TCov, bool) and TCov >= 1):
-            raise ValueError(f"TCov must be an int >= 1, got {TCov!r}")
-        if not 0.0 < gamma <= 10.0:
-            raise ValueError(f"gamma must be in (0, 10], got {gamma}")
+        check_int(TCov, "TCov", 1)
+        gamma = check_range(gamma, "gamma", 0.0, 10.0, low_open=True)
         if statistics not in ("per_step", "per_pass"):
             raise ValueError(f"statistics must be 'per_step' or 'per_pass', got {statistics!r}")
         if statistics == "per_pass" and grad_scaler is not None:
             raise ValueError("statistics='per_pass' folds statistics during backward, before a "
                              "GradScaler's overflow check: use statistics='per_step' with grad_scaler")
-        if process_group is not None and not _distributed():
+        if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
-        # Look through DDP/DataParallel and torch.compile wrappers: hooks go on the model itself and
-        # checkpoints name its layers the same way with or without a wrapper.
-        while isinstance(model, _WRAPPERS):
-            model = model._orig_mod if isinstance(model, _COMPILED) else model.module
+        model = unwrap(model)
         self.model = model
         self.statistics = statistics
         self.process_group = process_group
@@ -111,39 +92,38 @@ class AdaFisher(torch.optim.Optimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._k_base = 0  # k = version of a k tensor - _k_base (see the module docstring)
-        self._device_gated = False  # set once a step was captured in a CUDA graph
-        self._opt_called = True  # see `step._wrapped_by_lr_sched` below
-        self._counters: dict[torch.device, dict[str, torch.Tensor]] = {}
-        self._curvature: list[_Curvature] = []
-        self._owner: dict[torch.Tensor, tuple[_Curvature, int]] = {}
-        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._opt_called = False  # see `step._wrapped_by_lr_sched` below
+        self._steps = StepCounter()
+        self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
+        self._curvature: list[Layer] = []
+        self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
+        self._hooks: Hooks | None = None
         self._no_curvature: dict[tuple, torch.Tensor] = {}
+        self._ones: dict[tuple, torch.Tensor] = {}
         self._attached = False
-        self._model_params = {id(p) for p in model.parameters()}
         defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay)
         if params is None:
             params = [p for p in model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
         self._attach()
+        if distributed():
+            self._check_ranks_agree()
 
     # ------------------------------------------------------------------ param groups and state
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        before = len(self.param_groups)
-        super().add_param_group(param_group)
-        try:
-            self._check_group(self.param_groups[-1])
-        except Exception:
-            del self.param_groups[before:]  # a rejected group leaves nothing behind
-            raise
-        group = self.param_groups[-1]
-        group["lr"] = self._lr_tensor(group["lr"], group["params"])
-        if getattr(self, "_attached", False):  # a group added after construction
-            self._attach()
-
-    def _check_group(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
-            if id(p) not in self._model_params:
+        """Add a group; its parameters may belong to layers added to the model after
+        construction (they get curvature). A rejected group leaves nothing behind."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a param group holds the same parameter twice")
+        model_params = {id(p) for p in self.model.parameters()}
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must hold Tensors, got {type(p).__name__}")
+            if id(p) not in model_params:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
                                  "parameter of the model")
             if p.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
@@ -152,14 +132,27 @@ class AdaFisher(torch.optim.Optimizer):
             if not p.is_contiguous():
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
                                  "(e.g. channels_last); cafin needs contiguous parameters")
-        _check_hyperparameters(group)
-
-    @staticmethod
-    def _lr_tensor(lr, params) -> torch.Tensor:
-        if not params:
-            return torch.as_tensor(lr, dtype=torch.float32).detach().clone()
-        work = state_dtype(params[0].dtype)
-        return torch.as_tensor(lr).detach().to(device=params[0].device, dtype=work).clone()
+        for name in _HYPERPARAMETERS:
+            check_hyperparameter(param_group.get(name, self.defaults.get(name)), name,
+                                 *_HYPERPARAMETERS[name])
+        before = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            # Tensors end to end: schedules change them in place (fill_) or assign numbers,
+            # and a compiled step sees new values, not new constants.
+            for name in _HYPERPARAMETERS:
+                group[name] = hyperparameter_tensor(group[name], group["params"])
+            if getattr(self, "_attached", False):  # a group added after construction
+                self._attach()
+        except BaseException:
+            del self.param_groups[before:]
+            for p in params:
+                if not any(p is q for g in self.param_groups for q in g["params"]):
+                    self.state.pop(p, None)
+            if getattr(self, "_attached", False):
+                self._attach()
+            raise
 
     def _attach(self) -> None:
         """Map parameters to modules (by identity, first supported module wins), create every
@@ -167,50 +160,41 @@ class AdaFisher(torch.optim.Optimizer):
         modules that own optimised parameters."""
         self.remove_hooks()
         self._attached = True
-        optimised = {p for g in self.param_groups for p in g["params"]}
-        kept = {id(c.module): c for c in self._curvature}
-        self._curvature, self._owner = [], {}
-        for name, module in self.model.named_modules():
-            kind = layer_type_of(module)
-            if kind is None:
-                continue
-            claimed = []
-            for pname, offset in kind.h_offsets(module).items():
-                p = getattr(module, pname, None)
-                if isinstance(p, nn.Parameter) and p in optimised and p not in self._owner:
-                    claimed.append((p, offset))
-            if not claimed:
-                continue
-            previous = kept.get(id(module))
-            record = _Curvature(name, module, kind, previous.anchor if previous else claimed[0][0])
-            self._curvature.append(record)
-            for p, offset in claimed:
-                self._owner[p] = (record, offset)
+        kept = {id(layer.module): layer.anchor for layer in self._curvature}
+        self._curvature = discover(self.model, [p for g in self.param_groups for p in g["params"]])
+        self._owner = {}
+        for layer in self._curvature:
+            layer.anchor = kept.get(id(layer.module), layer.anchor)  # its factors stay where they are
+            offsets = layer.kind.h_offsets(layer.module)
+            for pname, p in layer.params.items():
+                self._owner[p] = (layer, offsets[pname])
         if not self._curvature:
             warnings.warn(f"{type(self).__name__}: the model has no optimised parameter in a "
                           f"supported layer ({', '.join(t.__name__ for t in supported_types())}); "
                           "every parameter uses F~ = 1", UserWarning, stacklevel=3)
         for group in self.param_groups:
             for p in group["params"]:
-                self._counter(p.device)
+                self._steps.tensor(p.device)
+                self._skipped_counter(p.device)
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p.dtype),
                                                         memory_format=torch.contiguous_format)
-        for record in self._curvature:
-            state = self.state[record.anchor]
+        for layer in self._curvature:
+            state = self.state[layer.anchor]
             if "fisher_S" not in state:
-                state.update(self._new_factors(record))
-            self._hooks.append(record.module.register_forward_hook(
-                partial(self._forward_hook, record)))
-        if _distributed():
-            self._check_ranks_agree()
+                state.update(self._new_factors(layer))
+        self._hooks = Hooks(self, self._curvature)
+        self._ranks_checked = False
 
     def _check_ranks_agree(self) -> None:
         """Every rank must hold the same factors, or the collective over them would hang or mix
-        unrelated numbers: compare the layouts once, on every rank, and fail the same way."""
+        unrelated numbers: compare the layouts on every rank, and fail the same way. Collective:
+        it runs in the constructor (collective, like DDP's) and in the first step after the
+        layout may have changed (add_param_group, load_state_dict), never in those calls."""
         import torch.distributed as dist
+        self._ranks_checked = True
         layouts = [None] * dist.get_world_size(self.process_group)
         dist.all_gather_object(layouts, self._layout(), group=self.process_group)
         for rank, layout in enumerate(layouts):
@@ -219,105 +203,103 @@ class AdaFisher(torch.optim.Optimizer):
                                  f"layers: rank 0 has {layouts[0]}, rank {rank} has {layout}")
 
     @staticmethod
-    def _new_factors(record: _Curvature) -> dict[str, torch.Tensor]:
+    def _new_factors(record: Layer) -> dict[str, torch.Tensor]:
         s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
         like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
         return {"fisher_S": torch.full((s,), -1.0, **like), "fisher_H": torch.full((h,), -1.0, **like),
                 "stat_S": torch.zeros(s + 1, **like), "stat_H": torch.zeros(h + 1, **like)}
 
-    def _counter(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """Per-device k (completed steps, read by device-gated statistics) and the count of
-        factor updates dropped for NaN."""
-        if device not in self._counters:
-            first = not self._counters
-            k = self._k()
-            counters = {"k": torch.full((), float(k), device=device),
-                        "skipped": torch.zeros((), device=device),
-                        # added as a tensor: a Python 1 becomes a new 0-dim tensor per call
-                        "one": torch.ones((), device=device)}
-            for t in counters.values():
-                torch._dynamo.mark_static_address(t, guard=False)
-            self._counters[device] = counters
-            if first:
-                self._k_base = counters["k"]._version - k
-        return self._counters[device]
-
-    def _k(self) -> int:
-        """Completed steps, as the host knows them without reading a device value."""
-        if not self._counters:
-            return 0
-        return next(iter(self._counters.values()))["k"]._version - self._k_base
+    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros((), device=device)
+            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
+        return self._skipped[device]
 
     def remove_hooks(self) -> None:
         """Remove the statistics hooks from the model (the optimizer then keeps its factors)."""
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
 
     @property
     def skipped_factor_updates(self) -> int:
         """Factor updates dropped because a statistic held NaN (reads device counters)."""
-        return int(sum(c["skipped"].item() for c in self._counters.values()))
+        return int(sum(c.item() for c in self._skipped.values()))
 
     # ------------------------------------------------------------------ statistics hooks
-    def _statistics_gate(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-        if torch.compiler.is_compiling():
-            return True, self._counter(device)["k"]
-        if self._device_gated or _capturing():
-            self._device_gated = True
-            return True, self._counter(device)["k"]
-        return self._k() % self.TCov == 0, None
+    # The three methods the core's hooks call (cafin.curvature.Hooks).
+    def _statistics_gate(self, layer: Layer, device: torch.device):
+        return self._steps.due(self.TCov, device)
 
-    def _forward_hook(self, record: _Curvature, module, inputs, output) -> torch.Tensor | None:
-        if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
-            return
-        x = inputs[0].detach()
-        if not can_take_statistics(module, x):
-            return
-        collect, step = self._statistics_gate(x.device)
-        if not collect:
-            return
-        state = self.state[record.anchor]
+    def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+        state = self.state[layer.anchor]
         stat = state["stat_H"]
         if state_dtype(x.dtype) != stat.dtype:
             x = x.to(stat.dtype)
-        record.kind.input_stats(self._impl, stat, module, x, step, self.TCov)
+        layer.kind.input_stats(self._impl, stat, layer.module, x, step, self.TCov)
         if self.statistics == "per_pass":
             self._fold([state["fisher_H"]], [stat], [False], None, None)
-        if not (isinstance(output, torch.Tensor) and output.requires_grad):
-            return None
-        # A tensor hook, not a module backward hook: it sees the gradient of the module's own
-        # output even when an in-place activation later overwrites that tensor. A view (Linear on
-        # 3-D input, unbatched Conv2d) loses its hooks when modified in place, so the hook goes on
-        # the tensor it views when that holds the same elements, or on a copy returned instead.
-        target, returned = output, None
-        if not torch.compiler.is_compiling() and output._is_view():
-            base = output._base
-            if (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
-                    and base.storage_offset() == output.storage_offset()):
-                target = base
-            else:
-                target = returned = output.clone()
-        target.register_hook(partial(self._grad_hook, record, step, output.shape))
-        return returned
 
-    def _grad_hook(self, record: _Curvature, step, shape, grad: torch.Tensor) -> None:
-        grad = grad.reshape(shape)
-        stat = self.state[record.anchor]["stat_S"]
+    def _grad_statistics(self, layer: Layer, grad: torch.Tensor, step) -> None:
+        state = self.state[layer.anchor]
+        stat = state["stat_S"]
         if state_dtype(grad.dtype) != stat.dtype:
             grad = grad.to(stat.dtype)
-        record.kind.grad_stats(self._impl, stat, record.module, grad, step, self.TCov)
+        layer.kind.grad_stats(self._impl, stat, layer.module, grad, step, self.TCov)
         if self.statistics == "per_pass":
-            self._fold([self.state[record.anchor]["fisher_S"]], [stat], [True], None, None)
+            self._fold([state["fisher_S"]], [stat], [True], None, None)
+
+    def __deepcopy__(self, memo):
+        """A copy optimises a copy of the model, with hooks of its own."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_hooks":
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._hooks = Hooks(new, new._curvature) if self._hooks is not None else None
+        return new
 
     # ------------------------------------------------------------------ step
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """Everything the kernels would reject, checked before the step writes anything.
+        Hyperparameter values are read only where that costs no sync (numbers, CPU tensors) and
+        not while compiling (the values are symbolic there)."""
+        for name, rule in _HYPERPARAMETERS.items():
+            value = group[name]
+            if isinstance(value, torch.Tensor):
+                if value.dim() != 0 or not value.is_floating_point():
+                    raise ValueError(f"param group {index}: {name} must be a number or a 0-dim "
+                                     f"float tensor, got a {value.dtype} tensor of shape "
+                                     f"{tuple(value.shape)}")
+                if value.device.type != "cpu" or torch.compiler.is_compiling():
+                    continue
+            elif torch.compiler.is_compiling():
+                continue
+            try:
+                check_hyperparameter(value, name, *rule)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {index}: {e}") from None
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            where = f"param group {index}, parameter of shape {tuple(p.shape)}"
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
+            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
+                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
+                                 f"shape {tuple(p.shape)} on {p.device}")
+            if not p.is_contiguous():
+                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
+                                 "channels_last after the optimizer was built); cafin needs "
+                                 "contiguous parameters")
+
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
         """Collect one group's tensors (torch.compile runs this eagerly and marks them static)."""
         for p in group["params"]:
             if p.grad is None:
                 continue
-            if p.grad.is_sparse:
-                raise RuntimeError("AdaFisher does not support sparse gradients")
             state = self.state[p]
             params.append(p)
             grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
@@ -337,6 +319,18 @@ class AdaFisher(torch.optim.Optimizer):
                 h_offsets.append(offset)
         return False
 
+    def _hyperparameter(self, value, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A group's hyperparameter as the 0-dim tensor the op reads. A number that a schedule
+        assigned is multiplied into a cached one, not wrapped with torch.tensor: under compile
+        the number becomes symbolic after its first change, and this stays one graph."""
+        if isinstance(value, torch.Tensor):
+            return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
+        key = (device, dtype)
+        if key not in self._ones:
+            self._ones[key] = torch.ones((), device=device, dtype=dtype)
+            torch._dynamo.mark_static_address(self._ones[key], guard=False)
+        return self._ones[key] * value
+
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.device, state_dtype(p.dtype))
         if key not in self._no_curvature:
@@ -345,8 +339,8 @@ class AdaFisher(torch.optim.Optimizer):
 
     def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
         device = factors[0].device
-        self._impl.fisher_average_(factors, stats, self._counter(device)["skipped"], self.gamma,
-                                   grad_side, _on(grad_scale, device), _on(found_inf, device))
+        self._impl.fisher_average_(factors, stats, self._skipped_counter(device), self.gamma,
+                                   grad_side, on(grad_scale, device), on(found_inf, device))
 
     def _update_factors(self, grad_scale, found_inf) -> None:
         """On a step after statistics were taken: fold them into the factors (one call per
@@ -357,7 +351,7 @@ class AdaFisher(torch.optim.Optimizer):
             return
         # On the host: whether this step is a curvature step (the same on every rank, so either
         # all ranks average or none does, whatever their hooks saw).
-        if not (torch.compiler.is_compiling() or self._device_gated or self._k() % self.TCov == 0):
+        if self._steps.host_due(self.TCov) is False:
             return
         by_device: dict[torch.device, tuple[list, list, list]] = {}
         for record in self._curvature:
@@ -376,9 +370,9 @@ class AdaFisher(torch.optim.Optimizer):
                 grad_scale = self.grad_scaler._get_scale_async()
             for factors, stats, grad_side in by_device.values():
                 self._fold(factors, stats, grad_side, grad_scale, found_inf)
-        if _distributed():
+        if distributed():
             for factors, _, _ in by_device.values():
-                _average_over_ranks(factors, self.process_group)
+                average_over_ranks(factors, self.process_group)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -393,6 +387,12 @@ class AdaFisher(torch.optim.Optimizer):
             raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
                                "already folded scaled gradient statistics into the factors: "
                                "use statistics='per_step' (the default) with a GradScaler")
+        self._opt_called = True  # for the LR scheduler's call-order warning
+        # Check every group before anything is written: a rejected step leaves no trace.
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+        if not self._ranks_checked and not torch.compiler.is_compiling() and distributed():
+            self._check_ranks_agree()
         groups = []
         for group in self.param_groups:
             lists: tuple[list, ...] = ([], [], [], [], [], [], [])
@@ -402,35 +402,29 @@ class AdaFisher(torch.optim.Optimizer):
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            torch._foreach_add_(steps, [self._counters[s.device]["one"] for s in steps])
+            torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
             buckets: dict[tuple, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
             for (device, dtype), idx in buckets.items():
-                lr = group["lr"]
                 work = state_dtype(dtype)
-                if not isinstance(lr, torch.Tensor):
-                    lr = torch.tensor(lr, dtype=work, device=device)
-                elif lr.device != device or lr.dtype != work:
-                    lr = lr.to(device=device, dtype=work)
+                lr, beta, weight_decay, damping = (
+                    self._hyperparameter(group[name], device, work)
+                    for name in ("lr", "beta", "weight_decay", "Lambda"))
                 pick = (lambda xs: xs) if len(idx) == len(params) else (lambda xs: [xs[i] for i in idx])
                 self._impl.adafisher_step_(
                     pick(params), pick(grads), pick(exp_avgs), pick(steps), pick(fisher_S),
-                    pick(fisher_H), pick(h_offsets), lr, group["beta"], group["weight_decay"],
-                    group["Lambda"], self.decoupled_weight_decay, _on(grad_scale, device),
-                    _on(found_inf, device))
+                    pick(fisher_H), pick(h_offsets), lr, beta, weight_decay, damping,
+                    self.decoupled_weight_decay, on(grad_scale, device), on(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
-                torch._foreach_sub_(steps, [_on(found_inf, s.device) for s in steps])
-        ks = [c["k"] for c in self._counters.values()]
-        torch._foreach_add_(ks, [c["one"] for c in self._counters.values()])  # one version bump
-        if not torch.compiler.is_compiling() and _capturing():
-            self._device_gated = True
+                torch._foreach_sub_(steps, [on(found_inf, s.device) for s in steps])
+        self._steps.advance()
         return loss
 
     # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
     # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
-    # fullgraph=True)`. This marks the step as already wrapped; `_opt_called`, which the wrapper
-    # records for the scheduler's call-order warning, is set once in __init__.
+    # fullgraph=True)`. This marks the step as already wrapped; the step itself sets
+    # `_opt_called`, which the wrapper would record for the scheduler's call-order warning.
     step._wrapped_by_lr_sched = True
 
     # ------------------------------------------------------------------ checkpoints
@@ -440,15 +434,16 @@ class AdaFisher(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        k = self._k()
-        if self._device_gated:  # graph replays bump no version
-            k = int(next(iter(self._counters.values()))["k"].item())
-        sd["curvature"] = {"k": k, "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
+        sd["curvature"] = {"k": self._steps.value(), "layout": self._layout(), "TCov": self.TCov, "gamma": self.gamma}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of this optimizer on this model; validates everything first, copies
-        every tensor onto the parameters' devices and leaves `state_dict` unchanged."""
+        """Load a checkpoint of this optimizer on this model. Everything is validated before
+        anything is replaced (a rejected checkpoint leaves the optimizer as it was); every tensor
+        is copied onto its parameter's device and `state_dict` is left unchanged. Local: no
+        collective runs here (ranks are compared at the next step)."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups", "curvature"):
             if key not in state_dict:
                 raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
@@ -457,16 +452,35 @@ class AdaFisher(torch.optim.Optimizer):
             raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
                              f"has {len(self.param_groups)}")
         index_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"checkpoint group has {len(saved['params'])} parameters, "
-                                 f"this optimizer's has {len(group['params'])}")
+        new_groups = []
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(f"checkpoint group {i} has {len(saved.get('params', ()))} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
             index_to_param.update(zip(saved["params"], group["params"]))
-        layout = state_dict["curvature"].get("layout")
+            values = {}
+            for name, rule in _HYPERPARAMETERS.items():
+                if name not in saved:
+                    raise ValueError(f"checkpoint group {i} has no {name}")
+                try:
+                    check_hyperparameter(saved[name], name, *rule)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"checkpoint group {i}: {e}") from None
+                values[name] = hyperparameter_tensor(saved[name], group["params"])
+            for key, value in saved.items():
+                if key != "params" and key not in values:
+                    values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            new_groups.append(values)
+        curvature = state_dict["curvature"]
+        k = curvature.get("k") if isinstance(curvature, dict) else None
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"checkpoint curvature['k'] (completed steps) must be an int >= 0, "
+                             f"got {k!r}")
+        layout = curvature.get("layout")
         if layout != self._layout():
             raise ValueError("checkpoint was saved for a different model: its curvature layers "
                              f"{layout} do not match this model's {self._layout()}")
-        anchors = {r.anchor for r in self._curvature}
+        anchors = {layer.anchor for layer in self._curvature}
         new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
         for index, saved in state_dict["state"].items():
             if index not in index_to_param:
@@ -475,36 +489,46 @@ class AdaFisher(torch.optim.Optimizer):
             p = index_to_param[index]
             expected = {"step": (), "exp_avg": tuple(p.shape)}
             if p in anchors:
-                expected.update({k: tuple(v.shape) for k, v in self.state[p].items()
-                                 if k in _FACTOR_KEYS})
+                expected.update({key: tuple(v.shape) for key, v in self.state[p].items()
+                                 if key in _FACTOR_KEYS})
             if set(saved) != set(expected):
                 raise ValueError(f"checkpoint state of parameter {index} has keys {sorted(saved)}, "
                                  f"expected {sorted(expected)}")
-            for key, shape in expected.items():
-                if tuple(saved[key].shape) != shape:
-                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
-                                     f"{tuple(saved[key].shape)}, expected {shape}")
             work = state_dtype(p.dtype)
-            new_state[p] = {key: value.detach().to(
-                device=p.device, dtype=torch.float32 if key == "step" else work, copy=True)
-                for key, value in saved.items()}
+            entry = {}
+            for key, shape in expected.items():
+                value = saved[key]
+                if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    value = torch.tensor(float(value))  # torch.optim style: a Python number
+                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                    raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
+                                    f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+                if tuple(value.shape) != shape:
+                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
+                                     f"{tuple(value.shape)}, expected {shape}")
+                if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
+                    raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
+                                     f"got {float(value)}")
+                if key in _FACTOR_KEYS and not torch.isfinite(value).all():
+                    raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
+                entry[key] = value.detach().to(
+                    device=p.device, dtype=torch.float32 if key == "step" else work, copy=True)
+            new_state[p] = entry
+        missing = [layer.name for layer in self._curvature if layer.anchor not in new_state]
+        if missing:
+            raise ValueError(f"checkpoint has no factors for the layers {missing}")
+        for name in ("TCov", "gamma"):
+            saved = curvature.get(name)
+            if saved is not None and saved != getattr(self, name):
+                warnings.warn(f"checkpoint was saved with {name}={saved}; this optimizer keeps "
+                              f"its own {name}={getattr(self, name)} (the constructor's wins)",
+                              UserWarning, stacklevel=2)
         # Everything checked: now replace.
         self.state.clear()
         self.state.update(new_state)
-        for saved, group in zip(saved_groups, self.param_groups):
-            for key, value in saved.items():
-                if key == "params":
-                    continue
-                if key == "lr":
-                    value = self._lr_tensor(value, group["params"])
-                elif isinstance(value, torch.Tensor):
-                    value = value.detach().clone()
-                group[key] = value
-        k = int(state_dict["curvature"]["k"])
-        for counters in self._counters.values():
-            counters["k"].fill_(float(k))
-        if self._counters:
-            self._k_base = next(iter(self._counters.values()))["k"]._version - k
+        for values, group in zip(new_groups, self.param_groups):
+            group.update(values)
+        self._steps.load(k)
         self._attach()  # state for parameters the checkpoint had none for
 
 
@@ -515,36 +539,10 @@ class AdaFisherW(AdaFisher):
     decoupled_weight_decay = True
 
 
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _average_over_ranks(factors: list[torch.Tensor], group) -> None:
-    """Average the factors over the ranks in one collective over one flat buffer."""
-    import torch.distributed as dist
-    flat = torch.cat([f.reshape(-1) for f in factors])
-    dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    torch._foreach_copy_(factors, list(flat.split([f.numel() for f in factors])))
-
-
-def _on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
-    return t if t is None or t.device == device else t.to(device)
-
-
-def _check_hyperparameters(group: dict[str, Any]) -> None:
-    lr = group["lr"]
-    if isinstance(lr, torch.Tensor):
-        if lr.numel() != 1:
-            raise ValueError(f"lr must be a number or a 1-element tensor, got shape {tuple(lr.shape)}")
-        lr_value = float(lr)
-    else:
-        lr_value = float(lr)
-    if not lr_value >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr_value}")
-    if not 0.0 <= group["beta"] < 1.0:
-        raise ValueError(f"beta must be in [0, 1), got {group['beta']}")
-    if not group["Lambda"] > 0.0:
-        raise ValueError(f"Lambda must be > 0, got {group['Lambda']}")
-    if not group["weight_decay"] >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
+# name -> (low, high, low_open, high_open): the range a group's value must lie in.
+_HYPERPARAMETERS = {
+    "lr": (0.0, math.inf, False, True),
+    "beta": (0.0, 1.0, False, True),
+    "Lambda": (0.0, math.inf, True, True),
+    "weight_decay": (0.0, math.inf, False, True),
+}

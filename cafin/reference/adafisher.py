@@ -137,16 +137,24 @@ def adafisher_step_(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offset
         g = g.to(work)
         if grad_scale is not None:
             g = g / grad_scale.to(work)
-        f_tilde = preconditioner(p, S, H, off, damping)
-        bias_correction = 1 - beta ** t.to(torch.float64)
+        # The hyperparameters are 0-dim tensors (numbers are taken as the op-math dtype, as the
+        # fused op's wrapper takes them); per-tensor coefficients are formed in float64 and
+        # rounded once to the op-math type, as the kernels do.
+        beta, weight_decay, damping = (torch.as_tensor(v, dtype=work, device=p.device)
+                                       for v in (beta, weight_decay, damping))
+        beta64 = beta.to(torch.float64)
+        b, one_minus_b = beta64.to(work), (1 - beta64).to(work)
+        wd, damp = weight_decay.to(work), damping.to(work)
+        f_tilde = preconditioner(p, S, H, off, damp)
+        bias_correction = 1 - torch.pow(beta64, t.to(torch.float64))
         lr_t = lr.to(torch.float64)
         if decoupled:
-            m_new = beta * m + (1 - beta) * g
-            update = m_new / (bias_correction.to(work) * f_tilde) + weight_decay * theta
+            m_new = b * m + one_minus_b * g
+            update = m_new / (bias_correction.to(work) * f_tilde) + wd * theta
             theta_new = theta - lr_t.to(work) * update
         else:
-            g = g + weight_decay * theta
-            m_new = beta * m + (1 - beta) * g
+            g = g + wd * theta
+            m_new = b * m + one_minus_b * g
             theta_new = theta - (lr_t / bias_correction).to(work) * m_new / f_tilde
         if found_inf is not None:
             skip = found_inf.to(p.device) != 0

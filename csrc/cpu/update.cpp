@@ -130,8 +130,8 @@ void update_bucket(at::TensorList params, at::TensorList grads, at::TensorList e
 
 void adafisher_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList steps, at::TensorList fisher_S, at::TensorList fisher_H,
-                        at::IntArrayRef h_offsets, const at::Tensor& lr, double beta,
-                        double weight_decay, double damping, bool decoupled,
+                        at::IntArrayRef h_offsets, const at::Tensor& lr, const at::Tensor& beta,
+                        const at::Tensor& weight_decay, const at::Tensor& damping, bool decoupled,
                         const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf) {
   check_adafisher_step(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets, lr, beta,
@@ -142,7 +142,8 @@ void adafisher_step_cpu(at::TensorList params, at::TensorList grads, at::TensorL
   const double scale = mode.scaled ? *grad_scale->const_data_ptr<float>() : 1.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "adafisher_step_", [&] {
     update_bucket<scalar_t>(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets,
-                            lr.item<double>(), beta, weight_decay, damping, mode, scale);
+                            lr.item<double>(), beta.item<double>(), weight_decay.item<double>(),
+                            damping.item<double>(), mode, scale);
   });
 }
 

@@ -1,5 +1,5 @@
 // CUDA kernel of adafisher_step_: one multi-tensor-apply launch per table of the bucket. The step
-// counts, lr, grad_scale and found_inf are read through device pointers: no host sync, so the
+// counts, lr, beta, weight_decay, damping, grad_scale and found_inf are read through device pointers: no host sync, so the
 // update can be captured in a CUDA graph. Semantics: cafin/reference.py; arithmetic:
 // adafisher_math.h, shared with the CPU kernel.
 #include <ATen/Dispatch.h>
@@ -36,9 +36,9 @@ struct UpdateArgs {
   const opmath_t* lr;
   const float* grad_scale;  // nullptr: gradients are not scaled
   const float* found_inf;   // nullptr: always apply
-  double beta;
-  double weight_decay;
-  double damping;
+  const opmath_t* beta;
+  const opmath_t* weight_decay;
+  const opmath_t* damping;
   bool decoupled;
 };
 
@@ -75,7 +75,8 @@ __global__ void __launch_bounds__(kBlockSize)
   const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = min(table.numel[slot], begin + kChunkSize);
   const UpdateCoeffs<opmath_t> c = update_coeffs<opmath_t>(
-      static_cast<double>(*args.lr), *t.step, args.beta, args.weight_decay, args.damping, kDecoupled);
+      static_cast<double>(*args.lr), *t.step, static_cast<double>(*args.beta),
+      static_cast<double>(*args.weight_decay), static_cast<double>(*args.damping), kDecoupled);
   const bool scaled = args.grad_scale != nullptr;
   const opmath_t scale = scaled ? static_cast<opmath_t>(*args.grad_scale) : opmath_t(1);
 
@@ -143,8 +144,8 @@ void update_bucket(at::TensorList params, at::TensorList grads, at::TensorList e
 
 void adafisher_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                          at::TensorList steps, at::TensorList fisher_S, at::TensorList fisher_H,
-                         at::IntArrayRef h_offsets, const at::Tensor& lr, double beta,
-                         double weight_decay, double damping, bool decoupled,
+                         at::IntArrayRef h_offsets, const at::Tensor& lr, const at::Tensor& beta,
+                         const at::Tensor& weight_decay, const at::Tensor& damping, bool decoupled,
                          const std::optional<at::Tensor>& grad_scale,
                          const std::optional<at::Tensor>& found_inf) {
   check_adafisher_step(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets, lr, beta,
@@ -156,7 +157,9 @@ void adafisher_step_cuda(at::TensorList params, at::TensorList grads, at::Tensor
     const UpdateArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(),
                                     grad_scale.has_value() ? grad_scale->const_data_ptr<float>() : nullptr,
                                     found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr,
-                                    beta, weight_decay, damping, decoupled};
+                                    beta.const_data_ptr<opmath_t>(),
+                                    weight_decay.const_data_ptr<opmath_t>(),
+                                    damping.const_data_ptr<opmath_t>(), decoupled};
     update_bucket<scalar_t>(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets, args);
   });
 }
