@@ -3,8 +3,7 @@ and the fake (meta) implementations that let torch.compile trace them.
 
 Schemas: csrc/ops.cpp. Semantics: the function of the same name in cafin/reference/adafisher.py.
 The kernels check their inputs again before writing anything, so a rejected call writes nothing.
-The statistics of gradients skip the Python checks while torch.compile traces them: Dynamo refuses
-gradient hooks that branch on the gradient's metadata, and the kernels check the same conditions.
+The statistics ops leave their checks to the kernels (see the statistics section).
 """
 from __future__ import annotations
 
@@ -35,35 +34,6 @@ def _check_scalar_tensor(t, name, device, dtype=None):
     _check(t.device == device, f"{name} is on {t.device}, expected {device}")
     if dtype is not None:
         _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
-
-
-def _check_stat(stat, x, length, name="stat"):
-    _check(isinstance(stat, torch.Tensor) and isinstance(x, torch.Tensor),
-           "stat and the input must be Tensors", TypeError)
-    _check(x.dtype in _FLOATS, f"input dtype {x.dtype} is not a floating type cafin supports", TypeError)
-    _check(stat.dtype == state_dtype(x.dtype),
-           f"{name} has dtype {stat.dtype}, expected {state_dtype(x.dtype)} for input dtype {x.dtype}",
-           TypeError)
-    _check(stat.device == x.device, f"{name} is on {stat.device} but the input is on {x.device}")
-    _check(stat.dim() == 1 and stat.is_contiguous(), f"{name} must be a contiguous 1-D tensor")
-    _check(stat.numel() == length,
-           f"{name} has {stat.numel()} elements, expected {length} (statistics plus a count)")
-
-
-def _check_gate(step, interval, device):
-    if step is not None:
-        _check_scalar_tensor(step, "step", device, torch.float32)
-    _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")
-
-
-def _channels(shape, start_dim, end_dim, what):
-    ndim = len(shape)
-    _check(0 <= start_dim < end_dim <= ndim,
-           f"{what}: need 0 <= start_dim < end_dim <= ndim, got {start_dim}, {end_dim} for ndim {ndim}")
-    c = 1
-    for s in shape[start_dim:end_dim]:
-        c *= s
-    return c
 
 
 def _hyperparameter(value, name, device, dtype, valid, rule):
@@ -135,15 +105,20 @@ def _adafisher_step_fake(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_o
 
 
 # ----------------------------------------------------------------------------------- statistics
+# The statistics run in forward and backward hooks, many per step: their arguments are checked by
+# the kernels (csrc/checks.h, the same conditions, exception types and messages, before anything is
+# written), not again here, which would cost more than the statistic of a small layer. Only what
+# cannot reach a kernel (a non-tensor) is caught here.
+def _check_tensors(stat, x) -> None:
+    if not (isinstance(stat, torch.Tensor) and isinstance(x, torch.Tensor)):
+        raise TypeError("stat and the input must be Tensors")
+
+
 def sumsq_stats_(stat: torch.Tensor, x: torch.Tensor, start_dim: int, end_dim: int,
                  append_one: bool, step: torch.Tensor | None = None, interval: int = 1) -> None:
     """stat[c] += mean of x^2 over every dim outside [start_dim, end_dim) (flattened into c);
     with append_one one more entry += 1 (a bias input); the last entry counts contributions."""
-    if not torch.compiler.is_compiling():
-        c = _channels(x.shape, start_dim, end_dim, "sumsq_stats_")
-        _check_stat(stat, x, c + int(append_one) + 1)
-        _check(x.numel() > 0, "sumsq_stats_: the input is empty")
-        _check_gate(step, interval, x.device)
+    _check_tensors(stat, x)
     torch.ops.cafin.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval)
 
 
@@ -159,20 +134,7 @@ def conv2d_input_stats_(stat: torch.Tensor, x: torch.Tensor, kernel_size: Sequen
                         interval: int = 1) -> None:
     """Conv2d input side without unfold: stat[(c,i,j)] += sum over batch, group and output position
     of the squared patch entry, / (B*oh*ow*D); padding is [top, bottom, left, right] of zeros."""
-    _check(x.dim() == 4, f"conv2d_input_stats_: input must be [B, C, H, W], got shape {tuple(x.shape)}")
-    _check(len(kernel_size) == 2 and len(stride) == 2 and len(dilation) == 2 and len(padding) == 4,
-           "conv2d_input_stats_: kernel_size, stride, dilation take 2 ints and padding 4")
-    _check(min(kernel_size) >= 1 and min(stride) >= 1 and min(dilation) >= 1 and min(padding) >= 0,
-           "conv2d_input_stats_: kernel_size, stride, dilation must be >= 1 and padding >= 0")
-    _check(groups >= 1 and x.shape[1] % groups == 0,
-           f"conv2d_input_stats_: {x.shape[1]} input channels do not split into {groups} groups")
-    out_h = (x.shape[2] + padding[0] + padding[1] - dilation[0] * (kernel_size[0] - 1) - 1) // stride[0] + 1
-    out_w = (x.shape[3] + padding[2] + padding[3] - dilation[1] * (kernel_size[1] - 1) - 1) // stride[1] + 1
-    _check(out_h >= 1 and out_w >= 1 and x.shape[0] >= 1,
-           f"conv2d_input_stats_: input {tuple(x.shape)} gives an empty output")
-    d = x.shape[1] // groups * kernel_size[0] * kernel_size[1]
-    _check_stat(stat, x, d + int(append_one) + 1)
-    _check_gate(step, interval, x.device)
+    _check_tensors(stat, x)
     torch.ops.cafin.conv2d_input_stats_(stat, x, list(kernel_size), list(stride), list(padding),
                                         list(dilation), groups, append_one, step, interval)
 
@@ -188,10 +150,7 @@ def norm_input_stats_(stat: torch.Tensor, x: torch.Tensor, step: torch.Tensor | 
                       interval: int = 1) -> None:
     """BatchNorm2d/LayerNorm input side: stat[:2] += [sum_t u[t]^2, T] / B^2 with
     u[t] = sum of x over every dim but 1, / (product of the dims after 1)^2."""
-    _check(x.dim() >= 2 and x.numel() > 0,
-           f"norm_input_stats_: input must have at least 2 dims and elements, got {tuple(x.shape)}")
-    _check_stat(stat, x, 3)
-    _check_gate(step, interval, x.device)
+    _check_tensors(stat, x)
     torch.ops.cafin.norm_input_stats_(stat, x, step, interval)
 
 
@@ -205,11 +164,7 @@ def norm_grad_stats_(stat: torch.Tensor, g: torch.Tensor, start_dim: int, end_di
                      step: torch.Tensor | None = None, interval: int = 1) -> None:
     """BatchNorm2d/LayerNorm gradient side: stat[c] += (sum of g over the dims outside
     [start_dim, end_dim))^2 / g.shape[0]."""
-    if not torch.compiler.is_compiling():
-        c = _channels(g.shape, start_dim, end_dim, "norm_grad_stats_")
-        _check_stat(stat, g, c + 1)
-        _check(g.numel() > 0, "norm_grad_stats_: the gradient is empty")
-        _check_gate(step, interval, g.device)
+    _check_tensors(stat, g)
     torch.ops.cafin.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval)
 
 

@@ -1,7 +1,10 @@
-// CPU kernels of the curvature statistics. Every input is read once; sums run in double (the
-// float32 results are compared with the reference to 1e-5, and bf16/fp16 squares would overflow in
-// their own type), split over threads in a fixed number of chunks so results do not depend on
-// scheduling. The Conv2d input side never unfolds: patches of X2 = sum over the batch of x^2.
+// CPU kernels of the curvature statistics. Every input is read once, through its strides (a
+// contiguous or channels_last input is never copied). Squares are taken in the op-math type, as the
+// reference does; short partial sums stay in that type (16 terms at most, so float32 partials lose
+// nothing the 1e-5 comparisons see) and are folded into double, which keeps the vector loops at
+// the memory's speed. Work is split over threads in a number of chunks fixed by the sizes and the
+// thread count, never by scheduling, so a result does not change from run to run.
+// The Conv2d input side never unfolds: see conv2d_input_stats_cpu.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -15,79 +18,219 @@
 #include "adafisher_math.h"
 #include "checks.h"
 #include "cpu/vectorize.h"
+#include "statistics_math.h"
 
 namespace cafin {
 namespace {
 
-// Squared in the op-math type, as the reference and the CUDA kernels do (a square that overflows
-// float32 is +inf, which the factor average maps to 1), then summed in double.
-template <bool kSquare, typename scalar_t>
-C10_ALWAYS_INLINE double term(scalar_t v) {
-  const auto x = static_cast<at::opmath_type<scalar_t>>(v);
-  return static_cast<double>(kSquare ? x * x : x);
+// Terms a partial sum in the op-math type takes before it is folded into double.
+constexpr int64_t kPartialTerms = 16;
+
+// Positions whose partial and double sums one thread keeps in its L2 while it reads the batch.
+constexpr int64_t kTilePositions = 32768;
+
+template <bool kSquare, typename acc_t, typename scalar_t>
+C10_ALWAYS_INLINE acc_t term(scalar_t v) {
+  const auto x = static_cast<acc_t>(v);
+  return kSquare ? x * x : x;
 }
 
-// acc[k] += term(x[k]): the accumulation across rows, vectorised along the row.
-template <bool kSquare, typename scalar_t>
-CAFIN_CPU_CLONES void add_row(double* __restrict acc, const scalar_t* __restrict x, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) acc[k] += term<kSquare>(x[k]);
+// acc[k] += term(x[k]): one row into per-element partial sums.
+template <bool kSquare, typename acc_t, typename scalar_t>
+CAFIN_CPU_CLONES void add_row(acc_t* __restrict acc, const scalar_t* __restrict x, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) acc[k] += term<kSquare, acc_t>(x[k]);
 }
 
-// sum_k term(x[k]) with independent lanes, so the loop vectorises without reassociation flags.
+// total[k] += part[k]; part[k] = 0.
+template <typename acc_t>
+CAFIN_CPU_CLONES void fold(double* __restrict total, acc_t* __restrict part, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    total[k] += static_cast<double>(part[k]);
+    part[k] = acc_t(0);
+  }
+}
+
+// sum_k term(x[k]) over a contiguous run: four vector registers of independent lanes, folded
+// into double lanes every kPartialTerms rounds.
 template <bool kSquare, typename scalar_t>
 CAFIN_CPU_CLONES double sum_run(const scalar_t* __restrict x, int64_t n) {
-  constexpr int kLanes = 16;
-  double lanes[kLanes] = {};
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kLanes = 256 / sizeof(acc_t);
+  double wide[kLanes] = {};
   int64_t k = 0;
-  for (; k + kLanes <= n; k += kLanes) {
-    for (int j = 0; j < kLanes; ++j) lanes[j] += term<kSquare>(x[k + j]);
+  while (n - k >= kLanes) {
+    acc_t lanes[kLanes] = {};
+    const int64_t rounds = std::min<int64_t>(kPartialTerms, (n - k) / kLanes);
+    for (int64_t r = 0; r < rounds; ++r, k += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += term<kSquare, acc_t>(x[k + j]);
+    }
+    for (int64_t j = 0; j < kLanes; ++j) wide[j] += static_cast<double>(lanes[j]);
   }
-  double total = 0.0;
-  for (; k < n; ++k) total += term<kSquare>(x[k]);
-  for (int j = 0; j < kLanes; ++j) total += lanes[j];
+  // Halving, not a running sum: the lanes fold in vector adds, not a 64-add dependency chain.
+  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
+    for (int64_t j = 0; j < w; ++j) wide[j] += wide[j + w];
+  }
+  double total = wide[0];
+  for (; k < n; ++k) total += static_cast<double>(term<kSquare, acc_t>(x[k]));
   return total;
+}
+
+// part[p] += sum over r < rows of term(x[r * stride + p]), p < n: a block of rows (batch entries)
+// at once, the partial sums of 64 positions held in registers across the block, so the partial
+// sums are loaded and stored once per block instead of once per row.
+template <bool kSquare, typename acc_t, typename scalar_t>
+CAFIN_CPU_CLONES void add_rows(acc_t* __restrict part, const scalar_t* __restrict x, int64_t stride,
+                               int64_t rows, int64_t n) {
+  constexpr int64_t kWidth = 256 / sizeof(acc_t);
+  int64_t p = 0;
+  for (; p + kWidth <= n; p += kWidth) {
+    acc_t acc[kWidth];
+    for (int64_t j = 0; j < kWidth; ++j) acc[j] = part[p + j];
+    for (int64_t r = 0; r < rows; ++r) {
+      const scalar_t* row = x + r * stride + p;
+      for (int64_t j = 0; j < kWidth; ++j) acc[j] += term<kSquare, acc_t>(row[j]);
+    }
+    for (int64_t j = 0; j < kWidth; ++j) part[p + j] = acc[j];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t q = p; q < n; ++q) part[q] += term<kSquare, acc_t>(x[r * stride + q]);
+  }
+}
+
+// x2[p] += sum over the batch of term(x[b * stride + p]): partial sums of kPartialTerms entries
+// (in blocks of eight, the streams the prefetcher follows at once), folded into double.
+template <bool kSquare, typename acc_t, typename scalar_t>
+void add_batch(double* x2, acc_t* part, const scalar_t* x, int64_t stride, int64_t batch, int64_t n) {
+  constexpr int64_t kBlock = 8;
+  for (int64_t b = 0; b < batch; b += kBlock) {
+    add_rows<kSquare>(part, x + b * stride, stride, std::min(kBlock, batch - b), n);
+    if ((b + kBlock) % kPartialTerms == 0 || b + kBlock >= batch) fold(x2, part, n);
+  }
 }
 
 int64_t chunk_count(int64_t work) {
   return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), work / kGrainSize));
 }
 
-// Per-channel sums of term(x) over x viewed [outer, channels, inner] (contiguous).
-template <bool kSquare, typename scalar_t>
-std::vector<double> channel_sums(const scalar_t* x, const ChannelView& v) {
-  const int64_t channels = v.channels;
-  // Short inner runs (Linear rows, small feature maps) are summed whole rows at a time into
-  // per-(channel, inner) accumulators, reduced over inner at the end; long runs one at a time.
-  const bool by_rows = v.inner < 256;
-  const int64_t width = by_rows ? channels * v.inner : channels;
-  const int64_t items = by_rows ? v.outer : v.outer * channels;
-  const int64_t chunks = std::min(items, chunk_count(v.outer * channels * v.inner));
+// Rows of `width` contiguous elements, row r at x + row_offset(r): per-element sums over rows,
+// each chunk of rows into its own double accumulator, added in chunk order.
+template <bool kSquare, typename scalar_t, typename Offset>
+std::vector<double> row_sums(const scalar_t* x, int64_t rows, int64_t width, const Offset& row_offset) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t chunks = std::min(rows, chunk_count(rows * width));
   std::vector<double> partial(chunks * width, 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(width, acc_t(0));
     for (int64_t k = first; k < last; ++k) {
-      double* acc = partial.data() + k * width;
-      const int64_t lo = items * k / chunks;
-      const int64_t hi = items * (k + 1) / chunks;
-      for (int64_t item = lo; item < hi; ++item) {
-        if (by_rows) {
-          add_row<kSquare>(acc, x + item * width, width);
-        } else {
-          acc[item % channels] += sum_run<kSquare>(x + item * v.inner, v.inner);
-        }
+      double* total = partial.data() + k * width;
+      const int64_t lo = rows * k / chunks, hi = rows * (k + 1) / chunks;
+      for (int64_t r = lo; r < hi; ++r) {
+        add_row<kSquare>(part.data(), x + row_offset(r), width);
+        if ((r - lo) % kPartialTerms == kPartialTerms - 1 || r == hi - 1) fold(total, part.data(), width);
       }
     }
   });
-  std::vector<double> sums(channels, 0.0);
-  for (int64_t k = 0; k < chunks; ++k) {
-    const double* acc = partial.data() + k * width;
-    for (int64_t c = 0; c < channels; ++c) {
-      if (by_rows) {
-        for (int64_t i = 0; i < v.inner; ++i) sums[c] += acc[c * v.inner + i];
-      } else {
-        sums[c] += acc[c];
-      }
-    }
+  for (int64_t k = 1; k < chunks; ++k) {
+    for (int64_t i = 0; i < width; ++i) partial[i] += partial[k * width + i];
   }
+  partial.resize(width);
+  return partial;
+}
+
+// Per-position sums of term(x) over `outer` blocks of `block` contiguous elements, block o at
+// x + o * stride. Small blocks: chunks of blocks per thread, each into its own accumulator, added
+// in chunk order; large blocks: tiles of positions per thread over every block.
+template <bool kSquare, typename scalar_t>
+std::vector<double> block_sums(const scalar_t* x, int64_t outer, int64_t stride, int64_t block) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t threads = chunk_count(outer * block);
+  if (block > kTilePositions && threads > 1) {
+    std::vector<double> total(block, 0.0);
+    const int64_t tile = std::min(kTilePositions, (block + threads - 1) / threads);
+    const int64_t tiles = (block + tile - 1) / tile;
+    at::parallel_for(0, tiles, 1, [&](int64_t first, int64_t last) {
+      std::vector<acc_t> part(tile, acc_t(0));
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t lo = t * tile, n = std::min(tile, block - lo);
+        add_batch<kSquare>(total.data() + lo, part.data(), x + lo, stride, outer, n);
+      }
+    });
+    return total;
+  }
+  const int64_t chunks = std::min(outer, threads);
+  std::vector<double> partial(chunks * block, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(block, acc_t(0));
+    for (int64_t k = first; k < last; ++k) {
+      const int64_t lo = outer * k / chunks, hi = outer * (k + 1) / chunks;
+      add_batch<kSquare>(partial.data() + k * block, part.data(), x + lo * stride, stride, hi - lo, block);
+    }
+  });
+  for (int64_t k = 1; k < chunks; ++k) {
+    for (int64_t i = 0; i < block; ++i) partial[i] += partial[k * block + i];
+  }
+  partial.resize(block);
+  return partial;
+}
+
+// Per-channel sums of term(x) over x viewed [outer, channels, inner] through its strides. Returns
+// false (and nothing) for a layout it does not read directly.
+template <bool kSquare, typename scalar_t>
+bool channel_sums(const scalar_t* x, const StridedView& v, std::vector<double>& sums) {
+  const int64_t channels = v.channels, inner = v.inner, block = channels * inner;
+  if (!v.ok) return false;
+  // One outer index's [channels, inner] (NCHW, Linear rows) or [inner, channels] (channels_last)
+  // is one contiguous block.
+  const bool channels_major = v.inner_stride == 1 && (v.channel_stride == inner || channels == 1);
+  const bool channels_minor = v.channel_stride == 1 && (v.inner_stride == channels || inner == 1);
+  const bool long_runs = v.inner_stride == 1 && inner >= 1024;
+  if ((channels_major || channels_minor) && !(long_runs && block > kTilePositions)) {
+    const std::vector<double> acc = block_sums<kSquare>(x, v.outer, v.outer_stride, block);
+    sums.assign(channels, 0.0);
+    for (int64_t c = 0; c < channels; ++c) {
+      for (int64_t i = 0; i < inner; ++i) sums[c] += acc[channels_major ? c * inner + i : i * channels + c];
+    }
+    return true;
+  }
+  if (v.inner_stride == 1) {
+    // Long contiguous runs (feature maps): one run per (outer, channel), summed whole.
+    const int64_t items = v.outer * channels;
+    const int64_t chunks = std::min(items, chunk_count(items * inner));
+    std::vector<double> partial(chunks * channels, 0.0);
+    at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
+      for (int64_t k = first; k < last; ++k) {
+        double* acc = partial.data() + k * channels;
+        for (int64_t item = items * k / chunks; item < items * (k + 1) / chunks; ++item) {
+          const int64_t o = item / channels, c = item % channels;
+          acc[c] += sum_run<kSquare>(x + o * v.outer_stride + c * v.channel_stride, inner);
+        }
+      }
+    });
+    sums.assign(channels, 0.0);
+    for (int64_t k = 0; k < chunks; ++k) {
+      for (int64_t c = 0; c < channels; ++c) sums[c] += partial[k * channels + c];
+    }
+    return true;
+  }
+  if (v.channel_stride == 1) {
+    // Channels innermost but inner positions apart: a row of channels per (outer, inner).
+    sums = row_sums<kSquare>(x, v.outer * inner, channels, [&](int64_t r) {
+      return (r / inner) * v.outer_stride + (r % inner) * v.inner_stride;
+    });
+    return true;
+  }
+  return false;
+}
+
+// The sums over a view the kernels read directly, or over a contiguous copy of x otherwise.
+template <bool kSquare, typename scalar_t>
+std::vector<double> channel_sums(const at::Tensor& x, int64_t start_dim, int64_t end_dim) {
+  std::vector<double> sums;
+  if (channel_sums<kSquare>(x.const_data_ptr<scalar_t>(), strided_view(x, start_dim, end_dim), sums)) {
+    return sums;
+  }
+  const at::Tensor dense = x.contiguous();
+  channel_sums<kSquare>(dense.const_data_ptr<scalar_t>(), strided_view(dense, start_dim, end_dim), sums);
   return sums;
 }
 
@@ -100,6 +243,8 @@ void accumulate(const at::Tensor& stat, const std::vector<double>& z) {
   out[n] += stat_t(1);
 }
 
+// Checked before anything is read or allocated: a call on a step that is not due costs the
+// argument checks and one read of the step.
 bool due(const std::optional<at::Tensor>& step, int64_t interval) {
   return !step.has_value() || statistics_due(*step->const_data_ptr<float>(), interval);
 }
@@ -113,9 +258,8 @@ void sumsq_stats_cpu(const at::Tensor& stat, const at::Tensor& x, int64_t start_
                      bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
   const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
   if (!due(step, interval)) return;
-  const at::Tensor input = x.contiguous();
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
-    std::vector<double> z = channel_sums<true>(input.const_data_ptr<scalar_t>(), v);
+    std::vector<double> z = channel_sums<true, scalar_t>(x, start_dim, end_dim);
     const double rows = static_cast<double>(v.outer * v.inner);
     for (double& value : z) value /= rows;
     if (append_one) z.push_back(1.0);  // the constant bias input: the mean of N ones
@@ -127,11 +271,10 @@ void sumsq_stats_cpu(const at::Tensor& stat, const at::Tensor& x, int64_t start_
 
 void norm_grad_stats_cpu(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim, int64_t end_dim,
                          const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
+  check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
   if (!due(step, interval)) return;
-  const at::Tensor input = g.contiguous();
   CAFIN_DISPATCH_INPUT(g.scalar_type(), [&] {
-    std::vector<double> z = channel_sums<false>(input.const_data_ptr<scalar_t>(), v);
+    std::vector<double> z = channel_sums<false, scalar_t>(g, start_dim, end_dim);
     const double batch = static_cast<double>(g.size(0));
     for (double& value : z) value = value * value / batch;
     accumulate<at::opmath_type<scalar_t>>(stat, z);
@@ -142,9 +285,8 @@ void norm_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x,
                           const std::optional<at::Tensor>& step, int64_t interval) {
   const ChannelView v = check_norm_input_stats(stat, x, step, interval);
   if (!due(step, interval)) return;
-  const at::Tensor input = x.contiguous();
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
-    const std::vector<double> u = channel_sums<false>(input.const_data_ptr<scalar_t>(), v);
+    const std::vector<double> u = channel_sums<false, scalar_t>(x, 1, 2);
     const double rest_sq = static_cast<double>(v.inner) * static_cast<double>(v.inner);
     double sum_sq = 0.0;
     for (const double value : u) sum_sq += (value / rest_sq) * (value / rest_sq);
@@ -154,104 +296,171 @@ void norm_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x,
 }
 
 // ------------------------------------------------------------------------------------ conv2d
+//
+// h[(c, i, j)] sums x^2 over the batch, the groups and the input positions tap (i, j) reads, which
+// over all output positions form a lattice window: rows first, first + sh, ..., last of one
+// residue mod sh, and likewise columns. So: X2 = the sum over the batch of x^2, one plane per
+// channel (the single pass over the input), then per plane its row sums per column residue and
+// column sums per row residue, and per tap
+//   window = sum of the window's rows - the excluded lattice columns within the window's rows,
+// where an excluded column within the window's rows is its column sum minus its excluded rows.
+// With padding p and stride 1, a 3x3 tap excludes at most one row and one column: a few dozen
+// additions per tap instead of oh*ow, and no unfold.
 
-// The output positions o in [0, out) whose tap o * stride + offset lands inside [0, size).
-struct TapRange {
-  int64_t first, last;  // inclusive; empty when first > last
+// sum_k p[k * step] for k < n, in independent lanes (an in-order sum would not vectorise).
+CAFIN_CPU_CLONES double lattice_sum(const double* __restrict p, int64_t n, int64_t step) {
+  constexpr int64_t kLanes = 8;
+  double lanes[kLanes] = {};
+  int64_t k = 0;
+  if (step == 1) {
+    for (; k + kLanes <= n; k += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += p[k + j];
+    }
+  }
+  double total = 0.0;
+  for (; k < n; ++k) total += p[k * step];
+  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
+  return total;
+}
+
+struct PlaneScratch {
+  std::vector<double> rows, cols;
 };
 
-TapRange tap_range(int64_t out, int64_t stride, int64_t offset, int64_t size) {
-  const int64_t first = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  const int64_t top = size - 1 - offset;
-  const int64_t last = top < 0 ? -1 : std::min(out - 1, top / stride);
-  return {first, last};
-}
-
-// X2[c, y, x] = sum over the batch of x[b, c, y, x]^2: one pass over the input, each chunk of
-// positions owned by one thread.
-template <typename scalar_t>
-std::vector<double> batch_sum_of_squares(const scalar_t* x, int64_t batch, int64_t positions) {
-  std::vector<double> x2(positions, 0.0);
-  const int64_t chunks = std::min(positions, chunk_count(batch * positions));
-  at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
-    for (int64_t k = first; k < last; ++k) {
-      const int64_t lo = positions * k / chunks;
-      const int64_t hi = positions * (k + 1) / chunks;
-      // Tiles small enough for the double accumulators to stay in L1 across the batch.
-      constexpr int64_t kTile = 32768;
-      for (int64_t t = lo; t < hi; t += kTile) {
-        const int64_t n = std::min(kTile, hi - t);
-        for (int64_t b = 0; b < batch; ++b) add_row<true>(x2.data() + t, x + b * positions + t, n);
+// The kh*kw tap sums of one X2 plane (double, [height, width]) into taps.
+void plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
+  const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
+  if (H * W <= 64) {
+    // A small plane (the last stages of a network): summing each window costs less than the sums
+    // the differences need.
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
+      for (int64_t j = 0; j < g.kw; ++j) {
+        const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
+        double total = 0.0;
+        for (int64_t y = wy.first, m = 0; m < wy.count; y += sh, ++m) {
+          for (int64_t x = wx.first, n = 0; n < wx.count; x += sw, ++n) total += plane[y * W + x];
+        }
+        taps[i * g.kw + j] = total;
       }
     }
-  });
-  return x2;
-}
-
-// Strided 2-D prefix sums of one X2 plane: q[y][x] = sum of X2[y'][x'] over y' <= y, x' <= x with
-// y' = y (mod sh) and x' = x (mod sw). The taps of one kernel entry (i, j) over every output
-// position lie on such a lattice, so each entry is four lookups instead of oh*ow additions.
-void strided_prefix(const double* x2, double* q, int64_t height, int64_t width, int64_t sh, int64_t sw) {
-  for (int64_t y = 0; y < height; ++y) {
-    for (int64_t x = 0; x < width; ++x) {
-      double v = x2[y * width + x];
-      if (y >= sh) v += q[(y - sh) * width + x];
-      if (x >= sw) v += q[y * width + x - sw];
-      if (y >= sh && x >= sw) v -= q[(y - sh) * width + x - sw];
-      q[y * width + x] = v;
+    return;
+  }
+  s.rows.assign(sw * H, 0.0);
+  s.cols.assign(sh * W, 0.0);
+  for (int64_t y = 0; y < H; ++y) {
+    const double* p = plane + y * W;
+    double* col = s.cols.data() + (y % sh) * W;
+    for (int64_t x = 0; x < W; ++x) col[x] += p[x];
+    for (int64_t rx = 0; rx < sw; ++rx) s.rows[rx * H + y] = lattice_sum(p + rx, (W - rx + sw - 1) / sw, sw);
+  }
+  double all = 0.0;
+  for (const double value : s.rows) all += value;
+  // Squares are >= 0, so the sum is finite exactly when every entry is. Differences of sums would
+  // turn an overflowed (inf) square into NaN: such a plane is summed tap by tap, giving +inf (or
+  // the NaN it holds) like the reference.
+  const bool finite = std::isfinite(all);
+  for (int64_t i = 0; i < g.kh; ++i) {
+    const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
+    for (int64_t j = 0; j < g.kw; ++j) {
+      const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
+      double total = 0.0;
+      if (wy.count > 0 && wx.count > 0) {
+        const int64_t ry = window_residue(wy, sh), rx = window_residue(wx, sw);
+        const int64_t excluded_x = (W - rx + sw - 1) / sw - wx.count;
+        const int64_t excluded_y = (H - ry + sh - 1) / sh - wy.count;
+        if (!finite || wy.count * wx.count <= wy.count + excluded_x * (1 + excluded_y)) {
+          for (int64_t y = wy.first; y <= wy.last; y += sh) {
+            for (int64_t x = wx.first; x <= wx.last; x += sw) total += plane[y * W + x];
+          }
+        } else {
+          for (int64_t y = wy.first; y <= wy.last; y += sh) total += s.rows[rx * H + y];
+          auto exclude_column = [&](int64_t x) {
+            total -= s.cols[ry * W + x];
+            for (int64_t y = ry; y < wy.first; y += sh) total += plane[y * W + x];
+            for (int64_t y = wy.last + sh; y < H; y += sh) total += plane[y * W + x];
+          };
+          for (int64_t x = rx; x < wx.first; x += sw) exclude_column(x);
+          for (int64_t x = wx.last + sw; x < W; x += sw) exclude_column(x);
+        }
+      }
+      taps[i * g.kw + j] = total;
     }
   }
 }
 
-// The sum of X2 over rows y0, y0 + sh, ..., y1 and columns x0, x0 + sw, ..., x1, from q.
-double lattice_sum(const double* q, int64_t width, int64_t sh, int64_t sw, int64_t y0, int64_t y1,
-                   int64_t x0, int64_t x1) {
-  double total = q[y1 * width + x1];
-  if (y0 >= sh) total -= q[(y0 - sh) * width + x1];
-  if (x0 >= sw) total -= q[y1 * width + x0 - sw];
-  if (y0 >= sh && x0 >= sw) total += q[(y0 - sh) * width + x0 - sw];
-  return total;
-}
-
-// h[(c, i, j)] = sum over groups and output positions of the in-range taps of X2.
-std::vector<double> patch_sums(const std::vector<double>& x2, const ConvGeometry& g) {
-  const int64_t cg = g.group_channels();
-  const int64_t plane = g.height * g.width;
-  std::vector<double> h(g.patch(), 0.0);
-  at::parallel_for(0, cg, 1, [&](int64_t first, int64_t last) {
-    std::vector<double> q(plane);
-    for (int64_t c = first; c < last; ++c) {
-      for (int64_t grp = 0; grp < g.groups; ++grp) {
-        const double* x2_plane = x2.data() + (grp * cg + c) * plane;
-        // Differences of prefix sums turn an overflowed (inf) square into NaN: such a plane is
-        // summed tap by tap, so it gives +inf like the reference.
-        const bool finite = std::all_of(x2_plane, x2_plane + plane, [](double v) { return std::isfinite(v); });
-        if (finite) strided_prefix(x2_plane, q.data(), g.height, g.width, g.sh, g.sw);
-        for (int64_t i = 0; i < g.kh; ++i) {
-          const TapRange ps = tap_range(g.out_h, g.sh, i * g.dh - g.top, g.height);
-          if (ps.first > ps.last) continue;
-          const int64_t y0 = ps.first * g.sh + i * g.dh - g.top;
-          const int64_t y1 = ps.last * g.sh + i * g.dh - g.top;
-          for (int64_t j = 0; j < g.kw; ++j) {
-            const TapRange rs = tap_range(g.out_w, g.sw, j * g.dw - g.left, g.width);
-            if (rs.first > rs.last) continue;
-            const int64_t x0 = rs.first * g.sw + j * g.dw - g.left;
-            const int64_t x1 = rs.last * g.sw + j * g.dw - g.left;
-            double total = 0.0;
-            if (finite) {
-              total = lattice_sum(q.data(), g.width, g.sh, g.sw, y0, y1, x0, x1);
-            } else {
-              for (int64_t y = y0; y <= y1; y += g.sh) {
-                for (int64_t x = x0; x <= x1; x += g.sw) total += x2_plane[y * g.width + x];
-              }
-            }
-            h[(c * g.kh + i) * g.kw + j] += total;
-          }
+// Per channel, its kh*kw tap sums, for x with contiguous [H, W] planes (NCHW, any batch and
+// channel strides). A thread takes a tile of neighbouring channels and reads it batch entry by
+// batch entry, so each read is one long run in memory order (a plane alone is often a single
+// page, where the hardware prefetcher would restart at every plane); the tile's X2 stays in cache
+// for its taps.
+template <typename scalar_t>
+void channel_taps_planar(const scalar_t* x, int64_t batch_stride, int64_t channel_stride,
+                         const ConvGeometry& g, double* taps) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t plane = g.height * g.width, taps_per = g.kh * g.kw;
+  // Tiles of up to 32K positions (their partial and double sums fit in L2), at least one per
+  // thread when there is enough work.
+  const int64_t threads = chunk_count(g.batch * plane * g.channels);
+  const int64_t per_tile = std::max<int64_t>(
+      1, std::min<int64_t>(kTilePositions / plane, (g.channels + threads - 1) / threads));
+  const int64_t tiles = (g.channels + per_tile - 1) / per_tile;
+  const bool adjacent = channel_stride == plane;  // a tile's planes form one run
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * plane * per_tile));
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(per_tile * plane, acc_t(0));
+    std::vector<double> x2(per_tile * plane);
+    PlaneScratch scratch;
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t c0 = t * per_tile, nc = std::min(per_tile, g.channels - c0);
+      std::fill(x2.begin(), x2.end(), 0.0);
+      const scalar_t* base = x + c0 * channel_stride;
+      if (adjacent) {
+        add_batch<true>(x2.data(), part.data(), base, batch_stride, g.batch, nc * plane);
+      } else {
+        for (int64_t c = 0; c < nc; ++c) {
+          add_batch<true>(x2.data() + c * plane, part.data(), base + c * channel_stride, batch_stride,
+                          g.batch, plane);
         }
       }
+      for (int64_t c = 0; c < nc; ++c) plane_taps(x2.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
     }
   });
-  return h;
+}
+
+// The same for channels_last x (each batch entry one contiguous [H, W, C] block): X2 in that
+// layout, tiles of positions per thread, then each channel's plane gathered for its taps.
+template <typename scalar_t>
+void channel_taps_channels_last(const scalar_t* x, int64_t batch_stride, const ConvGeometry& g,
+                                double* taps) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t plane = g.height * g.width, block = plane * g.channels, taps_per = g.kh * g.kw;
+  std::vector<double> x2(block, 0.0);
+  const int64_t threads = chunk_count(g.batch * block);
+  const int64_t kTile = std::min(kTilePositions, (block + threads - 1) / threads);
+  const int64_t tiles = (block + kTile - 1) / kTile;
+  const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * kTile));
+  at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
+    std::vector<acc_t> part(kTile, acc_t(0));
+    for (int64_t t = first; t < last; ++t) {
+      const int64_t lo = t * kTile, n = std::min(kTile, block - lo);
+      add_batch<true>(x2.data() + lo, part.data(), x + lo, batch_stride, g.batch, n);
+    }
+  });
+  // Planes are gathered eight channels at a time: one pass over a cache line serves them all.
+  constexpr int64_t kGather = 8;
+  const int64_t groups = (g.channels + kGather - 1) / kGather;
+  at::parallel_for(0, groups, std::max<int64_t>(1, kGrainSize / (plane * kGather)), [&](int64_t first, int64_t last) {
+    std::vector<double> planes(kGather * plane);
+    PlaneScratch scratch;
+    for (int64_t q = first; q < last; ++q) {
+      const int64_t c0 = q * kGather, nc = std::min(kGather, g.channels - c0);
+      for (int64_t p = 0; p < plane; ++p) {
+        for (int64_t c = 0; c < nc; ++c) planes[c * plane + p] = x2[p * g.channels + c0 + c];
+      }
+      for (int64_t c = 0; c < nc; ++c) plane_taps(planes.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
+    }
+  });
 }
 
 void conv2d_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x, at::IntArrayRef kernel_size,
@@ -261,11 +470,25 @@ void conv2d_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x, at::Int
   const ConvGeometry g = check_conv2d_input_stats(stat, x, kernel_size, stride, padding, dilation,
                                                   groups, append_one, step, interval);
   if (!due(step, interval)) return;
-  const at::Tensor input = x.contiguous();
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
-    const std::vector<double> x2 = batch_sum_of_squares(input.const_data_ptr<scalar_t>(), g.batch,
-                                                        g.channels * g.height * g.width);
-    std::vector<double> z = patch_sums(x2, g);
+    const int64_t taps_per = g.kh * g.kw;
+    std::vector<double> taps(g.channels * taps_per);
+    int64_t size, unit;
+    // [H, W, C] of one batch entry contiguous: channels_last (or C == 1 / H == W == 1 layouts).
+    const at::Tensor hwc = x.permute({0, 2, 3, 1});
+    if (merge_dims(hwc, 1, 4, size, unit) && unit == 1) {
+      channel_taps_channels_last(x.const_data_ptr<scalar_t>(), x.stride(0), g, taps.data());
+    } else {
+      const at::Tensor input = merge_dims(x, 2, 4, size, unit) && unit == 1 ? x : x.contiguous();
+      channel_taps_planar(input.const_data_ptr<scalar_t>(), input.stride(0), input.stride(1), g,
+                          taps.data());
+    }
+    // Channel q * C/G + c of group q feeds entry (c, i, j): summed over groups in a fixed order.
+    const int64_t cg = g.group_channels();
+    std::vector<double> z(g.patch(), 0.0);
+    for (int64_t q = 0; q < g.groups; ++q) {
+      for (int64_t k = 0; k < cg * taps_per; ++k) z[k] += taps[q * cg * taps_per + k];
+    }
     // The published divisor holds D = (C/G) kh kw.
     const double divisor = static_cast<double>(g.batch * g.out_h * g.out_w * g.patch());
     for (double& value : z) value /= divisor;

@@ -1,11 +1,17 @@
 // CUDA kernels of the curvature statistics. Each kernel reads the optional step tensor itself and
-// does nothing off-interval, so a captured graph replays the same launches every step. Sums run in
-// float32 (double for float64 inputs) with atomics; the Conv2d input side never unfolds.
+// does nothing off-interval, so a captured graph replays the same launches every step; the host
+// side of a call reads strides and allocates only a small scratch (never a copy of the input, for
+// any layout the views below cover: contiguous, channels_last, most slices), so a step that is not
+// due costs two tiny launches per op.
+// Reductions run in a fixed order (per-thread sums in index order, then fixed shuffle and
+// shared-memory trees, then one block per channel over the partial sums in index order): no
+// atomics, so results are bit-identical from run to run and the ops are deterministic under
+// torch.use_deterministic_algorithms(True). Sums run in float32 (double for float64 inputs).
+// The Conv2d input side never unfolds.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,6 +21,7 @@
 
 #include "adafisher_math.h"
 #include "checks.h"
+#include "statistics_math.h"
 
 namespace cafin {
 namespace cuda {
@@ -22,8 +29,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int64_t kSegment = 8192;    // elements of one run a warp sums before one atomic
-constexpr int64_t kMaxGrid = 4096;    // enough blocks to fill any GPU; longer loops beyond
+constexpr int64_t kSegment = 8192;   // elements of one run a warp sums into one partial
+constexpr int64_t kMaxGrid = 4096;   // enough blocks to fill any GPU; longer loops beyond
+constexpr int64_t kColumnBlocks = 1024;  // blocks the column sums aim for (rows split to reach it)
 
 struct Gate {
   const float* step;  // nullptr: always due
@@ -51,7 +59,7 @@ __device__ __forceinline__ acc_t warp_sum(acc_t v) {
   return v;
 }
 
-// Block-wide sum, valid in thread 0.
+// Block-wide sum in a fixed order, valid in thread 0.
 template <typename acc_t>
 __device__ acc_t block_sum(acc_t v) {
   __shared__ acc_t partial[kWarps];
@@ -70,73 +78,96 @@ int grid_for(int64_t items, int64_t per_block) {
 }
 
 // ------------------------------------------------------------------------------------ channel sums
+//
+// Partial sums land in partial[item * width + column], every entry written by exactly one thread;
+// channel c owns columns c * per_channel ... (c + 1) * per_channel - 1 of every item.
 
-// x viewed [outer, channels] (inner == 1): thread per channel, blockIdx.y splits the rows.
+// Rows of `width` contiguous elements, row r at (r / inner) * outer_stride + (r % inner) * inner_stride
+// (channels innermost: Linear inputs, channels_last maps; or one [channels, inner] block per outer
+// index, inner == 1). blockIdx.y takes the rows lo..hi of item blockIdx.y; a thread (x, y) of the
+// 32 x 8 block sums column x of every 8th of them, the 8 sums then add in order.
 template <bool kSquare, typename scalar_t, typename acc_t>
-__global__ void column_sums_kernel(const scalar_t* x, int64_t outer, int64_t channels, acc_t* sums,
-                                   Gate gate) {
+__global__ void column_partials_kernel(const scalar_t* x, int64_t rows, int64_t inner, int64_t outer_stride,
+                                       int64_t inner_stride, int64_t width, int64_t items, acc_t* partial,
+                                       Gate gate) {
   if (!is_due(gate)) return;
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (c >= channels) return;
-  acc_t acc = 0;
-  for (int64_t r = blockIdx.y; r < outer; r += gridDim.y) acc += term<kSquare, acc_t>(x[r * channels + c]);
-  atomicAdd(sums + c, acc);
+  __shared__ acc_t lanes[8][33];
+  const int64_t column = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
+  for (int64_t item = blockIdx.y; item < items; item += gridDim.y) {
+    const int64_t lo = rows * item / items, hi = rows * (item + 1) / items;
+    acc_t acc = 0;
+    if (column < width) {
+      // (o, i) of row r, stepped without a 64-bit division per element.
+      const int64_t first = lo + threadIdx.y;
+      int64_t o = first / inner, i = first % inner;
+      for (int64_t r = first; r < hi; r += 8) {
+        acc += term<kSquare, acc_t>(x[o * outer_stride + i * inner_stride + column]);
+        i += 8;
+        while (i >= inner) {
+          i -= inner;
+          ++o;
+        }
+      }
+    }
+    lanes[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && column < width) {
+      acc_t total = 0;
+      for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
+      partial[item * width + column] = total;
+    }
+    __syncthreads();
+  }
 }
 
-// x viewed [outer, channels, inner] (inner > 1): a warp per segment of one contiguous run.
+// Contiguous runs (o, c) of `inner` elements at o * outer_stride + c * channel_stride: a warp per
+// segment of one run; item = o * segments + segment.
 template <bool kSquare, typename scalar_t, typename acc_t>
-__global__ void run_sums_kernel(const scalar_t* x, int64_t runs, int64_t channels, int64_t inner,
-                                acc_t* sums, Gate gate) {
+__global__ void run_partials_kernel(const scalar_t* x, int64_t outer, int64_t channels, int64_t inner,
+                                    int64_t outer_stride, int64_t channel_stride, acc_t* partial, Gate gate) {
   if (!is_due(gate)) return;
   const int64_t segments = (inner + kSegment - 1) / kSegment;
+  const int64_t work = outer * channels * segments;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; item < runs * segments;
-       item += warps) {
-    const int64_t run = item / segments;
-    const int64_t lo = (item % segments) * kSegment;
-    const int64_t hi = std::min(inner, lo + kSegment);
-    const scalar_t* data = x + run * inner;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; w < work; w += warps) {
+    const int64_t segment = w % segments, c = w / segments % channels, o = w / (segments * channels);
+    const int64_t lo = segment * kSegment, hi = std::min(inner, lo + kSegment);
+    const scalar_t* data = x + o * outer_stride + c * channel_stride;
     acc_t acc = 0;
+#pragma unroll 4
     for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[k]);
     acc = warp_sum(acc);
-    if (lane == 0) atomicAdd(sums + run % channels, acc);
+    if (lane == 0) partial[(o * segments + segment) * channels + c] = acc;
   }
 }
 
-// Per-channel sums of x (or x^2) over x viewed [outer, channels, inner].
-template <bool kSquare, typename scalar_t, typename acc_t>
-at::Tensor channel_sums(const at::Tensor& x, const ChannelView& v, const Gate& gate, cudaStream_t stream) {
-  const at::Tensor sums = at::zeros({v.channels}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
-  acc_t* out = sums.mutable_data_ptr<acc_t>();
-  if (v.inner == 1) {
-    const int64_t columns = (v.channels + kThreads - 1) / kThreads;
-    const dim3 grid(static_cast<unsigned>(columns),
-                    static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>(v.outer, std::min<int64_t>(65535, kMaxGrid * 4 / columns)))));
-    column_sums_kernel<kSquare><<<grid, kThreads, 0, stream>>>(data, v.outer, v.channels, out, gate);
-  } else {
-    const int64_t runs = v.outer * v.channels;
-    const int64_t segments = (v.inner + kSegment - 1) / kSegment;
-    run_sums_kernel<kSquare><<<grid_for(runs * segments, kWarps), kThreads, 0, stream>>>(
-        data, runs, v.channels, v.inner, out, gate);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return sums;
-}
+enum class Finish { kMean, kSquaredSum, kRaw };
 
-// ------------------------------------------------------------------------------------ finishing
-
-// stat[c] += sums[c] / rows (sumsq) or sums[c]^2 / rows (norm grad); appended entries and count.
-template <bool kSquareSum, typename stat_t, typename acc_t>
-__global__ void finish_channels_kernel(stat_t* stat, const acc_t* sums, int64_t channels, acc_t rows,
+// Block c: s = the sum of channel c's partials (fixed order), then stat[c] += s / divisor (kMean),
+// s^2 / divisor (kSquaredSum), or sums[c] = s (kRaw). Block 0 also adds the appended one and the count.
+template <Finish kFinish, typename stat_t, typename acc_t>
+__global__ void finish_channels_kernel(const acc_t* partial, int64_t items, int64_t width, int64_t per_channel,
+                                       int64_t channels, acc_t divisor, stat_t* stat, acc_t* sums,
                                        bool append_one, Gate gate) {
   if (!is_due(gate)) return;
-  for (int64_t c = threadIdx.x; c < channels; c += kThreads) {
-    const acc_t s = sums[c];
-    stat[c] += static_cast<stat_t>((kSquareSum ? s * s : s) / rows);
+  const int64_t terms = items * per_channel;
+  for (int64_t c = blockIdx.x; c < channels; c += gridDim.x) {
+    acc_t acc = 0;
+    for (int64_t t = threadIdx.x; t < terms; t += kThreads) {
+      acc += partial[(t / per_channel) * width + c * per_channel + t % per_channel];
+    }
+    acc = block_sum(acc);
+    if (threadIdx.x == 0) {
+      if (kFinish == Finish::kRaw) {
+        sums[c] = acc;
+      } else {
+        stat[c] += static_cast<stat_t>((kFinish == Finish::kSquaredSum ? acc * acc : acc) / divisor);
+      }
+    }
+    __syncthreads();  // block_sum's shared memory is reused by the next channel
   }
-  if (threadIdx.x == 0) {
+  if (kFinish != Finish::kRaw && blockIdx.x == 0 && threadIdx.x == 0) {
     if (append_one) stat[channels] += stat_t(1);
     stat[channels + (append_one ? 1 : 0)] += stat_t(1);
   }
@@ -163,22 +194,80 @@ __global__ void finish_norm_input_kernel(stat_t* stat, const acc_t* sums, int64_
 #define CAFIN_DISPATCH_INPUT(TYPE, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "cafin_statistics", __VA_ARGS__)
 
+// The partial sums of x viewed [outer, channels, inner], launched on `stream`; returns the scratch
+// they are written to and how to read it. A layout no view covers is read from a contiguous copy,
+// freed at return: the caching allocator reuses it only after this stream's queued work.
+struct Partials {
+  at::Tensor data;
+  int64_t items, width, per_channel;
+};
+
+template <bool kSquare, typename scalar_t, typename acc_t>
+Partials channel_partials(const at::Tensor& x, int64_t start_dim, int64_t end_dim, const Gate& gate,
+                          cudaStream_t stream) {
+  StridedView v = strided_view(x, start_dim, end_dim);
+  at::Tensor input = x;
+  const bool columns = v.channel_stride == 1 || v.channels == 1;
+  const bool block = v.inner_stride == 1 && v.channel_stride == v.inner && v.inner < 32;
+  if (!v.ok || !(columns || block || v.inner_stride == 1)) {
+    input = x.contiguous();  // an arbitrary layout: read a copy (the only allocation of its size)
+    v = strided_view(input, start_dim, end_dim);
+  }
+  const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
+  const scalar_t* data = input.const_data_ptr<scalar_t>();
+  Partials p;
+  if ((v.channel_stride == 1 || v.channels == 1) && !(v.inner_stride == 1 && v.inner >= 32)) {
+    // Channels innermost: columns are channels, rows are (outer, inner).
+    const int64_t rows = v.outer * v.inner, tiles = (v.channels + 31) / 32;
+    p.width = v.channels;
+    p.per_channel = 1;
+    p.items = std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, (kColumnBlocks + tiles - 1) / tiles));
+    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(p.items, 65535)));
+    column_partials_kernel<kSquare><<<grid, dim3(32, 8), 0, stream>>>(
+        data, rows, v.inner, v.outer_stride, v.inner_stride, p.width, p.items, p.data.mutable_data_ptr<acc_t>(), gate);
+  } else if (v.inner_stride == 1 && v.channel_stride == v.inner && v.inner < 32) {
+    // Short runs of a contiguous [channels, inner] block per outer index: columns are its elements.
+    const int64_t rows = v.outer, tiles = (v.channels * v.inner + 31) / 32;
+    p.width = v.channels * v.inner;
+    p.per_channel = v.inner;
+    p.items = std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, (kColumnBlocks + tiles - 1) / tiles));
+    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(p.items, 65535)));
+    column_partials_kernel<kSquare><<<grid, dim3(32, 8), 0, stream>>>(
+        data, rows, 1, v.outer_stride, 0, p.width, p.items, p.data.mutable_data_ptr<acc_t>(), gate);
+  } else {
+    // Runs along the innermost dims.
+    const int64_t segments = (v.inner + kSegment - 1) / kSegment;
+    p.width = v.channels;
+    p.per_channel = 1;
+    p.items = v.outer * segments;
+    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
+    run_partials_kernel<kSquare><<<grid_for(v.outer * v.channels * segments, kWarps), kThreads, 0, stream>>>(
+        data, v.outer, v.channels, v.inner, v.outer_stride, v.channel_stride, p.data.mutable_data_ptr<acc_t>(), gate);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return p;
+}
+
 // The two per-channel statistics: kSquares sums x^2 then divides by the rows (sumsq_stats_);
 // otherwise it sums x, then squares and divides by the batch (norm_grad_stats_).
 template <bool kSquares>
-void channel_statistic(const at::Tensor& stat, const at::Tensor& x, const ChannelView& v,
-                       const std::optional<at::Tensor>& step, int64_t interval, bool append_one) {
+void channel_statistic(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
+                       const ChannelView& v, const std::optional<at::Tensor>& step, int64_t interval,
+                       bool append_one) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
-  const at::Tensor input = x.contiguous();
   const int64_t divisor = kSquares ? v.outer * v.inner : x.size(0);
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor sums = channel_sums<kSquares, scalar_t, acc_t>(input, v, gate, stream);
-    finish_channels_kernel<!kSquares><<<1, kThreads, 0, stream>>>(
-        stat.mutable_data_ptr<acc_t>(), sums.const_data_ptr<acc_t>(), v.channels,
-        static_cast<acc_t>(divisor), append_one, gate);
+    const Partials p = channel_partials<kSquares, scalar_t, acc_t>(x, start_dim, end_dim, gate, stream);
+    constexpr Finish kFinish = kSquares ? Finish::kMean : Finish::kSquaredSum;
+    finish_channels_kernel<kFinish><<<grid_for(v.channels, 1), kThreads, 0, stream>>>(
+        p.data.const_data_ptr<acc_t>(), p.items, p.width, p.per_channel, v.channels,
+        static_cast<acc_t>(divisor), stat.mutable_data_ptr<acc_t>(), static_cast<acc_t*>(nullptr), append_one,
+        gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -186,13 +275,13 @@ void channel_statistic(const at::Tensor& stat, const at::Tensor& x, const Channe
 void sumsq_stats_cuda(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
                       bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
   const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
-  channel_statistic<true>(stat, x, v, step, interval, append_one);
+  channel_statistic<true>(stat, x, start_dim, end_dim, v, step, interval, append_one);
 }
 
 void norm_grad_stats_cuda(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim, int64_t end_dim,
                           const std::optional<at::Tensor>& step, int64_t interval) {
   const ChannelView v = check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
-  channel_statistic<false>(stat, g, v, step, interval, false);
+  channel_statistic<false>(stat, g, start_dim, end_dim, v, step, interval, false);
 }
 
 void norm_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, const std::optional<at::Tensor>& step,
@@ -201,10 +290,14 @@ void norm_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, const st
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
-  const at::Tensor input = x.contiguous();
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const at::Tensor sums = channel_sums<false, scalar_t, acc_t>(input, v, gate, stream);
+    const Partials p = channel_partials<false, scalar_t, acc_t>(x, 1, 2, gate, stream);
+    const at::Tensor sums = at::empty({v.channels}, p.data.options());
+    finish_channels_kernel<Finish::kRaw><<<grid_for(v.channels, 1), kThreads, 0, stream>>>(
+        p.data.const_data_ptr<acc_t>(), p.items, p.width, p.per_channel, v.channels, acc_t(1),
+        static_cast<acc_t*>(nullptr), sums.mutable_data_ptr<acc_t>(), false, gate);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     const acc_t rest = static_cast<acc_t>(v.inner);
     const acc_t batch = static_cast<acc_t>(v.outer);
     finish_norm_input_kernel<<<1, kThreads, 0, stream>>>(stat.mutable_data_ptr<acc_t>(),
@@ -216,30 +309,47 @@ void norm_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, const st
 
 // ------------------------------------------------------------------------------------ conv2d
 
-// X2[pos] = sum over the batch of x[b, pos]^2, pos over [C, H, W]: one pass over the input.
+// The (C, H, W) dims of the input, slowest-varying in memory first, so consecutive threads read
+// consecutive addresses whatever the layout (NCHW, channels_last, slices); `to` is each dim's
+// stride in X2, which is [C, H, W] contiguous.
+struct Walk {
+  int64_t size[3], from[3], to[3];
+};
+
+Walk walk_for(const at::Tensor& x) {
+  const int64_t to[3] = {x.size(2) * x.size(3), x.size(3), 1};
+  int order[3] = {0, 1, 2};
+  std::stable_sort(order, order + 3, [&](int a, int b) { return x.stride(a + 1) > x.stride(b + 1); });
+  Walk w;
+  for (int k = 0; k < 3; ++k) {
+    w.size[k] = x.size(order[k] + 1);
+    w.from[k] = x.stride(order[k] + 1);
+    w.to[k] = to[order[k]];
+  }
+  return w;
+}
+
+// X2[c, y, x] = sum over the batch of x[b, c, y, x]^2: one pass over the input, a thread per position
+// summing the batch in order.
 template <typename scalar_t, typename acc_t>
-__global__ void batch_squares_kernel(const scalar_t* x, int64_t batch, int64_t positions, acc_t* x2,
-                                     Gate gate) {
+__global__ void batch_squares_kernel(const scalar_t* x, int64_t batch, int64_t batch_stride, Walk w,
+                                     acc_t* x2, Gate gate) {
   if (!is_due(gate)) return;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t pos = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; pos < positions;
-       pos += stride) {
+  const int64_t positions = w.size[0] * w.size[1] * w.size[2];
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < positions; t += step) {
+    const int64_t i2 = t % w.size[2], i1 = t / w.size[2] % w.size[1], i0 = t / (w.size[2] * w.size[1]);
+    const scalar_t* data = x + i0 * w.from[0] + i1 * w.from[1] + i2 * w.from[2];
     acc_t acc = 0;
-    for (int64_t b = 0; b < batch; ++b) acc += term<true, acc_t>(x[b * positions + pos]);
-    x2[pos] = acc;
+#pragma unroll 8
+    for (int64_t b = 0; b < batch; ++b) acc += term<true, acc_t>(data[b * batch_stride]);
+    x2[i0 * w.to[0] + i1 * w.to[1] + i2 * w.to[2]] = acc;
   }
 }
 
-// The output positions o in [0, out) whose tap o * stride + offset lands inside [0, size).
-__device__ __forceinline__ void tap_range(int64_t out, int64_t stride, int64_t offset, int64_t size,
-                                          int64_t& first, int64_t& count) {
-  first = offset >= 0 ? 0 : (-offset + stride - 1) / stride;
-  const int64_t top = size - 1 - offset;
-  const int64_t last = top < 0 ? -1 : min(out - 1, top / stride);
-  count = max(last - first + 1, int64_t(0));
-}
-
-// A warp per patch entry k = (c, i, j): the in-range taps of X2 over groups and output positions.
+// A warp per patch entry k = (c, i, j): the in-range taps of X2 over groups and output positions,
+// in a fixed order (lane n sums columns n, n + 32, ... of every window row; then the shuffle tree).
+// X2 is 1/B of the input and stays in L2: these reads cost kh*kw/B of the input's, from cache.
 template <typename stat_t, typename acc_t>
 __global__ void patch_sums_kernel(const acc_t* x2, ConvGeometry g, stat_t* stat, acc_t divisor,
                                   bool append_one, Gate gate) {
@@ -255,18 +365,15 @@ __global__ void patch_sums_kernel(const acc_t* x2, ConvGeometry g, stat_t* stat,
     const int64_t c = k / (g.kh * g.kw);
     const int64_t i = k / g.kw % g.kh;
     const int64_t j = k % g.kw;
-    int64_t p0, np, r0, nr;
-    tap_range(g.out_h, g.sh, i * g.dh - g.top, g.height, p0, np);
-    tap_range(g.out_w, g.sw, j * g.dw - g.left, g.width, r0, nr);
-    const int64_t taps = g.groups * np * nr;
+    const TapWindow wy = tap_window(g.out_h, g.sh, i * g.dh - g.top, g.height);
+    const TapWindow wx = tap_window(g.out_w, g.sw, j * g.dw - g.left, g.width);
     acc_t acc = 0;
-    for (int64_t t = lane; t < taps; t += 32) {
-      const int64_t q = t / (np * nr);
-      const int64_t p = p0 + t / nr % np;
-      const int64_t r = r0 + t % nr;
-      const int64_t y = p * g.sh + i * g.dh - g.top;
-      const int64_t x = r * g.sw + j * g.dw - g.left;
-      acc += x2[((q * g.group_channels() + c) * g.height + y) * g.width + x];
+    for (int64_t q = 0; q < g.groups; ++q) {
+      const acc_t* plane = x2 + (q * g.group_channels() + c) * g.height * g.width;
+      for (int64_t m = 0; m < wy.count; ++m) {
+        const acc_t* row = plane + (wy.first + m * g.sh) * g.width + wx.first;
+        for (int64_t n = lane; n < wx.count; n += 32) acc += row[n * g.sw];
+      }
     }
     acc = warp_sum(acc);
     if (lane == 0) stat[k] += static_cast<stat_t>(acc / divisor);
@@ -282,13 +389,14 @@ void conv2d_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, at::In
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
-  const at::Tensor input = x.contiguous();
+  const Walk w = walk_for(x);  // any strides: the input is never copied
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int64_t positions = g.channels * g.height * g.width;
+    // X2 is the op's only scratch: 1/B of the input.
     const at::Tensor x2 = at::empty({positions}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     batch_squares_kernel<<<grid_for(positions, kThreads), kThreads, 0, stream>>>(
-        input.const_data_ptr<scalar_t>(), g.batch, positions, x2.mutable_data_ptr<acc_t>(), gate);
+        x.const_data_ptr<scalar_t>(), g.batch, x.stride(0), w, x2.mutable_data_ptr<acc_t>(), gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // The published divisor holds D = (C/G) kh kw.
     const acc_t divisor = static_cast<acc_t>(g.batch * g.out_h * g.out_w * g.patch());
