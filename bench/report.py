@@ -28,11 +28,12 @@ def fmt_bytes(n: float | None) -> str:
 def fmt_ms(ms: float | None) -> str:
     if ms is None or not math.isfinite(ms):
         return "-"
-    if ms >= 100:
+    size = abs(ms)  # a difference of medians (statistics in training) can come out negative
+    if size >= 100:
         return f"{ms:.0f}"
-    if ms >= 10:
+    if size >= 10:
         return f"{ms:.1f}"
-    if ms >= 1:
+    if size >= 1:
         return f"{ms:.2f}"
     return f"{ms:.3f}"
 
@@ -308,3 +309,80 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
                       f"{env['threads']} threads): parallel kernels wait for descheduled threads, "
                       "so these numbers mostly measure the other processes; rerun when idle[/yellow]")
     console.print(f"done in {elapsed_s:.0f} s")
+
+
+def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
+    """The run as Markdown tables, for the README's bench section (`--markdown PATH`)."""
+    names = {m.name: m.label for m in members} | {"adamw": "AdamW"}
+    load = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
+    out = [f"`python -m bench{_flags(run)}`: {run.model}, batch {run.batch_size}, "
+           f"{env['device']} ({env['device_name']}), {env['threads']} threads, torch "
+           f"{env['torch']}, done in {elapsed_s:.0f} s"
+           + (f"; 1-minute load average {min(load):.1f} to {max(load):.1f}" if load else "")
+           + ". Medians; only ratios within one run mean anything.", ""]
+    if load and max(load) > env["threads"] + 0.5:
+        out += ["**The machine was busy** (load above its thread count): other processes took "
+                "most of the cores, so the absolute times are inflated and noisy.", ""]
+    floor = run.floor
+    for phase, floor_key, floor_label in (
+            ("step", "step_floor_ms", "floor: 20 B/param at the measured copy bandwidth "
+             f"({floor.get('copy_bandwidth_gb_s', math.nan):.1f} GB/s)"),
+            ("statistics", "statistics_floor_ms", "floor: read every activation and output "
+             "gradient once")):
+        rows = [r for r in run.results if r.phase == phase]
+        if not rows:
+            continue
+        title = "step" if phase == "step" else "statistics of one curvature step"
+        out += [f"| {title} | median ms | speed-up | x floor | allocated |",
+                "|---|---|---|---|---|"]
+        if floor.get(floor_key):
+            out.append(f"| {floor_label} | {fmt_ms(floor[floor_key])} | | 1.00x | |")
+        for r in rows:
+            ref = _base_of(run, phase, r.optimizer)
+            cells = [f"{names.get(r.optimizer, r.optimizer)} {label(r.variant)}",
+                     fmt_ms(r.median_ms), fmt_ratio(ref.median_ms / r.median_ms) if ref else "",
+                     fmt_ratio(r.median_ms / floor[floor_key]) if floor.get(floor_key) else "",
+                     fmt_bytes(r.allocated_bytes)]
+            if r.variant.startswith("fused"):
+                cells = [f"**{c}**" if c else c for c in cells]
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", "Speed-ups are against the published code when it was timed "
+                "(`--published`), else against cafin's plain-PyTorch reference.", ""]
+    if run.whole_step:
+        out += [f"| whole training step, ms | plain iteration | curvature iteration | statistics "
+                f"| per iteration, TCov {run.tcov} | vs AdamW |", "|---|---|---|---|---|---|"]
+        for w in run.whole_step:
+            adamw = w["optimizer"] == "adamw"
+            out.append("| " + " | ".join([
+                f"{names.get(w['optimizer'], w['optimizer'])} {label(w['variant'])}",
+                fmt_ms(w["plain_ms"]), "" if adamw else fmt_ms(w["curvature_ms"]),
+                "" if adamw else fmt_ms(w["statistics_in_training_ms"]), fmt_ms(w["cycle_ms"]),
+                "" if adamw else fmt_pct(w["overhead_vs_adamw"])]) + " |")
+        out += ["", f"A training iteration (zero_grad, forward, backward, step) of each optimizer "
+                "on its own copy of the model, the optimizers interleaved round by round; "
+                "curvature and plain iterations alternate, and the mean over a cycle of "
+                f"TCov = {run.tcov} is ((TCov - 1) x plain + curvature) / TCov. Statistics: "
+                "the curvature iteration's extra time, hooks included." + (
+                    " ReLU not in place in every row (the published hooks need it)."
+                    if run.published and run.model == "resnet18" else ""), ""]
+    if run.agreement:
+        a = run.agreement[0]
+        out += [f"Agreement, fused vs reference after {a['steps']} float32 steps from the same "
+                f"state: {a['max_rel_diff']:.1e} (max relative).", ""]
+    if target_rows:
+        out += ["| target | measured | goal | verdict |", "|---|---|---|---|"]
+        out += [f"| {t['target']} | {t['measured']} | {t['goal']} | {t['verdict']} |"
+                for t in target_rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def _flags(run: "Run") -> str:
+    flags = []
+    if run.model != "resnet18":
+        flags.append(f"--model {run.model}")
+    if run.published:
+        flags.append("--published AdaFisher.py")
+    if run.quick:
+        flags.append("--quick")
+    return (" " + " ".join(flags)) if flags else ""

@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Callable
@@ -380,9 +381,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tcov", type=int, default=DEFAULT_TCOV,
                         help="the curvature interval over which the whole-step phase averages a "
                              f"training iteration (default {DEFAULT_TCOV}, the published TCov)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: every core this process may use); on a "
+                             "machine other processes share, 1 gives steadier ratios")
     parser.add_argument("--quick", action="store_true",
                         help="short budgets (under a minute on 2 CPU cores)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the results as Markdown tables (the README's bench section)")
     parser.add_argument("--optimizers", default=None, metavar="NAME,...",
                         help="the members to bench (default: all of them): "
                              + ", ".join(members_pkg.registry()))
@@ -403,6 +409,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--steps must be >= 1")
     if args.tcov < 1:
         parser.error("--tcov must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     try:
         args.members = members_pkg.select(args.optimizers)
         args.published = published_mod.parse(args.published, members_pkg.registry())
@@ -452,12 +460,16 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if is_cuda(device) and device.index is not None:
         torch.cuda.set_device(device)
-    threads = machine_threads()
+    threads = args.threads or machine_threads()
     torch.set_num_threads(threads)
     # torch.optim's step wrapper opens a profiler region that dynamo notes it drops: noise here.
     for logger in ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch"):
         logging.getLogger(logger).addFilter(
             lambda record: "will be ignored" not in record.getMessage())
+    # The published code's full backward hook on the first layer, whose input needs no gradient,
+    # warns once per process that it fires on the output gradient: what it should do, so noise.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                            "computed with respect to module outputs")
 
     chosen = {}
     for member in args.members:
@@ -498,6 +510,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         console.print(f"JSON written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown(run, env, targets, elapsed, args.members))
+        console.print(f"Markdown written to {args.markdown}")
     return 1 if any(s.error for s in run.skipped) else 0
 
 

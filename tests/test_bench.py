@@ -69,9 +69,10 @@ def _bench(*args, env=None, timeout=300):
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--json", str(path))
+    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--json", str(path),
+                  "--markdown", str(path.with_suffix(".md")))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(path.read_text()), proc.stdout, proc.stderr
+    return json.loads(path.read_text()), proc.stdout, proc.stderr, path.with_suffix(".md")
 
 
 def _finite(x) -> bool:
@@ -79,7 +80,7 @@ def _finite(x) -> bool:
 
 
 def test_environment_and_floor(quick_run):
-    data, _, _ = quick_run
+    data, *_ = quick_run
     env = data["environment"]
     assert env["torch"] == torch.__version__
     assert env["device"] == "cpu" and isinstance(env["device_name"], str)
@@ -94,7 +95,7 @@ def test_environment_and_floor(quick_run):
 
 
 def test_results(quick_run):
-    data, _, _ = quick_run
+    data, *_ = quick_run
     results = data["results"]
     assert results, "no measurement"
     for r in results:
@@ -119,7 +120,7 @@ def test_results(quick_run):
 
 
 def test_whole_step(quick_run):
-    data, _, _ = quick_run
+    data, *_ = quick_run
     rows = {(w["optimizer"], w["variant"]): w for w in data["whole_step"]}
     adamw = [w for (o, _), w in rows.items() if o == "adamw"]
     assert len(adamw) == 1 and adamw[0]["overhead_vs_adamw"] == pytest.approx(0.0)
@@ -141,7 +142,7 @@ def test_whole_step(quick_run):
 
 
 def test_agreement(quick_run):
-    data, _, _ = quick_run
+    data, *_ = quick_run
     if not _fused_on_cpu():
         assert data["agreement"] == []
         return
@@ -150,7 +151,7 @@ def test_agreement(quick_run):
 
 
 def test_console_report(quick_run):
-    data, stdout, stderr = quick_run
+    data, stdout, stderr, _ = quick_run
     assert "targets" in stdout and "step: mlp" in stdout and "whole training step" in stdout
     assert "reference (cafin, plain PyTorch)" in stdout
     assert "published way" not in stdout  # the reference is not the published code's speed
@@ -158,6 +159,18 @@ def test_console_report(quick_run):
     # torch.profiler (used to count allocations) must not print its kineto lines.
     for stream in (stdout, stderr):
         assert "profiler_start" not in stream and "USDT" not in stream, stream[-2000:]
+
+
+def test_markdown(quick_run):
+    data, _, _, md = quick_run
+    text = md.read_text()
+    assert text.startswith("`python -m bench --model mlp --quick`: mlp, batch 128, cpu")
+    assert "| step | median ms | speed-up | x floor | allocated |" in text
+    assert "| AdaFisher reference (cafin, plain PyTorch) |" in text
+    assert "| whole training step, ms |" in text and "per iteration, TCov 100" in text
+    assert text.count("| AdamW AdamW(fused=True) |") == 2  # the step and the whole step
+    for t in data["targets"]:
+        assert f"| {t['target']} | {t['measured']} | {t['goal']} | {t['verdict']} |" in text
 
 
 def test_published_stand_in(tmp_path):
