@@ -128,6 +128,7 @@ class Run:
     floor: dict = field(default_factory=dict)
     breakdown: list[dict] = field(default_factory=list)  # the fused statistics, per op
     whole_step: list[dict] = field(default_factory=list)
+    whole_step_from_phases: list[dict] = field(default_factory=list)
 
     def result(self, phase: str, variant: str, optimizer: str | None = None) -> Result | None:
         """The result of a phase and variant; optimizer None: AdaFisher's, or AdamW's for the
@@ -498,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         out = {"environment": env, "floor": run.floor,
                "results": [r.to_json() for r in run.results],
                "whole_step": run.whole_step,
+               "whole_step_from_phases": run.whole_step_from_phases,
                "agreement": run.agreement,
                "statistics_breakdown": [{"model": run.model, "variant": "fused", **b}
                                         for b in run.breakdown],

@@ -187,6 +187,7 @@ def run_phase(ctx: "Context") -> None:
             break
     progress.update(task, total=1 + rounds, completed=1 + rounds)
     run.whole_step = summarise(live, run.tcov)
+    run.whole_step_from_phases = from_phases(run)
     if is_cuda(device):
         torch.cuda.empty_cache()
 
@@ -215,3 +216,26 @@ def summarise(done: list[Trainer], tcov: int) -> list[dict]:
     # JSON has no NaN (a variant with too few samples of a kind): None instead.
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v)
              for k, v in r.items()} for r in rows]
+
+
+def from_phases(run) -> list[dict]:
+    """The same overhead composed from the step and statistics phases, which time short calls
+    many times and so are steadier than whole iterations on a busy machine: per member with
+    both, (its fused step - AdamW's step + its fused statistics / TCov) over AdamW's measured
+    iteration. Hooks on plain iterations are left out (they launch nothing there)."""
+    base = next((w for w in run.whole_step if w["optimizer"] == "adamw"), None)
+    adamw = run.result("step", base["variant"], "adamw") if base else None
+    out = []
+    if adamw is None or not base["plain_ms"]:
+        return out
+    for optimizer in dict.fromkeys(w["optimizer"] for w in run.whole_step):
+        step = run.result("step", "fused", optimizer)
+        stats = run.result("statistics", "fused", optimizer)
+        if optimizer == "adamw" or step is None or stats is None:
+            continue
+        extra = step.median_ms - adamw.median_ms + stats.median_ms / run.tcov
+        out.append({"optimizer": optimizer, "variant": "fused", "step_ms": step.median_ms,
+                    "adamw_step_ms": adamw.median_ms, "statistics_ms": stats.median_ms,
+                    "adamw_iteration_ms": base["plain_ms"], "tcov": run.tcov,
+                    "extra_ms": extra, "overhead_vs_adamw": extra / base["plain_ms"]})
+    return out

@@ -139,6 +139,14 @@ def test_whole_step(quick_run):
                 w["cycle_ms"] / adamw[0]["cycle_ms"] - 1)
     goals = [t for t in data["targets"] if "whole step over AdamW" in t["target"]]
     assert len(goals) == len(expected) and all(t["goal"] == "<= 3%" for t in goals)
+    if _fused_on_cpu():
+        [composed] = data["whole_step_from_phases"]
+        step = {(r["phase"], r["variant"]): r["median_ms"] for r in data["results"]}
+        assert composed["extra_ms"] == pytest.approx(
+            step["step", "fused"] - step["step", adamw[0]["variant"]]
+            + step["statistics", "fused"] / 100)
+        assert composed["overhead_vs_adamw"] == pytest.approx(
+            composed["extra_ms"] / adamw[0]["plain_ms"])
 
 
 def test_agreement(quick_run):
