@@ -22,15 +22,16 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(cout)
         self.conv2 = nn.Conv2d(cout, cout, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(cout)
+        self.inplace = True  # see `relu_in_place`
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
             self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False),
                                           nn.BatchNorm2d(cout))
 
     def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = F.relu(self.bn1(self.conv1(x)), inplace=self.inplace)
         out = self.bn2(self.conv2(out))
-        return F.relu(out + self.shortcut(x), inplace=True)
+        return F.relu(out + self.shortcut(x), inplace=self.inplace)
 
 
 class ResNet(nn.Module):
@@ -38,6 +39,7 @@ class ResNet(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(3, width, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
+        self.inplace = True
         layers, cin = [], width
         for i, n in enumerate(blocks):
             cout = width * 2 ** i
@@ -48,7 +50,7 @@ class ResNet(nn.Module):
         self.fc = nn.Linear(cin, num_classes)
 
     def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)), inplace=True)
+        out = F.relu(self.bn1(self.conv1(x)), inplace=self.inplace)
         out = self.layers(out)
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(out, 1), 1))
 
@@ -139,6 +141,16 @@ def loss_for(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Ten
     if name == "gpt":
         return F.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
     return F.cross_entropy(output, target)
+
+
+def relu_in_place(model: nn.Module, flag: bool) -> nn.Module:
+    """Turn the ResNet's in-place ReLUs on or off. The published AdaFisher takes gradient
+    statistics with full backward hooks, which raise when a hooked module's output is then
+    modified in place; a comparison with it runs every optimizer on the same not-in-place model."""
+    for module in model.modules():
+        if isinstance(module, (ResNet, BasicBlock)):
+            module.inplace = flag
+    return model
 
 
 MODELS = {"resnet18": resnet18, "gpt": gpt, "mlp": mlp}

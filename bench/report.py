@@ -28,11 +28,12 @@ def fmt_bytes(n: float | None) -> str:
 def fmt_ms(ms: float | None) -> str:
     if ms is None or not math.isfinite(ms):
         return "-"
-    if ms >= 100:
+    size = abs(ms)  # a difference of medians (statistics in training) can come out negative
+    if size >= 100:
         return f"{ms:.0f}"
-    if ms >= 10:
+    if size >= 10:
         return f"{ms:.1f}"
-    if ms >= 1:
+    if size >= 1:
         return f"{ms:.2f}"
     return f"{ms:.3f}"
 
@@ -43,6 +44,22 @@ def fmt_ratio(x: float | None) -> str:
     return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
 
 
+LABELS = {
+    "published": "published (your copy)",
+    "reference": "reference (cafin, plain PyTorch)",
+    "reference-compiled": "reference, torch.compile",
+    "fused": "fused",
+    "fused-compiled": "fused, torch.compile",
+    "cuda-graph": "fused, CUDA graph",
+    "adamw-foreach": "AdamW(foreach=True)",
+    "adamw-fused": "AdamW(fused=True)",
+}
+
+
+def label(variant: str) -> str:
+    return LABELS.get(variant, variant)
+
+
 def header(env: dict, run: "Run") -> Panel:
     lines = Text()
     rows = [("torch", env["torch"]), ("device", f"{env['device']} ({env['device_name']})"),
@@ -50,6 +67,9 @@ def header(env: dict, run: "Run") -> Panel:
             ("CUDA kernels built", str(env["cuda_kernels_built"])),
             (f"fused kernels for {run.device.type}", str(env["fused_kernels_for_device"])),
             ("model", f"{run.model}, batch {run.batch_size}"),
+            ("optimizers", ", ".join(run.optimizers) + " (and AdamW)"),
+            ("published code", ", ".join(f"{k}: {v}" for k, v in run.published.items())
+             or "none given (--published PATH)"),
             ("mode", "quick" if run.quick else "full")]
     load = env.get("load_average_1m")
     if load is not None:
@@ -62,38 +82,98 @@ def header(env: dict, run: "Run") -> Panel:
     return Panel(lines, title="cafin bench: speed, memory, agreement", expand=False)
 
 
-def _phase_table(run: "Run", phase: str, floor_ms: float | None, floor_label: str) -> Table:
-    ref = run.result(phase, "reference")
+def _base_of(run: "Run", phase: str, optimizer: str):
+    """The row speed-ups are stated against: the optimizer's published code when it was timed,
+    else cafin's plain-PyTorch reference of it. AdamW rows use AdaFisher's."""
+    if optimizer == "adamw":
+        optimizer = "adafisher"
+    for variant in ("published", "reference"):
+        r = run.result(phase, variant, optimizer)
+        if r:
+            return r
+    return None
+
+
+def _phase_table(run: "Run", phase: str, floor_ms: float | None, floor_label: str,
+                 names: dict[str, str]) -> Table:
     table = Table(title=f"{phase}: {run.model}, batch {run.batch_size}, {run.device}",
-                  title_justify="left")
+                  title_justify="left",
+                  caption="speed-up: against the optimizer's published code when given "
+                          "(--published), else against cafin's plain-PyTorch reference",
+                  caption_justify="left")
+    table.add_column("optimizer")
     table.add_column("variant")
     table.add_column("median ms", justify="right")
     table.add_column("IQR", justify="right")
     table.add_column("n", justify="right")
-    table.add_column("speed-up vs reference", justify="right")
+    table.add_column("speed-up", justify="right")
     table.add_column("x floor", justify="right")
     table.add_column("allocated", justify="right")
     table.add_column("first call s", justify="right")
     if floor_ms is not None:
-        table.add_row(Text(floor_label, style="dim"), fmt_ms(floor_ms), "", "", "", "1.00x", "", "",
-                      style="dim")
+        table.add_row("", Text(floor_label, style="dim"), fmt_ms(floor_ms), "", "", "", "1.00x",
+                      "", "", style="dim")
     for r in run.results:
         if r.phase != phase:
             continue
+        ref = _base_of(run, phase, r.optimizer)
         speedup = ref.median_ms / r.median_ms if ref else None
         to_floor = r.median_ms / floor_ms if floor_ms else None
         iqr = f"{100 * r.spread:.0f}%" if math.isfinite(r.spread) else "-"
         style = "bold" if r.variant.startswith("fused") else None
-        table.add_row(r.variant, fmt_ms(r.median_ms), iqr, str(r.repeats), fmt_ratio(speedup),
-                      fmt_ratio(to_floor), fmt_bytes(r.allocated_bytes), f"{r.first_call_s:.2f}",
-                      style=style)
+        table.add_row(names.get(r.optimizer, r.optimizer), label(r.variant), fmt_ms(r.median_ms),
+                      iqr, str(r.repeats), fmt_ratio(speedup), fmt_ratio(to_floor),
+                      fmt_bytes(r.allocated_bytes), f"{r.first_call_s:.2f}", style=style)
     return table
 
 
-def targets(run: "Run") -> list[dict]:
-    """The targets of the fused implementation, each met / missed / n/a with its numbers."""
-    def ms(phase, variant):
-        r = run.result(phase, variant)
+def fmt_pct(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{100 * x:+.1f}%"
+
+
+def _whole_step_table(run: "Run", names: dict[str, str]) -> Table:
+    relu = " (ReLU not in place for every row: the published hooks need it)" \
+        if run.published and run.model == "resnet18" else ""
+    table = Table(title=f"whole training step (zero_grad, forward, backward, step), ms: {run.model}, "
+                        f"batch {run.batch_size}, {run.device}{relu}", title_justify="left",
+                  caption=f"plain / curvature: median iteration of each kind; statistics = "
+                          f"curvature - plain; per iteration = the mean over a cycle of TCov = "
+                          f"{run.tcov}: ((TCov - 1) x plain + curvature) / TCov; the rows ran "
+                          "interleaved, round by round; 1st s: the first two iterations (compile)",
+                  caption_justify="left")
+    for col in ("optimizer", "variant", "plain", "IQR", "curvature", "statistics",
+                "per iteration", "vs AdamW", "n", "1st s"):
+        table.add_column(col, justify="left" if col in ("optimizer", "variant") else "right")
+    for w in run.whole_step:
+        iqr = w["plain_iqr_over_median"]
+        adamw = w["optimizer"] == "adamw"
+        table.add_row(names.get(w["optimizer"], w["optimizer"]), label(w["variant"]),
+                      fmt_ms(w["plain_ms"]), f"{100 * iqr:.0f}%" if iqr is not None else "-",
+                      "" if adamw else fmt_ms(w["curvature_ms"]),
+                      "" if adamw else fmt_ms(w["statistics_in_training_ms"]),
+                      fmt_ms(w["cycle_ms"]), "" if adamw else fmt_pct(w["overhead_vs_adamw"]),
+                      f"{w['plain_n']}" + ("" if adamw else f"+{w['curvature_n']}"),
+                      f"{w['first_cycle_s']:.2f}",
+                      style="bold" if w["variant"].startswith("fused") else None)
+    return table
+
+
+def _from_phases_lines(run: "Run", names: dict[str, str]) -> list[str]:
+    return [f"{names.get(c['optimizer'], c['optimizer'])} fused, composed from the steadier "
+            f"phases: step {fmt_ms(c['step_ms'])} - AdamW step {fmt_ms(c['adamw_step_ms'])} + "
+            f"statistics {fmt_ms(c['statistics_ms'])} / {c['tcov']} = {fmt_ms(c['extra_ms'])} ms "
+            f"per iteration, {fmt_pct(c['overhead_vs_adamw'])} of AdamW's "
+            f"{fmt_ms(c['adamw_iteration_ms'])} ms iteration" for c in run.whole_step_from_phases]
+
+
+def targets(run: "Run", members=()) -> list[dict]:
+    """The targets, each met / missed / n/a with its numbers. AdaFisher's are stated for
+    ResNet-18, CPU, batch 32; against the published code when it was timed, else against cafin's
+    plain-PyTorch reference; the whole-step overhead goal applies to every member that states one."""
+    def ms(phase, variant, optimizer=None):
+        r = run.result(phase, variant, optimizer)
         return r.median_ms if r else None
 
     out = []
@@ -103,11 +183,16 @@ def targets(run: "Run") -> list[dict]:
                     "verdict": "n/a" if ok is None else ("met" if ok else "missed")})
 
     ref, fused = ms("step", "reference"), ms("step", "fused")
+    pub = ms("step", "published")
     refc, adamw = ms("step", "reference-compiled"), ms("step", "adamw-fused")
     floor = run.floor.get("step_floor_ms")
     both = fused is not None
-    add("fused step vs reference", f"{fmt_ratio(ref / fused)} faster" if both and ref else "-",
-        ">= 5x faster", (ref / fused >= 5) if both and ref else None)
+    if pub is not None:
+        add("fused step vs published", f"{fmt_ratio(pub / fused)} faster" if both else "-",
+            ">= 5x faster", (pub / fused >= 5) if both else None)
+    add("fused step vs reference (cafin's, eager)",
+        f"{fmt_ratio(ref / fused)} faster" if both and ref else "-", ">= 5x faster",
+        (ref / fused >= 5) if both and ref else None)
     add("fused step vs reference-compiled",
         f"{fmt_ratio(refc / fused)} faster" if both and refc else "-", "faster",
         (fused < refc) if both and refc else None)
@@ -116,7 +201,15 @@ def targets(run: "Run") -> list[dict]:
     add("fused step vs floor", f"{fmt_ratio(fused / floor)} the floor" if both and floor else "-",
         "<= 1.3x the floor", (fused <= 1.3 * floor) if both and floor else None)
     sref, sfused = ms("statistics", "reference"), ms("statistics", "fused")
-    add("fused statistics vs reference",
+    wpub, wfused = run.whole("adafisher", "published"), run.whole("adafisher", "fused")
+    spub = wpub and wpub["statistics_in_training_ms"]
+    sfused_train = wfused and wfused["statistics_in_training_ms"]
+    if spub is not None:
+        ok = (spub / sfused_train >= 100) if sfused_train and sfused_train > 0 else None
+        add("fused statistics vs published (in training: curvature - plain iteration)",
+            f"{fmt_ratio(spub / sfused_train)} faster" if ok is not None else
+            f"published {fmt_ms(spub)} ms, fused {fmt_ms(sfused_train)} ms", ">= 100x faster", ok)
+    add("fused statistics vs reference (captured activations)",
         f"{fmt_ratio(sref / sfused)} faster" if sref and sfused else "-", ">= 100x faster",
         (sref / sfused >= 100) if sref and sfused else None)
     r = run.result("step", "fused")
@@ -131,13 +224,30 @@ def targets(run: "Run") -> list[dict]:
     add(f"agreement after {run.steps} steps (float32)",
         f"{agree:.2e}" if agree is not None else "-", "<= 1e-5",
         (agree <= 1e-5) if agree is not None else None)
+    for member in members:
+        if member.overhead_goal is None:
+            continue
+        for variant in ("fused", "fused-compiled", "cuda-graph"):
+            w = run.whole(member.name, variant)
+            if w is None:
+                continue
+            over = w["overhead_vs_adamw"]
+            add(f"{member.label} {label(variant)}: whole step over AdamW (TCov {run.tcov})",
+                fmt_pct(over), f"<= {100 * member.overhead_goal:.0f}%",
+                (over <= member.overhead_goal) if over is not None else None)
+        for c in run.whole_step_from_phases:
+            if c["optimizer"] == member.name:
+                over = c["overhead_vs_adamw"]
+                add(f"{member.label} fused: the same, composed from the step and statistics "
+                    "phases", fmt_pct(over), f"<= {100 * member.overhead_goal:.0f}%",
+                    over <= member.overhead_goal)
     return out
 
 
 def _targets_table(rows: list[dict], run: "Run") -> Table:
     note = ""
     if (run.model, run.device.type, run.batch_size) != TARGET_CONFIG:
-        note = " (the targets are stated for resnet18, cpu, batch 32)"
+        note = " (the step and statistics targets are stated for resnet18, cpu, batch 32)"
     table = Table(title=f"targets{note}", title_justify="left")
     table.add_column("target")
     table.add_column("measured", justify="right")
@@ -151,17 +261,19 @@ def _targets_table(rows: list[dict], run: "Run") -> Table:
 
 
 def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
-              elapsed_s: float) -> None:
+              elapsed_s: float, members=()) -> None:
+    names = {m.name: m.label for m in members} | {"adamw": "AdamW"}
     floor = run.floor
     if floor:
         console.print(f"copy bandwidth {floor['copy_bandwidth_gb_s']:.1f} GB/s "
                       f"({fmt_bytes(floor['copy_buffer_bytes'])} buffers); step floor "
                       f"{fmt_bytes(floor['bytes_per_step'])} = 20 B x {floor['parameters']:,} parameters")
     if any(r.phase == "step" for r in run.results):
-        console.print(_phase_table(run, "step", floor.get("step_floor_ms"), "floor (20 B/param)"))
+        console.print(_phase_table(run, "step", floor.get("step_floor_ms"), "floor (20 B/param)",
+                                   names))
     if any(r.phase == "statistics" for r in run.results):
         console.print(_phase_table(run, "statistics", floor.get("statistics_floor_ms"),
-                                   "floor (read x, g once)"))
+                                   "floor (read x, g once)", names))
     if run.breakdown:
         bandwidth = floor["copy_bandwidth_gb_s"] * 1e9
         table = Table(title="fused statistics by op (summed over calls; median of passes)",
@@ -185,7 +297,7 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
     # Where the fused variants allocate, so a nonzero count comes with its cause.
     for r in run.results:
         if r.variant.startswith("fused") and r.allocated_bytes and r.allocations and r.allocations.sources:
-            table = Table(title=f"allocations inside {r.phase} / {r.variant}: {r.allocations.count} "
+            table = Table(title=f"allocations inside {r.phase} / {r.optimizer} {r.variant}: {r.allocations.count} "
                                 f"allocations, {fmt_bytes(r.allocated_bytes)}", title_justify="left")
             table.add_column("bytes", justify="right")
             table.add_column("count", justify="right")
@@ -193,13 +305,18 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
             for size, count, where in r.allocations.sources:
                 table.add_row(fmt_bytes(size), str(count), where)
             console.print(table)
+    if run.whole_step:
+        console.print(_whole_step_table(run, names))
+        for line in _from_phases_lines(run, names):
+            console.print(line)
     if run.skipped:
         table = Table(title="not measured", title_justify="left")
+        table.add_column("optimizer")
         table.add_column("phase")
         table.add_column("variant")
         table.add_column("why")
         for s in run.skipped:
-            table.add_row(s.phase, s.variant, Text(s.reason[:300], style="red" if s.error else "dim"))
+            table.add_row(names.get(s.optimizer, s.optimizer), s.phase, s.variant, Text(s.reason[:300], style="red" if s.error else "dim"))
         console.print(table)
     console.print(_targets_table(target_rows, run))
     loads = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
@@ -208,3 +325,83 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
                       f"{env['threads']} threads): parallel kernels wait for descheduled threads, "
                       "so these numbers mostly measure the other processes; rerun when idle[/yellow]")
     console.print(f"done in {elapsed_s:.0f} s")
+
+
+def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
+    """The run as Markdown tables, for the README's bench section (`--markdown PATH`)."""
+    names = {m.name: m.label for m in members} | {"adamw": "AdamW"}
+    load = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
+    out = [f"`python -m bench{_flags(run)}`: {run.model}, batch {run.batch_size}, "
+           f"{env['device']} ({env['device_name']}), {env['threads']} threads, torch "
+           f"{env['torch']}, done in {elapsed_s:.0f} s"
+           + (f"; 1-minute load average {min(load):.1f} to {max(load):.1f}" if load else "")
+           + ". Medians; only ratios within one run mean anything.", ""]
+    if load and max(load) > env["threads"] + 0.5:
+        out += ["**The machine was busy** (load above its thread count): other processes took "
+                "most of the cores, so the absolute times are inflated and noisy.", ""]
+    floor = run.floor
+    for phase, floor_key, floor_label in (
+            ("step", "step_floor_ms", "floor: 20 B/param at the measured copy bandwidth "
+             f"({floor.get('copy_bandwidth_gb_s', math.nan):.1f} GB/s)"),
+            ("statistics", "statistics_floor_ms", "floor: read every activation and output "
+             "gradient once")):
+        rows = [r for r in run.results if r.phase == phase]
+        if not rows:
+            continue
+        title = "step" if phase == "step" else "statistics of one curvature step"
+        out += [f"| {title} | median ms | speed-up | x floor | allocated |",
+                "|---|---|---|---|---|"]
+        if floor.get(floor_key):
+            out.append(f"| {floor_label} | {fmt_ms(floor[floor_key])} | | 1.00x | |")
+        for r in rows:
+            ref = _base_of(run, phase, r.optimizer)
+            cells = [f"{names.get(r.optimizer, r.optimizer)} {label(r.variant)}",
+                     fmt_ms(r.median_ms), fmt_ratio(ref.median_ms / r.median_ms) if ref else "",
+                     fmt_ratio(r.median_ms / floor[floor_key]) if floor.get(floor_key) else "",
+                     fmt_bytes(r.allocated_bytes)]
+            if r.variant.startswith("fused"):
+                cells = [f"**{c}**" if c else c for c in cells]
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", "Speed-ups are against the published code when it was timed "
+                "(`--published`), else against cafin's plain-PyTorch reference.", ""]
+    if run.whole_step:
+        out += [f"| whole training step, ms | plain iteration | curvature iteration | statistics "
+                f"| per iteration, TCov {run.tcov} | vs AdamW |", "|---|---|---|---|---|---|"]
+        for w in run.whole_step:
+            adamw = w["optimizer"] == "adamw"
+            out.append("| " + " | ".join([
+                f"{names.get(w['optimizer'], w['optimizer'])} {label(w['variant'])}",
+                fmt_ms(w["plain_ms"]), "" if adamw else fmt_ms(w["curvature_ms"]),
+                "" if adamw else fmt_ms(w["statistics_in_training_ms"]), fmt_ms(w["cycle_ms"]),
+                "" if adamw else fmt_pct(w["overhead_vs_adamw"])]) + " |")
+        out += ["", f"A training iteration (zero_grad, forward, backward, step) of each optimizer "
+                "on its own copy of the model, the optimizers interleaved round by round; "
+                "curvature and plain iterations alternate, and the mean over a cycle of "
+                f"TCov = {run.tcov} is ((TCov - 1) x plain + curvature) / TCov. Statistics: "
+                "the curvature iteration's extra time, hooks included." + (
+                    " ReLU not in place in every row (the published hooks need it)."
+                    if run.published and run.model == "resnet18" else ""), ""]
+        lines = _from_phases_lines(run, names)
+        if lines:
+            out += [line + "." for line in lines] + [""]
+    if run.agreement:
+        a = run.agreement[0]
+        out += [f"Agreement, fused vs reference after {a['steps']} float32 steps from the same "
+                f"state: {a['max_rel_diff']:.1e} (max relative).", ""]
+    if target_rows:
+        out += ["| target | measured | goal | verdict |", "|---|---|---|---|"]
+        out += [f"| {t['target']} | {t['measured']} | {t['goal']} | {t['verdict']} |"
+                for t in target_rows]
+        out.append("")
+    return "\n".join(out)
+
+
+def _flags(run: "Run") -> str:
+    flags = []
+    if run.model != "resnet18":
+        flags.append(f"--model {run.model}")
+    if run.published:
+        flags.append("--published AdaFisher.py")
+    if run.quick:
+        flags.append("--quick")
+    return (" " + " ".join(flags)) if flags else ""

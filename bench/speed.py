@@ -1,17 +1,21 @@
-"""`python -m bench`: speed, memory and agreement of cafin's AdaFisher, fused against the reference.
+"""`python -m bench`: speed, memory and agreement of cafin's optimizers against AdamW, cafin's own
+plain-PyTorch references and (given your copy of it) the published code.
 
 Phases (one model per run, ratios within the run; see DESIGN.md section 6):
-- step: the optimizer step alone, on gradients and factors prepared once by one real curvature
-  step. Variants: reference (eager, the published way), reference-compiled, fused, fused-compiled,
-  cuda-graph (CUDA only), and torch's AdamW (foreach, fused) as baselines. The floor is 20 bytes
-  per parameter (read theta, g, m; write theta, m) over the copy bandwidth measured in this run.
-- statistics: the curvature work of one curvature step (every module's input and gradient
-  statistics plus one fisher_average_) on activations and output gradients captured once.
-- memory: bytes allocated inside one call of each variant.
-- agreement: fused against reference over --steps training steps in float32, in lockstep (the
-  fused copy takes the reference copy's parameters before each step).
---quick leaves out reference-compiled: inductor takes 1.5 to 3.5 minutes to compile the reference
-step of ResNet-18 on 2 cores with a cold cache (about 10 s warm).
+- step: the optimizer step alone, on gradients and factors prepared by one real curvature step.
+  Variants per optimizer: published (your copy of the published file, --published PATH),
+  reference (cafin's plain-PyTorch reference: capturable, eager; not the published code's speed),
+  reference-compiled, fused, fused-compiled, cuda-graph (CUDA only); and torch's AdamW (foreach,
+  fused) as baselines. The floor is 20 bytes per parameter (read theta, g, m; write theta, m)
+  over the copy bandwidth measured in this run.
+- statistics (AdaFisher): the curvature work of one curvature step on activations and output
+  gradients captured once, fused against the reference, with a per-op breakdown.
+- agreement (AdaFisher): fused against reference over --steps training steps in float32.
+- whole-step: zero_grad + forward + backward + step per training iteration, the curvature
+  iteration amortised over a cycle of --tcov iterations (bench/whole_step.py): the overhead over
+  AdamW that a training run pays.
+reference-compiled is not in the default run (--variants adds it): inductor takes 1.5 to 3.5
+minutes to compile the reference step of ResNet-18 on 2 cores with a cold cache.
 """
 from __future__ import annotations
 
@@ -21,29 +25,36 @@ import json
 import logging
 import math
 import os
-import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
-from functools import partial
+from types import ModuleType
 from typing import Callable
 
 import torch
 
+from . import members as members_pkg
+from . import published as published_mod
 from . import report
 from .measure import (Allocations, allocated_bytes, copy_bandwidth, device_name, is_cuda,
                       machine_threads, sync, time_calls)
-from .models import MODELS, batch_for, loss_for
+from .members import VARIANTS, Member
+from .models import MODELS, batch_for, loss_for, relu_in_place
 
 LR = 1e-3
 TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, every timed step does not
-AGREEMENT_TCOV = 2  # curvature and plain steps alternate
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
-STEP_VARIANTS = ("reference", "reference-compiled", "fused", "fused-compiled", "cuda-graph",
-                 "adamw-foreach", "adamw-fused")
-STATS_VARIANTS = ("reference", "fused")
+DEFAULT_TCOV = 100  # the published default, at which the whole-step overhead is stated
+BASELINES = ("adamw-foreach", "adamw-fused")
+PHASES = ("step", "statistics", "agreement", "whole-step")
+STEP_VARIANTS = VARIANTS + BASELINES  # kept for readers of the old name
 FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
              "norm_grad_stats_", "fisher_average_")
+# Kineto (torch.profiler's backend, used here to count allocations) prints "profiler_start" and
+# "profiler_stop" lines at its USDT severity, the highest it has: only a level above every
+# severity (ENUM_COUNT = 6) quiets it. Its errors concern the profiler only.
+KINETO_QUIET = "6"
 
 
 @dataclass(frozen=True)
@@ -74,10 +85,11 @@ class Result:
     first_call_s: float  # the first warm-up call: it holds the compile of compiled variants
     min_ms: float
     allocations: Allocations | None = None
+    optimizer: str = "adafisher"
 
     def to_json(self) -> dict:
-        return {"model": self.model, "phase": self.phase, "variant": self.variant,
-                "median_ms": self.median_ms, "min_ms": self.min_ms,
+        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
+                "variant": self.variant, "median_ms": self.median_ms, "min_ms": self.min_ms,
                 "allocated_bytes": self.allocated_bytes,
                 "repeats": self.repeats, "iqr_over_median": _finite_or_none(self.spread),
                 "first_call_s": self.first_call_s,
@@ -91,11 +103,12 @@ class Skip:
     phase: str
     variant: str
     reason: str
-    error: bool = False  # True: it was attempted and raised; False: not available here
+    error: bool = False  # True: cafin or the bench raised; False: not available, or not cafin's
+    optimizer: str = "adafisher"
 
     def to_json(self) -> dict:
-        return {"model": self.model, "phase": self.phase, "variant": self.variant,
-                "reason": self.reason, "error": self.error}
+        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
+                "variant": self.variant, "reason": self.reason, "error": self.error}
 
 
 @dataclass
@@ -106,16 +119,67 @@ class Run:
     steps: int
     quick: bool
     budget: Budget
+    tcov: int = DEFAULT_TCOV
+    optimizers: list[str] = field(default_factory=list)
+    published: dict[str, str] = field(default_factory=dict)  # member -> path of the user's file
     results: list[Result] = field(default_factory=list)
     skipped: list[Skip] = field(default_factory=list)
     agreement: list[dict] = field(default_factory=list)
     floor: dict = field(default_factory=dict)
     breakdown: list[dict] = field(default_factory=list)  # the fused statistics, per op
+    whole_step: list[dict] = field(default_factory=list)
+    whole_step_from_phases: list[dict] = field(default_factory=list)
 
-    def result(self, phase: str, variant: str) -> Result | None:
+    def result(self, phase: str, variant: str, optimizer: str | None = None) -> Result | None:
+        """The result of a phase and variant; optimizer None: AdaFisher's, or AdamW's for the
+        adamw-* variants."""
+        if optimizer is None:
+            optimizer = "adamw" if variant.startswith("adamw-") else "adafisher"
         for r in self.results:
-            if r.phase == phase and r.variant == variant:
+            if r.phase == phase and r.variant == variant and r.optimizer == optimizer:
                 return r
+        return None
+
+    def whole(self, optimizer: str, variant: str | None = None) -> dict | None:
+        for w in self.whole_step:
+            if w["optimizer"] == optimizer and (variant is None or w["variant"] == variant):
+                return w
+        return None
+
+
+@dataclass
+class Context:
+    """What a phase needs: the run, its model and batch, and the selection."""
+    run: Run
+    progress: object
+    base: torch.nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    members: list[Member]
+    published: dict[str, ModuleType]
+    chosen: dict[str, set[str]]  # member -> the variants selected for it
+    baselines: set[str]
+    phases: set[str]
+    fused_ok: bool
+    why_not_fused: str
+    bandwidth: float = math.nan
+
+    def selected(self, member: Member) -> set[str]:
+        return self.chosen.get(member.name, set())
+
+    @property
+    def variants(self) -> set[str]:  # AdaFisher's selection, for its own phases
+        return self.chosen.get("adafisher", set())
+
+    def why_not(self, member: Member, variant: str) -> str | None:
+        """Why `variant` of `member` cannot run here, or None."""
+        if variant == "published" and member.name not in self.published:
+            return (f"give your copy of the published {member.published_file or 'code'} with "
+                    f"--published {'' if member.name == 'adafisher' else member.name + '='}PATH")
+        if variant.startswith(("fused", "cuda-graph")) and not self.fused_ok:
+            return self.why_not_fused
+        if variant == "cuda-graph" and not is_cuda(self.run.device):
+            return "CUDA only"
         return None
 
 
@@ -139,53 +203,19 @@ def adamw_fused_supported(device: torch.device) -> bool:
         return True
 
 
-# --------------------------------------------------------------------------------- the setup
-@dataclass
-class Prepared:
-    """A model right after one real curvature step: parameters, gradients, optimizer state."""
-    model: torch.nn.Module
-    grads: list[torch.Tensor | None]
-    state: dict
-    params: int  # trainable parameter elements updated by a step
-
-
-def _set_grads(model: torch.nn.Module, grads: list[torch.Tensor | None]) -> None:
-    for p, g in zip(model.parameters(), grads):
-        p.grad = None if g is None else g.clone()
-
-
-def prepare(name: str, base: torch.nn.Module, x, y, backend: str) -> Prepared:
-    import cafin
-    model = copy.deepcopy(base)
-    opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend=backend)
-    loss_for(name, model(x), y).backward()
-    opt.step()  # k = 0: a curvature step; the factors are now real
-    opt.remove_hooks()  # so deep copies of the model carry no hook of this optimizer
-    grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-    params = sum(p.numel() for p in model.parameters() if p.grad is not None)
-    return Prepared(model, grads, opt.state_dict(), params)
-
-
-def _adafisher_from(prepared: Prepared, backend: str):
-    import cafin
-    model = copy.deepcopy(prepared.model)
-    _set_grads(model, prepared.grads)
-    opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend=backend)
-    opt.load_state_dict(prepared.state)  # k = 1: every timed step is a plain step
-    return model, opt
-
-
-def step_variant(variant: str, prepared: Prepared, device: torch.device) -> Callable[[], object]:
-    """The callable that runs one optimizer step of `variant` (objects it needs stay alive in its
-    closure)."""
-    if variant.startswith("adamw-"):
-        model = copy.deepcopy(prepared.model)
-        _set_grads(model, prepared.grads)
-        kind = variant.split("-", 1)[1]
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, **{kind: True})
-        return opt.step  # its first (warm-up) call creates the state
-    backend = "fused" if variant.startswith(("fused", "cuda-graph")) else "reference"
-    model, opt = _adafisher_from(prepared, backend)
+# --------------------------------------------------------------------------------- the step
+def step_variant(ctx: Context, member: Member, variant: str) -> Callable[[], object]:
+    """The callable that runs one optimizer step of `variant` on a model copy whose gradients
+    and factors one real curvature step prepared (objects it needs stay alive in its closure)."""
+    model = copy.deepcopy(ctx.base)
+    if variant == "published":
+        relu_in_place(model, False)  # its full backward hooks cannot take in-place activations
+        opt = member.published(ctx.published[member.name], model, TIMED_TCOV)
+    else:
+        backend = "reference" if variant.startswith("reference") else "fused"
+        opt = member.build(model, backend, TIMED_TCOV)
+    loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
+    opt.step()  # k = 0: a curvature step; the factors are now real, every timed step is plain
     if variant.endswith("-compiled"):
         compiled = torch.compile(opt.step, fullgraph=True)
 
@@ -194,8 +224,16 @@ def step_variant(variant: str, prepared: Prepared, device: torch.device) -> Call
                 compiled()
         return run_compiled
     if variant == "cuda-graph":
-        return _capture(opt.step, device)
+        return _capture(opt.step, ctx.run.device)
     return opt.step
+
+
+def adamw_variant(ctx: Context, variant: str) -> Callable[[], object]:
+    model = copy.deepcopy(ctx.base)
+    loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
+    kind = variant.split("-", 1)[1]
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, **{kind: True})
+    return opt.step  # its first (warm-up) call creates the state
 
 
 def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
@@ -211,165 +249,21 @@ def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], o
     return graph.replay
 
 
-# --------------------------------------------------------------------------------- statistics
-@dataclass
-class Captured:
-    calls: list  # (layer kind, module, x, g or None, stat_H, stat_S) per call of a supported module
-    stats: list[torch.Tensor]  # stat_H, stat_S per module: what the optimizer accumulates into
-    factors: list[torch.Tensor]  # fisher_H, fisher_S per module
-    grad_side: list[bool]
-    activation_bytes: int  # every captured input and output gradient, read once
-
-    @property
-    def output_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.stats + self.factors)
-
-
-def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
-    """One forward/backward with hooks that keep each supported module's input and output
-    gradient: the modules, order and dtypes the optimizer's own hooks would use."""
-    import cafin
-    from cafin.layers import can_take_statistics
-    from cafin.reference import state_dtype
-    model = copy.deepcopy(base)
-    opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")
-    opt.remove_hooks()
-    buffers, stats, factors, grad_side = {}, [], [], []
-    for record in opt._curvature:  # the supported modules with optimised parameters
-        like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
-        s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
-        buffers[id(record)] = (torch.zeros(h + 1, **like), torch.zeros(s + 1, **like))
-        stats += buffers[id(record)]
-        factors += [torch.full((h,), -1.0, **like), torch.full((s,), -1.0, **like)]
-        grad_side += [False, True]
-    calls: list[list] = []
-
-    def forward_hook(record, module, inputs, output):
-        if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
-            return
-        xin = inputs[0].detach()
-        if not can_take_statistics(module, xin):
-            return
-        stat_h, stat_s = buffers[id(record)]
-        call = [record.kind, module, xin.to(stat_h.dtype, copy=True), None, stat_h, stat_s]
-        calls.append(call)
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            def keep(grad, call=call):
-                call[3] = grad.detach().to(stat_s.dtype, copy=True)
-            output.register_hook(keep)
-
-    handles = [record.module.register_forward_hook(
-        lambda module, inputs, output, record=record: forward_hook(record, module, inputs, output))
-        for record in opt._curvature]
-    loss_for(name, model(x), y).backward()
-    for h in handles:
-        h.remove()
-    nbytes = sum(t.numel() * t.element_size() for c in calls for t in c[2:4] if t is not None)
-    return Captured([tuple(c) for c in calls], stats, factors, grad_side, nbytes)
-
-
-def statistics_variant(variant: str, captured: Captured, device: torch.device) -> Callable[[], None]:
-    import cafin
-    impl = cafin.ops if variant == "fused" else cafin.reference
-    skipped = torch.zeros((), device=device)
-    gamma = 0.8
-
-    def run():
-        for kind, module, x, g, stat_h, stat_s in captured.calls:
-            kind.input_stats(impl, stat_h, module, x, None, 1)
-            if g is not None:
-                kind.grad_stats(impl, stat_s, module, g, None, 1)
-        impl.fisher_average_(captured.factors, captured.stats, skipped, gamma, captured.grad_side)
-    return run
-
-
-def statistics_breakdown(captured: Captured, device: torch.device, passes: int) -> list[dict]:
-    """Where the fused statistics spend their time: per (layer type, side) the calls' summed
-    time, the median over `passes` passes after one warm-up pass, and the bytes they read."""
-    import cafin
-    impl = cafin.ops
-    skipped = torch.zeros((), device=device)
-    work = []  # (group, bytes read, call)
-    for kind, module, x, g, stat_h, stat_s in captured.calls:
-        layer = type(module).__name__
-        work.append((f"{layer} input", x.numel() * x.element_size(),
-                     partial(kind.input_stats, impl, stat_h, module, x, None, 1)))
-        if g is not None:
-            work.append((f"{layer} gradient", g.numel() * g.element_size(),
-                         partial(kind.grad_stats, impl, stat_s, module, g, None, 1)))
-    work.append(("fisher_average_", sum(t.numel() * t.element_size() for t in captured.stats),
-                 partial(impl.fisher_average_, captured.factors, captured.stats, skipped, 0.8,
-                         captured.grad_side)))
-    groups: dict[str, dict] = {}
-    for group, nbytes, _ in work:
-        entry = groups.setdefault(group, {"op": group, "calls": 0, "bytes": 0, "times": []})
-        entry["calls"] += 1
-        entry["bytes"] += nbytes
-    for index in range(passes + 1):
-        spent = dict.fromkeys(groups, 0.0)
-        for group, _, call in work:
-            sync(device)
-            began = time.perf_counter()
-            call()
-            sync(device)
-            spent[group] += time.perf_counter() - began
-        if index:  # the first pass warms up
-            for group, seconds in spent.items():
-                groups[group]["times"].append(seconds * 1e3)
-    return [{"op": e["op"], "calls": e["calls"], "bytes": e["bytes"],
-             "median_ms": statistics.median(e["times"])} for e in groups.values()]
-
-
-# --------------------------------------------------------------------------------- agreement
-def agreement(name: str, base: torch.nn.Module, batch_size: int, steps: int,
-              device: torch.device) -> dict:
-    """Train two copies of one model, fused and reference, on the same batches, in lockstep: before
-    each step the fused copy takes the reference copy's parameters and buffers, so both compute
-    the same activations and gradients and only the optimizers' numerics differ (their state, m
-    and the factors, carries across the steps). Without the lockstep, a 1-ulp difference grows
-    with the training dynamics themselves (on random data a BatchNorm bias reaches 1e-2 relative
-    in two steps even reference against reference), which says nothing about the kernels.
-    The measure: the largest max|theta_fused - theta_reference| / max|theta_reference| over the
-    parameter tensors and the steps."""
-    import cafin
-    models = {b: copy.deepcopy(base) for b in ("fused", "reference")}
-    opts = {b: cafin.AdaFisher(m, lr=LR, TCov=AGREEMENT_TCOV, backend=b) for b, m in models.items()}
-    gen = torch.Generator().manual_seed(1234)
-    per_step = []
-    for _ in range(steps):
-        x, y = (t.to(device) for t in batch_for(name, base, batch_size, generator=gen))
-        with torch.no_grad():
-            for dst, src in zip(models["fused"].state_dict().values(),
-                                models["reference"].state_dict().values()):
-                dst.copy_(src)
-        for b, model in models.items():
-            opts[b].zero_grad(set_to_none=True)
-            loss_for(name, model(x), y).backward()
-            opts[b].step()
-        worst = 0.0
-        for pf, pr in zip(models["fused"].parameters(), models["reference"].parameters()):
-            pf, pr = pf.detach(), pr.detach()
-            scale = pr.abs().max().clamp_min(torch.finfo(pr.dtype).tiny)
-            worst = max(worst, float((pf - pr).abs().max() / scale))
-        per_step.append(worst)
-    return {"model": name, "max_rel_diff": max(per_step), "per_step": per_step, "steps": steps,
-            "tcov": AGREEMENT_TCOV, "batch_size": batch_size, "dtype": "float32",
-            "method": "lockstep"}
-
-
 # --------------------------------------------------------------------------------- the run
-def _measure(run: Run, progress, phase: str, variant: str, build: Callable[[], Callable]) -> None:
+def measure(run: Run, progress, phase: str, optimizer: str, variant: str,
+            build: Callable[[], Callable]) -> None:
     budget = run.budget
-    task = progress.add_task(f"{phase:<10} {variant}", total=budget.warmup + budget.max_repeats)
+    task = progress.add_task(f"{phase:<10} {optimizer} {variant}",
+                             total=budget.warmup + budget.max_repeats)
     try:
         fn = build()
         if variant.endswith("-compiled"):
-            progress.update(task, description=f"{phase:<10} {variant} (compiling)")
+            progress.update(task, description=f"{phase:<10} {optimizer} {variant} (compiling)")
         first = time.perf_counter()
         fn()  # the first call: state creation, compilation
         sync(run.device)
         first_s = time.perf_counter() - first
-        progress.update(task, description=f"{phase:<10} {variant}", advance=1)
+        progress.update(task, description=f"{phase:<10} {optimizer} {variant}", advance=1)
         # More warm-up only while it is cheap; a compiled variant gets one more call regardless
         # (its first call was the compile, not a run).
         warm_spent = 0.0 if variant.endswith("-compiled") else first_s
@@ -388,22 +282,51 @@ def _measure(run: Run, progress, phase: str, variant: str, build: Callable[[], C
                             tick=lambda: progress.advance(task))
         allocations = allocated_bytes(fn, run.device)
     except Exception as exc:  # one broken variant must not hide the others' numbers
-        run.skipped.append(Skip(run.model, phase, variant, f"{type(exc).__name__}: {exc}", error=True))
-        progress.update(task, description=f"[red]{phase:<10} {variant} failed", completed=0, total=1)
+        text = f"{type(exc).__name__}: {exc}"
+        if variant == "published":  # the user's file failing is not a failure of cafin
+            run.skipped.append(Skip(run.model, phase, variant, f"the published code raised {text}",
+                                    optimizer=optimizer))
+        else:
+            run.skipped.append(Skip(run.model, phase, variant, text, error=True, optimizer=optimizer))
+        progress.update(task, description=f"[red]{phase:<10} {optimizer} {variant} failed",
+                        completed=0, total=1)
         return
     finally:
         if is_cuda(run.device):
             torch.cuda.empty_cache()
     run.results.append(Result(run.model, phase, variant, timing.median_ms, allocations.total_bytes,
                               len(timing.samples_ms), timing.spread, first_s, min(timing.samples_ms),
-                              allocations))
+                              allocations, optimizer=optimizer))
     progress.update(task, total=budget.warmup + len(timing.samples_ms),
                     completed=budget.warmup + len(timing.samples_ms))
 
 
-def bench(run: Run, variants: set[str], console) -> None:
+def _step_phase(ctx: Context) -> None:
+    run, progress = ctx.run, ctx.progress
+    for member in ctx.members:
+        for variant in member.variants():
+            if variant not in ctx.selected(member):
+                continue
+            why = ctx.why_not(member, variant)
+            if why:
+                run.skipped.append(Skip(run.model, "step", variant, why, optimizer=member.name))
+                continue
+            measure(run, progress, "step", member.name, variant,
+                    lambda m=member, v=variant: step_variant(ctx, m, v))
+    for variant in BASELINES:
+        if variant not in ctx.baselines:
+            continue
+        if variant == "adamw-fused" and not adamw_fused_supported(run.device):
+            run.skipped.append(Skip(run.model, "step", variant, "this torch build has no fused "
+                                    f"AdamW for {run.device.type}", optimizer="adamw"))
+            continue
+        measure(run, progress, "step", "adamw", variant, lambda v=variant: adamw_variant(ctx, v))
+
+
+def bench(run: Run, ctx_args: dict, console) -> None:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn)
+    from .whole_step import run_phase as whole_step_phase
     device, name = run.device, run.model
     torch.manual_seed(0)
     base = MODELS[name]().to(device)
@@ -411,85 +334,29 @@ def bench(run: Run, variants: set[str], console) -> None:
     x, y = (t.to(device) for t in batch_for(name, base, run.batch_size,
                                             generator=torch.Generator().manual_seed(0)))
     missing = fused_kernels_missing(device)
-    fused_ok = not missing
-    why_not_fused = f"no {device.type} kernel for cafin::{', '.join(missing)}"
-
-    columns = (SpinnerColumn(), TextColumn("{task.description:<34}"), BarColumn(),
+    columns = (SpinnerColumn(), TextColumn("{task.description:<40}"), BarColumn(),
                MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("prepare    one curvature step", total=1)
-        prepared = None
-        if fused_ok:
-            try:
-                prepared = prepare(name, base, x, y, "fused")
-            except Exception as exc:
-                run.skipped.append(Skip(name, "step", "prepare (fused)",
-                                        f"{type(exc).__name__}: {exc}", error=True))
-        if prepared is None:
-            prepared = prepare(name, base, x, y, "reference")
-        progress.advance(task)
+        ctx = Context(run=run, progress=progress, base=base, x=x, y=y, fused_ok=not missing,
+                      why_not_fused=f"no {device.type} kernel for cafin::{', '.join(missing)}",
+                      **ctx_args)
         # The floor: copy a buffer pair with the step's working set (theta, g, m, and the write).
         task = progress.add_task("floor      copy bandwidth", total=1)
-        numel = max(2 * prepared.params, 1 << 20)
-        bandwidth = copy_bandwidth(numel, device)
+        params = sum(p.numel() for p in base.parameters() if p.requires_grad)
+        numel = max(2 * params, 1 << 20)
+        ctx.bandwidth = copy_bandwidth(numel, device)
         progress.advance(task)
-        step_bytes = 20 * prepared.params
-        run.floor = {"model": name, "copy_bandwidth_gb_s": bandwidth / 1e9, "copy_buffer_bytes": 4 * numel,
-                     "parameters": prepared.params, "bytes_per_step": step_bytes,
-                     "step_floor_ms": step_bytes / bandwidth * 1e3}
-
-        for variant in STEP_VARIANTS:
-            if variant not in variants:
-                continue
-            reason = None
-            if variant.startswith(("fused", "cuda-graph")) and not fused_ok:
-                reason = why_not_fused
-            elif variant == "cuda-graph" and not is_cuda(device):
-                reason = "CUDA only"
-            elif variant == "adamw-fused" and not adamw_fused_supported(device):
-                reason = f"this torch build has no fused AdamW for {device.type}"
-            if reason:
-                run.skipped.append(Skip(name, "step", variant, reason))
-                continue
-            _measure(run, progress, "step", variant, lambda v=variant: step_variant(v, prepared, device))
-        del prepared
-
-        if any(v in variants for v in STATS_VARIANTS):
-            task = progress.add_task("statistics capture", total=1)
-            captured = capture(name, base, x, y)
-            progress.advance(task)
-            run.floor["statistics_bytes"] = captured.activation_bytes
-            run.floor["statistics_floor_ms"] = captured.activation_bytes / bandwidth * 1e3
-            run.floor["statistics_output_bytes"] = captured.output_bytes
-            for variant in STATS_VARIANTS:
-                if variant not in variants:
-                    continue
-                if variant == "fused" and not fused_ok:
-                    run.skipped.append(Skip(name, "statistics", variant, why_not_fused))
-                    continue
-                _measure(run, progress, "statistics", variant,
-                         lambda v=variant: statistics_variant(v, captured, device))
-            if run.result("statistics", "fused"):
-                task = progress.add_task("statistics fused, per op", total=1)
-                try:
-                    run.breakdown = statistics_breakdown(captured, device, 3 if run.quick else 7)
-                except Exception as exc:
-                    run.skipped.append(Skip(name, "statistics", "fused, per op",
-                                            f"{type(exc).__name__}: {exc}", error=True))
-                progress.advance(task)
-            del captured
-
-        if "agreement" in variants:
-            if not fused_ok:
-                run.skipped.append(Skip(name, "agreement", "fused", why_not_fused))
-            else:
-                task = progress.add_task(f"agreement  {run.steps} steps", total=1)
-                try:
-                    run.agreement.append(agreement(name, base, run.batch_size, run.steps, device))
-                except Exception as exc:
-                    run.skipped.append(Skip(name, "agreement", "fused",
-                                            f"{type(exc).__name__}: {exc}", error=True))
-                progress.advance(task)
+        step_bytes = 20 * params
+        run.floor = {"model": name, "copy_bandwidth_gb_s": ctx.bandwidth / 1e9,
+                     "copy_buffer_bytes": 4 * numel, "parameters": params,
+                     "bytes_per_step": step_bytes, "step_floor_ms": step_bytes / ctx.bandwidth * 1e3}
+        if "step" in ctx.phases:
+            _step_phase(ctx)
+        for member in ctx.members:
+            if member.details is not None:
+                member.details(ctx)
+        if "whole-step" in ctx.phases:
+            whole_step_phase(ctx)
 
 
 def environment(device: torch.device, threads: int) -> dict:
@@ -512,23 +379,70 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help=f"default per model: {DEFAULT_BATCH}")
     parser.add_argument("--steps", type=int, default=None,
                         help="training steps of the agreement check (default 3, 2 with --quick)")
+    parser.add_argument("--tcov", type=int, default=DEFAULT_TCOV,
+                        help="the curvature interval over which the whole-step phase averages a "
+                             f"training iteration (default {DEFAULT_TCOV}, the published TCov)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: every core this process may use); on a "
+                             "machine other processes share, 1 gives steadier ratios")
     parser.add_argument("--quick", action="store_true",
-                        help="short budgets (under a minute on 2 CPU cores); skips the slow "
-                             "reference-compiled variant")
+                        help="short budgets (under a minute on 2 CPU cores)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", metavar="PATH",
+                        help="write the results as Markdown tables (the README's bench section)")
+    parser.add_argument("--optimizers", default=None, metavar="NAME,...",
+                        help="the members to bench (default: all of them): "
+                             + ", ".join(members_pkg.registry()))
+    parser.add_argument("--published", action="append", metavar="[NAME=]PATH",
+                        help="your own copy of a member's published implementation, imported from "
+                             "PATH and timed beside cafin (PATH alone: AdaFisher's AdaFisher.py); "
+                             "cafin does not ship it")
+    parser.add_argument("--phases", default=None,
+                        help=f"comma list out of {', '.join(PHASES)} (default: all)")
     parser.add_argument("--variants", default=None,
-                        help="comma list of what to run (default: all) out of "
-                             f"{', '.join(STEP_VARIANTS)}, agreement; 'reference' and 'fused' "
-                             "also select the statistics variants of those names")
+                        help="comma list of the variants to run (default: each optimizer's "
+                             f"headline set) out of {', '.join(STEP_VARIANTS)}; 'reference' and "
+                             "'fused' also select AdaFisher's statistics variants of those names")
     args = parser.parse_args(argv)
     if args.batch_size is not None and args.batch_size < 1:
         parser.error("--batch-size must be >= 1")
     if args.steps is not None and args.steps < 1:
         parser.error("--steps must be >= 1")
+    if args.tcov < 1:
+        parser.error("--tcov must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
+    try:
+        args.members = members_pkg.select(args.optimizers)
+        args.published = published_mod.parse(args.published, members_pkg.registry())
+    except ValueError as exc:
+        parser.error(f"--optimizers: {exc}" if "unknown optimizer" in str(exc) else str(exc))
+    chosen = {m.name for m in args.members}
+    for name in args.published:
+        if name not in chosen:
+            parser.error(f"--published {name}: {name} is not among --optimizers")
+    args.phases = _comma_set(parser, "--phases", args.phases, set(PHASES)) or set(PHASES)
+    args.variants = _comma_set(parser, "--variants", args.variants,
+                               set(STEP_VARIANTS) | {"agreement"})
+    if args.variants and "agreement" in args.variants:  # the old spelling of --phases agreement
+        args.variants.discard("agreement")
+        args.phases.add("agreement")
     return args
 
 
+def _comma_set(parser, flag: str, value: str | None, known: set[str]) -> set[str] | None:
+    if not value:
+        return None
+    got = {v.strip() for v in value.split(",") if v.strip()}
+    unknown = got - known
+    if unknown:
+        parser.error(f"{flag}: unknown {', '.join(sorted(unknown))}; choose from "
+                     f"{', '.join(sorted(known))}")
+    return got
+
+
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)  # read when the profiler first starts
     from rich.console import Console
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -538,56 +452,70 @@ def main(argv: list[str] | None = None) -> int:
     if is_cuda(device) and not torch.cuda.is_available():
         print(f"--device {args.device}: CUDA is not available in this torch build", file=sys.stderr)
         return 2
+    loaded = {}
+    for name, path in args.published.items():
+        try:
+            loaded[name] = published_mod.load(name, path, members_pkg.registry()[name])
+        except published_mod.PublishedError as exc:
+            print(exc, file=sys.stderr)
+            return 2
     if is_cuda(device) and device.index is not None:
         torch.cuda.set_device(device)
-    threads = machine_threads()
+    threads = args.threads or machine_threads()
     torch.set_num_threads(threads)
     # torch.optim's step wrapper opens a profiler region that dynamo notes it drops: noise here.
     for logger in ("torch._dynamo.variables.ctx_manager", "torch._dynamo.variables.torch"):
         logging.getLogger(logger).addFilter(
             lambda record: "will be ignored" not in record.getMessage())
+    # The published code's full backward hook on the first layer, whose input needs no gradient,
+    # warns once per process that it fires on the output gradient: what it should do, so noise.
+    warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are "
+                            "computed with respect to module outputs")
 
-    all_variants = set(STEP_VARIANTS) | {"agreement"}
-    if args.variants:
-        variants = {v.strip() for v in args.variants.split(",") if v.strip()}
-        unknown = variants - all_variants
-        if unknown:
-            print(f"--variants: unknown {sorted(unknown)}; choose from {sorted(all_variants)}",
-                  file=sys.stderr)
-            return 2
-    else:
-        variants = all_variants - ({"reference-compiled"} if args.quick else set())
+    chosen = {}
+    for member in args.members:
+        pool = set(member.variants())
+        chosen[member.name] = pool & (args.variants if args.variants else set(member.default_variants))
+    baselines = (args.variants & set(BASELINES)) if args.variants else set(BASELINES)
 
     console = Console(width=None if sys.stdout.isatty() else 120)
     began = time.perf_counter()
     run = Run(model=args.model, device=device,
               batch_size=args.batch_size or DEFAULT_BATCH[args.model],
               steps=args.steps or (2 if args.quick else 3), quick=args.quick,
-              budget=QUICK if args.quick else FULL)
+              budget=QUICK if args.quick else FULL, tcov=args.tcov,
+              optimizers=[m.name for m in args.members],
+              published={k: os.path.abspath(v) for k, v in args.published.items()})
     env = environment(device, threads)
     console.print(report.header(env, run))
-    if args.quick and not args.variants:
-        run.skipped.append(Skip(run.model, "step", "reference-compiled",
-                                "--quick: compiling the reference step takes minutes on a CPU"))
-    bench(run, variants, console)
+    bench(run, dict(members=args.members, published=loaded, chosen=chosen, baselines=baselines,
+                    phases=args.phases), console)
     elapsed = time.perf_counter() - began
     if hasattr(os, "getloadavg"):
         env["load_average_1m_end"] = os.getloadavg()[0]
-    targets = report.targets(run)
-    report.print_all(console, run, env, targets, elapsed)
+    targets = report.targets(run, args.members)
+    report.print_all(console, run, env, targets, elapsed, args.members)
     if args.json:
         out = {"environment": env, "floor": run.floor,
                "results": [r.to_json() for r in run.results],
+               "whole_step": run.whole_step,
+               "whole_step_from_phases": run.whole_step_from_phases,
                "agreement": run.agreement,
                "statistics_breakdown": [{"model": run.model, "variant": "fused", **b}
                                         for b in run.breakdown],
                "targets": targets,
                "skipped": [s.to_json() for s in run.skipped],
                "config": {"model": run.model, "batch_size": run.batch_size, "steps": run.steps,
-                          "quick": run.quick, "lr": LR, "elapsed_s": elapsed}}
+                          "quick": run.quick, "lr": LR, "tcov": run.tcov,
+                          "optimizers": run.optimizers, "published": run.published,
+                          "phases": sorted(args.phases), "elapsed_s": elapsed}}
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
         console.print(f"JSON written to {args.json}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report.markdown(run, env, targets, elapsed, args.members))
+        console.print(f"Markdown written to {args.markdown}")
     return 1 if any(s.error for s in run.skipped) else 0
 
 

@@ -1,10 +1,12 @@
-"""`python -m bench --quick` runs end to end and writes well-formed JSON. No timing assertions:
-the numbers depend on the machine; only their presence, shape and finiteness are checked."""
+"""`python -m bench` runs end to end and writes well-formed JSON; `--published` imports a user's
+file and times it; `--optimizers` selects members from the registry. No timing assertions: the
+numbers depend on the machine; only their presence, shape and finiteness are checked."""
 import json
 import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,22 +15,64 @@ import torch
 import cafin  # noqa: F401  (registers the ops, so the kernel check below sees them)
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import members, published  # noqa: E402
+from bench.speed import main as bench_main, parse_args  # noqa: E402
+
+# A stand-in with the published AdaFisher's interface (AdaFisher(model, lr=..., TCov=..., ...),
+# .step(), statistics hooks taken when steps % TCov == 0), logging what the bench made it do.
+STAND_IN = textwrap.dedent('''
+    import os
+    import torch
+    from torch import nn
+
+
+    class AdaFisher(torch.optim.Optimizer):
+        def __init__(self, model, lr=1e-3, beta=0.9, Lambda=1e-3, gamma=0.8, TCov=100,
+                     weight_decay=0, dist=False):
+            super().__init__(model.parameters(), dict(lr=lr, beta=beta, weight_decay=weight_decay))
+            self.TCov, self.steps = TCov, 0
+            self.log = open(os.environ["STAND_IN_LOG"], "a")
+            self.log.write(f"init {TCov}\\n")
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.register_forward_hook(self._statistics)
+
+        def _statistics(self, module, inputs, output):
+            if torch.is_grad_enabled() and self.steps % self.TCov == 0:
+                self.log.write("statistics\\n")
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"])
+            self.steps += 1
+            self.log.write("step\\n")
+            self.log.flush()
+''')
 
 
 def _fused_on_cpu() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CPU")
 
 
+def _bench(*args, env=None, timeout=300):
+    # A fresh process: the extension is loaded once per process, as a user's run loads it.
+    return subprocess.run([sys.executable, "-m", "bench", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
-    # A fresh process: the extension is loaded once per process, as a user's run loads it.
-    proc = subprocess.run([sys.executable, "-m", "bench", "--quick", "--model", "mlp",
-                           "--device", "cpu", "--json", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--json", str(path),
+                  "--markdown", str(path.with_suffix(".md")))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return json.loads(path.read_text()), proc.stdout
+    return json.loads(path.read_text()), proc.stdout, proc.stderr, path.with_suffix(".md")
 
 
 def _finite(x) -> bool:
@@ -36,7 +80,7 @@ def _finite(x) -> bool:
 
 
 def test_environment_and_floor(quick_run):
-    data, _ = quick_run
+    data, *_ = quick_run
     env = data["environment"]
     assert env["torch"] == torch.__version__
     assert env["device"] == "cpu" and isinstance(env["device_name"], str)
@@ -46,29 +90,67 @@ def test_environment_and_floor(quick_run):
     for key in ("copy_bandwidth_gb_s", "bytes_per_step", "step_floor_ms", "statistics_floor_ms"):
         assert _finite(floor[key]) and floor[key] > 0, key
     assert floor["bytes_per_step"] == 20 * floor["parameters"]
+    assert data["config"]["optimizers"] == list(members.registry())
+    assert data["config"]["tcov"] == 100 and data["config"]["published"] == {}
 
 
 def test_results(quick_run):
-    data, _ = quick_run
+    data, *_ = quick_run
     results = data["results"]
     assert results, "no measurement"
     for r in results:
-        assert set(r) >= {"model", "phase", "variant", "median_ms", "allocated_bytes"}
+        assert set(r) >= {"model", "phase", "optimizer", "variant", "median_ms", "allocated_bytes"}
         assert r["model"] == "mlp"
         assert r["phase"] in ("step", "statistics")
         assert _finite(r["median_ms"]) and r["median_ms"] > 0
         assert isinstance(r["allocated_bytes"], int) and r["allocated_bytes"] >= 0
-    measured = {(r["phase"], r["variant"]) for r in results}
-    expected = {("step", "reference"), ("step", "adamw-foreach"), ("statistics", "reference")}
+    measured = {(r["phase"], r["optimizer"], r["variant"]) for r in results}
+    expected = {("step", "adafisher", "reference"), ("step", "adamw", "adamw-foreach"),
+                ("statistics", "adafisher", "reference")}
     if _fused_on_cpu():
-        expected |= {("step", "fused"), ("step", "fused-compiled"), ("statistics", "fused")}
+        expected |= {("step", "adafisher", "fused"), ("step", "adafisher", "fused-compiled"),
+                     ("statistics", "adafisher", "fused")}
     assert expected <= measured, expected - measured
+    # Slow to compile, so only on request; published only when given.
+    assert not {v for _, _, v in measured} & {"reference-compiled", "published"}
     assert not [s for s in data["skipped"] if s["error"]], data["skipped"]
     assert len(measured) == len(results), "a variant was measured twice"
+    why = {(s["phase"], s["variant"]): s["reason"] for s in data["skipped"]}
+    assert "--published" in why[("step", "published")]
+
+
+def test_whole_step(quick_run):
+    data, *_ = quick_run
+    rows = {(w["optimizer"], w["variant"]): w for w in data["whole_step"]}
+    adamw = [w for (o, _), w in rows.items() if o == "adamw"]
+    assert len(adamw) == 1 and adamw[0]["overhead_vs_adamw"] == pytest.approx(0.0)
+    expected = {("adafisher", "fused"), ("adafisher", "fused-compiled")} if _fused_on_cpu() else set()
+    assert expected <= set(rows), set(rows)
+    for (optimizer, _), w in rows.items():
+        assert w["tcov"] == 100
+        for key in ("plain_ms", "curvature_ms", "cycle_ms"):
+            assert _finite(w[key]) and w[key] > 0, (optimizer, key)
+        assert w["cycle_ms"] == pytest.approx((99 * w["plain_ms"] + w["curvature_ms"]) / 100)
+        assert w["plain_n"] >= 2
+        if optimizer != "adamw":
+            assert w["curvature_n"] >= 2  # curvature and plain iterations alternate
+            assert w["statistics_in_training_ms"] == pytest.approx(w["curvature_ms"] - w["plain_ms"])
+            assert w["overhead_vs_adamw"] == pytest.approx(
+                w["cycle_ms"] / adamw[0]["cycle_ms"] - 1)
+    goals = [t for t in data["targets"] if "whole step over AdamW" in t["target"]]
+    assert len(goals) == len(expected) and all(t["goal"] == "<= 3%" for t in goals)
+    if _fused_on_cpu():
+        [composed] = data["whole_step_from_phases"]
+        step = {(r["phase"], r["variant"]): r["median_ms"] for r in data["results"]}
+        assert composed["extra_ms"] == pytest.approx(
+            step["step", "fused"] - step["step", adamw[0]["variant"]]
+            + step["statistics", "fused"] / 100)
+        assert composed["overhead_vs_adamw"] == pytest.approx(
+            composed["extra_ms"] / adamw[0]["plain_ms"])
 
 
 def test_agreement(quick_run):
-    data, _ = quick_run
+    data, *_ = quick_run
     if not _fused_on_cpu():
         assert data["agreement"] == []
         return
@@ -77,6 +159,106 @@ def test_agreement(quick_run):
 
 
 def test_console_report(quick_run):
-    data, stdout = quick_run
-    assert "targets" in stdout and "step: mlp" in stdout
+    data, stdout, stderr, _ = quick_run
+    assert "targets" in stdout and "step: mlp" in stdout and "whole training step" in stdout
+    assert "reference (cafin, plain PyTorch)" in stdout
+    assert "published way" not in stdout  # the reference is not the published code's speed
     assert {t["verdict"] for t in data["targets"]} <= {"met", "missed", "n/a"}
+    # torch.profiler (used to count allocations) must not print its kineto lines.
+    for stream in (stdout, stderr):
+        assert "profiler_start" not in stream and "USDT" not in stream, stream[-2000:]
+
+
+def test_markdown(quick_run):
+    data, _, _, md = quick_run
+    text = md.read_text()
+    assert text.startswith("`python -m bench --model mlp --quick`: mlp, batch 128, cpu")
+    assert "| step | median ms | speed-up | x floor | allocated |" in text
+    assert "| AdaFisher reference (cafin, plain PyTorch) |" in text
+    assert "| whole training step, ms |" in text and "per iteration, TCov 100" in text
+    assert text.count("| AdamW AdamW(fused=True) |") == 2  # the step and the whole step
+    for t in data["targets"]:
+        assert f"| {t['target']} | {t['measured']} | {t['goal']} | {t['verdict']} |" in text
+
+
+def test_published_stand_in(tmp_path):
+    """--published PATH imports the file and times its step and its whole training step beside
+    cafin's; the targets then compare against it."""
+    stand_in, log = tmp_path / "AdaFisher.py", tmp_path / "calls.log"
+    stand_in.write_text(STAND_IN)
+    out = tmp_path / "bench.json"
+    variants = "published,fused,adamw-fused" if _fused_on_cpu() else "published,adamw-foreach"
+    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--published", str(stand_in),
+                  "--phases", "step,whole-step", "--variants", variants, "--json", str(out),
+                  env={"STAND_IN_LOG": str(log)})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    assert data["config"]["published"] == {"adafisher": str(stand_in)}
+    assert ("step", "adafisher", "published") in {(r["phase"], r["optimizer"], r["variant"])
+                                                   for r in data["results"]}
+    whole = {(w["optimizer"], w["variant"]) for w in data["whole_step"]}
+    assert ("adafisher", "published") in whole
+    assert not data["skipped"] or all(not s["error"] for s in data["skipped"]), data["skipped"]
+    calls = log.read_text().split()
+    # The step phase builds it with a curvature interval no timed step reaches, the whole-step
+    # phase with 2; both run its hooks on curvature passes and call its step many times.
+    assert calls.count("init") == 2 and "1000000000" in calls and "2" in calls
+    assert calls.count("statistics") >= 3 * 2  # 3 Linear layers, at least two curvature passes
+    assert calls.count("step") >= 10
+    if _fused_on_cpu():
+        names = [t["target"] for t in data["targets"]]
+        assert "fused step vs published" in names
+        assert any(n.startswith("fused statistics vs published") for n in names)
+    assert "published (your copy)" in proc.stdout
+
+
+def test_published_errors(tmp_path, capsys):
+    assert bench_main(["--published", str(tmp_path / "missing.py")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    wrong = tmp_path / "wrong.py"
+    wrong.write_text("class NotAdaFisher:\n    pass\n")
+    assert bench_main(["--published", str(wrong)]) == 2
+    assert "no class 'AdaFisher'" in capsys.readouterr().err
+    broken = tmp_path / "broken.py"
+    broken.write_text("raise ImportError('needs a package you lack')\n")
+    assert bench_main(["--published", str(broken)]) == 2
+    assert "needs a package you lack" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--optimizers", "adamw", "--published", "x.py"])  # adamw is no member
+    with pytest.raises(SystemExit):
+        parse_args(["--published", "a.py", "--published", "b.py"])
+
+
+def test_optimizers_selection(capsys):
+    registry = members.registry()
+    assert list(registry)[0] == "adafisher"
+    assert [m.name for m in members.select(None)] == list(registry)
+    assert [m.name for m in members.select(" AdaFisher ")] == ["adafisher"]
+    with pytest.raises(ValueError, match="'nope'.*choose from adafisher"):
+        members.select("adafisher,nope")
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--optimizers", "adafisher,nope"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--optimizers" in err and "'nope'" in err and "adafisher" in err
+    args = parse_args(["--optimizers", "adafisher", "--phases", "step,whole-step"])
+    assert [m.name for m in args.members] == ["adafisher"] and args.phases == {"step", "whole-step"}
+    with pytest.raises(SystemExit):
+        parse_args(["--phases", "steps"])
+    with pytest.raises(SystemExit):
+        parse_args(["--variants", "fast"])
+
+
+def test_member_interface():
+    """A member declares what it can run; the bench derives its variants from that."""
+    ada = members.registry()["adafisher"]
+    assert ada.variants() == ("published", "reference", "reference-compiled", "fused",
+                              "fused-compiled", "cuda-graph")
+    plain = members.Member(name="plain", label="Plain", build=lambda m, b, k: None,
+                           backends=("fused",), compiles=False, captures=False)
+    assert plain.variants() == ("fused",)
+    assert published.parse(["x.py"], members.registry()) == {"adafisher": "x.py"}
+    assert published.parse(["adafisher=y=z.py"], members.registry()) == {"adafisher": "y=z.py"}
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    opt = ada.build(model, "fused" if _fused_on_cpu() else "reference", 7)
+    assert isinstance(opt, cafin.AdaFisher) and opt.TCov == 7

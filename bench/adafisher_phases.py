@@ -1,0 +1,219 @@
+"""AdaFisher's own phases of the speed bench (the `details` of its member entry):
+
+- statistics: the curvature work of one curvature step (every module's input and gradient
+  statistics plus one fisher_average_) on activations and output gradients captured once, fused
+  against cafin's plain-PyTorch reference, with a per-op breakdown of the fused ops;
+- agreement: fused against reference over --steps training steps in float32, in lockstep (the
+  fused copy takes the reference copy's parameters before each step).
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .measure import sync
+from .models import batch_for, loss_for
+
+if TYPE_CHECKING:
+    from .speed import Context
+
+LR = 1e-3
+TIMED_TCOV = 10**9
+AGREEMENT_TCOV = 2  # curvature and plain steps alternate
+STATS_VARIANTS = ("reference", "fused")
+
+
+@dataclass
+class Captured:
+    calls: list  # (layer kind, module, x, g or None, stat_H, stat_S) per call of a supported module
+    stats: list[torch.Tensor]  # stat_H, stat_S per module: what the optimizer accumulates into
+    factors: list[torch.Tensor]  # fisher_H, fisher_S per module
+    grad_side: list[bool]
+    activation_bytes: int  # every captured input and output gradient, read once
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.stats + self.factors)
+
+
+def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
+    """One forward/backward with hooks that keep each supported module's input and output
+    gradient: the modules, order and dtypes the optimizer's own hooks would use."""
+    import cafin
+    from cafin.layers import can_take_statistics
+    from cafin.reference import state_dtype
+    model = copy.deepcopy(base)
+    opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")
+    opt.remove_hooks()
+    buffers, stats, factors, grad_side = {}, [], [], []
+    for record in opt._curvature:  # the supported modules with optimised parameters
+        like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
+        s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
+        buffers[id(record)] = (torch.zeros(h + 1, **like), torch.zeros(s + 1, **like))
+        stats += buffers[id(record)]
+        factors += [torch.full((h,), -1.0, **like), torch.full((s,), -1.0, **like)]
+        grad_side += [False, True]
+    calls: list[list] = []
+
+    def forward_hook(record, module, inputs, output):
+        if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
+            return
+        xin = inputs[0].detach()
+        if not can_take_statistics(module, xin):
+            return
+        stat_h, stat_s = buffers[id(record)]
+        call = [record.kind, module, xin.to(stat_h.dtype, copy=True), None, stat_h, stat_s]
+        calls.append(call)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            def keep(grad, call=call):
+                call[3] = grad.detach().to(stat_s.dtype, copy=True)
+            output.register_hook(keep)
+
+    handles = [record.module.register_forward_hook(
+        lambda module, inputs, output, record=record: forward_hook(record, module, inputs, output))
+        for record in opt._curvature]
+    loss_for(name, model(x), y).backward()
+    for h in handles:
+        h.remove()
+    nbytes = sum(t.numel() * t.element_size() for c in calls for t in c[2:4] if t is not None)
+    return Captured([tuple(c) for c in calls], stats, factors, grad_side, nbytes)
+
+
+def statistics_variant(variant: str, captured: Captured, device: torch.device) -> Callable[[], None]:
+    import cafin
+    impl = cafin.ops if variant == "fused" else cafin.reference
+    skipped = torch.zeros((), device=device)
+    gamma = 0.8
+
+    def run():
+        for kind, module, x, g, stat_h, stat_s in captured.calls:
+            kind.input_stats(impl, stat_h, module, x, None, 1)
+            if g is not None:
+                kind.grad_stats(impl, stat_s, module, g, None, 1)
+        impl.fisher_average_(captured.factors, captured.stats, skipped, gamma, captured.grad_side)
+    return run
+
+
+def statistics_breakdown(captured: Captured, device: torch.device, passes: int) -> list[dict]:
+    """Where the fused statistics spend their time: per (layer type, side) the calls' summed
+    time, the median over `passes` passes after one warm-up pass, and the bytes they read."""
+    import cafin
+    impl = cafin.ops
+    skipped = torch.zeros((), device=device)
+    work = []  # (group, bytes read, call)
+    for kind, module, x, g, stat_h, stat_s in captured.calls:
+        layer = type(module).__name__
+        work.append((f"{layer} input", x.numel() * x.element_size(),
+                     partial(kind.input_stats, impl, stat_h, module, x, None, 1)))
+        if g is not None:
+            work.append((f"{layer} gradient", g.numel() * g.element_size(),
+                         partial(kind.grad_stats, impl, stat_s, module, g, None, 1)))
+    work.append(("fisher_average_", sum(t.numel() * t.element_size() for t in captured.stats),
+                 partial(impl.fisher_average_, captured.factors, captured.stats, skipped, 0.8,
+                         captured.grad_side)))
+    groups: dict[str, dict] = {}
+    for group, nbytes, _ in work:
+        entry = groups.setdefault(group, {"op": group, "calls": 0, "bytes": 0, "times": []})
+        entry["calls"] += 1
+        entry["bytes"] += nbytes
+    for index in range(passes + 1):
+        spent = dict.fromkeys(groups, 0.0)
+        for group, _, call in work:
+            sync(device)
+            began = time.perf_counter()
+            call()
+            sync(device)
+            spent[group] += time.perf_counter() - began
+        if index:  # the first pass warms up
+            for group, seconds in spent.items():
+                groups[group]["times"].append(seconds * 1e3)
+    return [{"op": e["op"], "calls": e["calls"], "bytes": e["bytes"],
+             "median_ms": statistics.median(e["times"])} for e in groups.values()]
+
+
+# --------------------------------------------------------------------------------- agreement
+def agreement(name: str, base: torch.nn.Module, batch_size: int, steps: int,
+              device: torch.device) -> dict:
+    """Train two copies of one model, fused and reference, on the same batches, in lockstep: before
+    each step the fused copy takes the reference copy's parameters and buffers, so both compute
+    the same activations and gradients and only the optimizers' numerics differ (their state, m
+    and the factors, carries across the steps). Without the lockstep, a 1-ulp difference grows
+    with the training dynamics themselves (on random data a BatchNorm bias reaches 1e-2 relative
+    in two steps even reference against reference), which says nothing about the kernels.
+    The measure: the largest max|theta_fused - theta_reference| / max|theta_reference| over the
+    parameter tensors and the steps."""
+    import cafin
+    models = {b: copy.deepcopy(base) for b in ("fused", "reference")}
+    opts = {b: cafin.AdaFisher(m, lr=LR, TCov=AGREEMENT_TCOV, backend=b) for b, m in models.items()}
+    gen = torch.Generator().manual_seed(1234)
+    per_step = []
+    for _ in range(steps):
+        x, y = (t.to(device) for t in batch_for(name, base, batch_size, generator=gen))
+        with torch.no_grad():
+            for dst, src in zip(models["fused"].state_dict().values(),
+                                models["reference"].state_dict().values()):
+                dst.copy_(src)
+        for b, model in models.items():
+            opts[b].zero_grad(set_to_none=True)
+            loss_for(name, model(x), y).backward()
+            opts[b].step()
+        worst = 0.0
+        for pf, pr in zip(models["fused"].parameters(), models["reference"].parameters()):
+            pf, pr = pf.detach(), pr.detach()
+            scale = pr.abs().max().clamp_min(torch.finfo(pr.dtype).tiny)
+            worst = max(worst, float((pf - pr).abs().max() / scale))
+        per_step.append(worst)
+    return {"model": name, "max_rel_diff": max(per_step), "per_step": per_step, "steps": steps,
+            "tcov": AGREEMENT_TCOV, "batch_size": batch_size, "dtype": "float32",
+            "method": "lockstep"}
+
+
+def run_details(ctx: "Context") -> None:
+    """The statistics phase (with its per-op breakdown) and the agreement phase, as selected."""
+    from .speed import Skip, measure
+    run, progress, device, name = ctx.run, ctx.progress, ctx.run.device, ctx.run.model
+    fused_ok = ctx.fused_ok
+    if "statistics" in ctx.phases and any(v in ctx.variants for v in STATS_VARIANTS):
+        task = progress.add_task("statistics capture", total=1)
+        captured = capture(name, ctx.base, ctx.x, ctx.y)
+        progress.advance(task)
+        run.floor["statistics_bytes"] = captured.activation_bytes
+        run.floor["statistics_floor_ms"] = captured.activation_bytes / ctx.bandwidth * 1e3
+        run.floor["statistics_output_bytes"] = captured.output_bytes
+        for variant in STATS_VARIANTS:
+            if variant not in ctx.variants:
+                continue
+            if variant == "fused" and not fused_ok:
+                run.skipped.append(Skip(name, "statistics", variant, ctx.why_not_fused,
+                                        optimizer="adafisher"))
+                continue
+            measure(run, progress, "statistics", "adafisher", variant,
+                    lambda v=variant: statistics_variant(v, captured, device))
+        if run.result("statistics", "fused"):
+            task = progress.add_task("statistics fused, per op", total=1)
+            try:
+                run.breakdown = statistics_breakdown(captured, device, 3 if run.quick else 7)
+            except Exception as exc:
+                run.skipped.append(Skip(name, "statistics", "fused, per op",
+                                        f"{type(exc).__name__}: {exc}", error=True,
+                                        optimizer="adafisher"))
+            progress.advance(task)
+        del captured
+    if "agreement" in ctx.phases:
+        if not fused_ok:
+            run.skipped.append(Skip(name, "agreement", "fused", ctx.why_not_fused,
+                                    optimizer="adafisher"))
+            return
+        task = progress.add_task(f"agreement  {run.steps} steps", total=1)
+        try:
+            run.agreement.append(agreement(name, ctx.base, run.batch_size, run.steps, device))
+        except Exception as exc:
+            run.skipped.append(Skip(name, "agreement", "fused", f"{type(exc).__name__}: {exc}",
+                                    error=True, optimizer="adafisher"))
+        progress.advance(task)
