@@ -15,9 +15,13 @@ import cafin
 from cafin import ops
 from cafin import reference as ref
 
-from test_ops import CUDA, CUDA_SKIP, DEVICES, RTOL, assert_close, assert_unchanged, gen, randn, stat_like
+from devices import CUDA_MARKS, DEVICES
+from test_ops import RTOL, assert_close, assert_unchanged, gen, randn, stat_like
 
-needs_cuda = pytest.mark.skipif(not CUDA, reason=CUDA_SKIP)
+def needs_cuda(test):
+    for mark in CUDA_MARKS:
+        test = mark(test)
+    return test
 
 LAYOUTS = ["contiguous", "channels_last", "noncontiguous"]
 

@@ -10,7 +10,8 @@ import torch
 from cafin import ops
 from cafin import reference as ref
 
-from test_ops import DEVICES, RTOL, assert_close, gen, randn, reference_stat, stat_like
+from devices import DEVICES
+from test_ops import RTOL, assert_close, gen, randn, reference_stat, stat_like
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
