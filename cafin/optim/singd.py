@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature import (Hooks, Layer, StepCounter, average_over_ranks, check_int, discover,
+from ..curvature import (Hooks, Layer, StepCounter, check_int, discover,
                          distributed, on, real_number, unwrap)
 from ..reference import singd as ref
 from ..structures import STRUCTURES, Structure, structure
@@ -43,6 +43,19 @@ def _scalar_tensor(value, device, dtype) -> Tensor:
     if isinstance(value, Tensor):
         return value.detach().to(device=device, dtype=dtype).clone().reshape(())
     return torch.tensor(float(value), device=device, dtype=dtype)
+
+
+def _reduce_over_ranks(tensors: list[Tensor], group, summed: bool) -> None:
+    """Sum (or average) tensors of any shapes over the ranks in one collective over one flat
+    buffer. (cafin.curvature.average_over_ranks copies the flat pieces back without reshaping,
+    which fails for matrices.)"""
+    import torch.distributed as dist
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if not summed:
+        flat.div_(dist.get_world_size(group))
+    pieces = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    torch._foreach_copy_(tensors, pieces)
 
 
 class SINGD(torch.optim.Optimizer):
@@ -363,11 +376,8 @@ class SINGD(torch.optim.Optimizer):
             summed = self._group(layer)["loss_average"] is None
             by_op.setdefault(summed, []).extend(
                 list(self._parts(layer, "H_K") + self._parts(layer, "H_C")))
-        world = dist.get_world_size(self.process_group)
         for summed, tensors in by_op.items():
-            average_over_ranks(tensors, self.process_group)
-            if summed:
-                torch._foreach_mul_(tensors, float(world))
+            _reduce_over_ranks(tensors, self.process_group, summed)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
@@ -414,7 +424,7 @@ class SINGD(torch.optim.Optimizer):
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
             nat = ref.natural_gradient(sk, K, sc, C, gmat)
-            if distributed() and not self._ddp:
+            if distributed():
                 self._reduce_natural_gradient(layer, nat)
             params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
             if module.bias is not None:
@@ -438,11 +448,17 @@ class SINGD(torch.optim.Optimizer):
                 self._apply(params, updates, bufs, group)
 
     def _reduce_natural_gradient(self, layer: Layer, nat: Tensor) -> None:
+        """singd all-reduces the natural gradient (mean, or sum for loss_average None). Under a
+        DDP wrapper the gradients are averaged already, so the natural gradient is too (it is
+        linear in them): only the sum's factor is left."""
         import torch.distributed as dist
-        if self._group(layer)["loss_average"] is None:
-            dist.all_reduce(nat, group=self.process_group)
-        else:
-            dist.all_reduce(nat, group=self.process_group)
+        summed = self._group(layer)["loss_average"] is None
+        if self._ddp:
+            if summed:
+                nat.mul_(dist.get_world_size(self.process_group))
+            return
+        dist.all_reduce(nat, group=self.process_group)
+        if not summed:
             nat.div_(dist.get_world_size(self.process_group))
 
     def _apply(self, params, updates, bufs, group) -> None:
@@ -472,13 +488,6 @@ class SINGD(torch.optim.Optimizer):
     step._wrapped_by_lr_sched = True
 
     # ------------------------------------------------------------------ checkpoints
-    @staticmethod
-    def _process_value_according_to_param_policy(param, value, param_id, param_groups, key=None):
-        # Factors keep their own (preconditioner) dtype; only momentum buffers follow the param.
-        if key == "momentum_buffer":
-            return value.to(dtype=param.dtype, device=param.device)
-        return value.to(device=param.device)
-
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["singd"] = {"k": self._steps.value(), "grad_scale_prev": self._grad_scale_prev,
@@ -498,6 +507,14 @@ class SINGD(torch.optim.Optimizer):
                              f"do not match this model's {self._layout()}")
         sd = {k: v for k, v in state_dict.items() if k != "singd"}
         super().load_state_dict(sd)
+        # torch casts every state tensor to its parameter's dtype and may alias the argument's
+        # tensors: factors keep their own (preconditioner) dtype, and nothing is shared.
+        saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for index, p in zip(saved_ids, params):
+            for key, value in sd["state"].get(index, {}).items():
+                dtype = p.dtype if key == "momentum_buffer" else value.dtype
+                self.state[p][key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
         for group in self.param_groups:  # scalars saved as tensors come back as tensors
             for key in ("lr", "lr_cov"):
                 if isinstance(group[key], Tensor) and group["params"]:
