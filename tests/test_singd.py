@@ -446,11 +446,12 @@ def test_ddp_wrapped_model(tmp_path):
 
 
 # ------------------------------------------------------------------------------ compile
-def test_compiled_step_equals_eager_without_recompiles():
+@pytest.mark.parametrize("structures", [("hierarchical15_15", "diagonal"), ("diagonal", "diagonal")])
+def test_compiled_step_equals_eager_without_recompiles(structures):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 17), nn.ReLU(), nn.Linear(17, 3))
     m2 = copy.deepcopy(m)
-    kw = dict(structures=("hierarchical15_15", "diagonal"), T=2, lr=0.05, lr_cov=0.05)
+    kw = dict(structures=structures, T=2, lr=0.05, lr_cov=0.05)
     o, o2 = cafin.SINGD(m, **kw), cafin.SINGD(m2, **kw)
     s1 = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9)
     s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
@@ -470,4 +471,66 @@ def test_compiled_step_equals_eager_without_recompiles():
     assert o2._steps.device_gated
     for p, q in zip(m.parameters(), m2.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    assert not torch.equal(o2.state[m2[0].weight]["K.0"], torch.eye(7))
+    K = o2.state[m2[0].weight]["K.0"]
+    assert not torch.equal(K, torch.eye(7) if K.dim() == 2 else torch.ones(7))
+
+
+# ------------------------------------------------------------------------------ the fused op
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def diag_case(device, dtype, momentum, seed=0):
+    """Three parameters of two layers: a conv weight [6, 2, 3, 3] and its bias (K offset 18), and
+    a Linear weight [4, 5] without bias; factor entries away from 1."""
+    g = torch.Generator().manual_seed(seed)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s, dt=dtype: torch.randn(*s, generator=g, dtype=torch.float64).to(dt).to(device)  # noqa: E731
+    params = [r(6, 2, 3, 3), r(6), r(4, 5)]
+    K1, C1, K2, C2 = r(19, dt=work) * 0.5 + 1, r(6, dt=work) * 0.5 + 1, r(5, dt=work) + 1, r(4, dt=work) + 1
+    return dict(params=params, grads=[r(*p.shape) for p in params],
+                momentum_buffers=[r(*p.shape) for p in params] if momentum else [],
+                K=[K1, K1, K2], C=[C1, C1, C2], k_offsets=[0, 18, 0],
+                lr=torch.tensor(0.1, dtype=work, device=device), momentum=momentum, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("grad_scale", [1.0, 8.0])
+def test_diag_step_op_matches_reference_and_oracle(device, dtype, momentum, grad_scale):
+    args = diag_case(device, dtype, momentum)
+    want = copy.deepcopy(args)
+    cafin.reference.singd.singd_diag_step_(**want, grad_scale=grad_scale)
+    cafin.ops.singd_diag_step_(**args, grad_scale=grad_scale)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else \
+        dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, exp in zip(args["params"] + args["momentum_buffers"], want["params"] + want["momentum_buffers"]):
+        torch.testing.assert_close(got, exp, **tol)
+    # the oracle: C C^T [G | g_b] K K^T as matrices, then SGD
+    if dtype == torch.float64:
+        a = diag_case(device, dtype, momentum)
+        G = torch.cat([a["grads"][0].reshape(6, -1), a["grads"][1][:, None]], 1) / grad_scale
+        nat = torch.diag(a["C"][0] ** 2) @ G @ torch.diag(a["K"][0] ** 2)
+        u = nat[:, :-1].reshape(6, 2, 3, 3) + 0.01 * a["params"][0]
+        if momentum:
+            u = 0.9 * a["momentum_buffers"][0] + u
+        torch.testing.assert_close(args["params"][0], a["params"][0] - 0.1 * u, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_diag_step_op_opcheck_and_errors(device):
+    for momentum in (0.0, 0.9):
+        args = diag_case(device, torch.float32, momentum)
+        args["params"][0].requires_grad_(True)
+        torch.library.opcheck(torch.ops.cafin.singd_diag_step_.default, (), args)
+    args = diag_case(device, torch.float32, 0.9)
+    before = [p.clone() for p in args["params"]]
+    bad = dict(args, k_offsets=[0, 19, 0])  # the bias column past K's end: nothing is written
+    with pytest.raises(ValueError, match="k_offset"):
+        cafin.ops.singd_diag_step_(**bad)
+    with pytest.raises(ValueError, match="momentum_buffers"):
+        cafin.ops.singd_diag_step_(**dict(args, momentum_buffers=[]))
+    with pytest.raises(TypeError, match="dtype"):
+        cafin.ops.singd_diag_step_(**dict(args, K=[k.double() for k in args["K"]]))
+    for p, q in zip(args["params"], before):
+        assert torch.equal(p, q)

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from ..curvature import (Hooks, Layer, StepCounter, check_int, discover,
                          distributed, on, real_number, unwrap)
 from ..reference import singd as ref
-from ..structures import STRUCTURES, Structure, structure
+from .. import ops
+from ..structures import STRUCTURES, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
@@ -409,6 +410,7 @@ class SINGD(torch.optim.Optimizer):
             self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
         per_group: dict[int, tuple[list, list, list]] = {}
+        per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
         for layer, due in dues:
             module = layer.module
             owned.update(layer.params.values())
@@ -417,8 +419,20 @@ class SINGD(torch.optim.Optimizer):
                 continue
             if due is not False:
                 self._update_preconditioner(layer, due, c_g)
-            (sk, sc), _ = self._kinds(layer), None
+            sk, sc = self._kinds(layer)
             K, C = self._parts(layer, "K"), self._parts(layer, "C")
+            if self._fused_diagonal(layer, sk, sc, K, C):
+                bucket = per_diag.setdefault(self._group_of[layer.anchor], {}).setdefault(
+                    (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], [], []))
+                d_k = K[0].numel()
+                for pname, p in layer.params.items():
+                    if p.grad is None:
+                        continue
+                    grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+                    for lst, v in zip(bucket, (p, grad, self.state[p].get("momentum_buffer"), K[0],
+                                               C[0], 0 if pname == "weight" else d_k - 1)):
+                        lst.append(v)
+                continue
             like = next(g for g in grads.values() if g is not None)
             gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
             if grad_scale != 1.0:
@@ -446,6 +460,19 @@ class SINGD(torch.optim.Optimizer):
                     bufs.append(self.state[p].get("momentum_buffer"))
             if params:
                 self._apply(params, updates, bufs, group)
+            for ps, gs, bs, ks, cs, offs in per_diag.get(index, {}).values():
+                ops.singd_diag_step_(ps, gs, bs if group["momentum"] != 0.0 else [], ks, cs, offs,
+                                     on(group["lr"], ps[0].device), group["momentum"],
+                                     group["weight_decay"], grad_scale)
+
+    def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
+        """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the
+        parameters' op-math dtype, and no natural-gradient collective."""
+        if self.backend != "fused" or sk is not Diagonal or sc is not Diagonal or distributed():
+            return False
+        work = _work_dtype(layer.anchor.dtype)
+        return (K[0].dtype == work and C[0].dtype == work
+                and all(p.dtype == layer.anchor.dtype and p.is_contiguous() for p in layer.params.values()))
 
     def _reduce_natural_gradient(self, layer: Layer, nat: Tensor) -> None:
         """singd all-reduces the natural gradient (mean, or sum for loss_average None). Under a

@@ -127,3 +127,27 @@ def sgd_update_(params: list[Tensor], updates: list[Tensor], buffers: list[Tenso
             buf.mul_(momentum).add_(u)
             u = buf
         p.sub_(lr * u if isinstance(lr, Tensor) else u * lr)
+
+
+def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
+                     K: list[Tensor], C: list[Tensor], k_offsets: list[int], lr: Tensor,
+                     momentum: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+    """The op of the same name in plain PyTorch: the natural gradient of diagonal K and C in singd's
+    order of products, then `sgd_update_`."""
+    updates = []
+    for p, g, k, c, off in zip(params, grads, K, C, k_offsets):
+        rows = c.numel()
+        g = g.reshape(rows, -1).to(k.dtype)
+        if grad_scale != 1.0:
+            g = g / grad_scale
+        kk = k[off:off + g.shape[1]]
+        nat = c.unsqueeze(1) * (c.unsqueeze(1) * (kk * (kk * g)))
+        updates.append(nat.reshape(p.shape))
+    work = [p.to(lr.dtype) for p in params]
+    bufs = [b.to(lr.dtype) for b in momentum_buffers] if momentum != 0.0 else [None] * len(params)
+    sgd_update_(work, updates, bufs, lr, momentum, weight_decay)
+    for p, w in zip(params, work):
+        p.copy_(w)
+    if momentum != 0.0:
+        for b, w in zip(momentum_buffers, bufs):
+            b.copy_(w)
