@@ -534,3 +534,54 @@ def test_diag_step_op_opcheck_and_errors(device):
         cafin.ops.singd_diag_step_(**dict(args, K=[k.double() for k in args["K"]]))
     for p, q in zip(args["params"], before):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------ GradScaler
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_equals_unscaled(clip):
+    """Scaled gradients (the scale growing every 2 steps, so H_C's previous-scale bookkeeping
+    matters) give the unscaled numbers; with unscale_ before the step (clipping) too."""
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    kw = dict(T=1, lr=0.05, lr_cov=0.1, structures=("dense", "diagonal"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    o = cafin.SINGD(m, init_grad_scale=2.0 ** 8, grad_scaler=scaler if clip else None, **kw)
+    o2 = cafin.SINGD(m2, **kw)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        x, y = batch("mlp", gen, torch.float64)
+        o.zero_grad()
+        scaler.scale(F.mse_loss(m(x), y)).backward()
+        if clip:
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.2)
+        scaler.step(o)
+        scaler.update()
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.2)
+        o2.step()
+    assert scaler.get_scale() > 2.0 ** 8
+    for p, q in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_grad_scaler_inf_skips_step():
+    torch.manual_seed(0)
+    m = mlp().double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    o = cafin.SINGD(m, T=1, init_grad_scale=2.0 ** 4)
+    x, y = batch("mlp", torch.Generator().manual_seed(6), torch.float64)
+    scaler.scale(F.mse_loss(m(x), y)).backward()
+    m[0].weight.grad[0, 0] = float("inf")
+    before = copy.deepcopy(m.state_dict())
+    K = o.state[m[0].weight]["K.0"].clone()
+    with pytest.warns(UserWarning, match="inf"):
+        scaler.step(o)
+    scaler.update()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert torch.equal(o.state[m[0].weight]["K.0"], K)
+    assert (o.state[m[0].weight]["H_K.0"] == 0).all()

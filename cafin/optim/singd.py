@@ -78,6 +78,8 @@ class SINGD(torch.optim.Optimizer):
             K^T is meant); per group. Default False: singd's numbers.
         process_group: with torch.distributed initialised, the H terms are averaged (summed for
             loss_average=None) over this group in one collective per preconditioner update.
+        grad_scaler: the torch.amp.GradScaler in use, needed only when the gradients are unscaled
+            before the step (`scaler.unscale_(opt)`, e.g. to clip them).
     Parameters in params that no Linear/Conv2d owns are updated with their plain gradient
     (weight decay and momentum as the others); singd silently never updates them.
     """
@@ -92,7 +94,8 @@ class SINGD(torch.optim.Optimizer):
                  warn_unsupported: bool = True, kfac_like: bool = False,
                  preconditioner_dtype: tuple = (None, None), init_grad_scale: float = 1.0,
                  normalize_lr_cov: bool = False, *, backend: str = "fused",
-                 exact_block_transposes: bool = False, process_group=None):
+                 exact_block_transposes: bool = False, process_group=None,
+                 grad_scaler: torch.amp.GradScaler | None = None):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; SINGD takes "
                             "the model first (parameters go in params=)")
@@ -114,6 +117,8 @@ class SINGD(torch.optim.Optimizer):
         self._model_params = {id(p) for p in model.parameters()}
         self._attached = False
         self._init_scale = real_number(init_grad_scale, "init_grad_scale")
+        self._manual_scale: float | None = None
+        self.grad_scaler = grad_scaler
         self._grad_scale_prev = self._init_scale
         defaults = dict(lr=lr, momentum=momentum, damping=damping, alpha1=alpha1,
                         weight_decay=weight_decay, T=T, loss_average=loss_average, lr_cov=lr_cov,
@@ -389,7 +394,26 @@ class SINGD(torch.optim.Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
-        scale = 1.0 if grad_scale is None else float(grad_scale)
+        if self._manual_scale is not None:  # set_current_grad_scale, as singd
+            scale, divide = self._manual_scale, self._manual_scale
+        elif grad_scale is not None:
+            scale = divide = float(grad_scale)
+        elif found_inf is not None:
+            # scaler.unscale_(opt) ran before the step (clipping): the gradients are unscaled,
+            # but the H_C taken from scaled gradients still needs this step's scale.
+            if self.grad_scaler is None:
+                raise RuntimeError("SINGD: gradients were unscaled before step() (scaler.unscale_), "
+                                   "so H_C, taken from scaled gradients, needs the scale: pass "
+                                   "grad_scaler=scaler to SINGD")
+            scale, divide = float(self.grad_scaler.get_scale()), 1.0
+        else:
+            scale = divide = 1.0
+        self._manual_scale = None
+        if scale != 1.0 and self._init_scale == 1.0 and self._steps.value() == 0:
+            warnings.warn(f"Detected non-zero gradient scaling ({scale} at step 0). Consider passing "
+                          f"a value similar to {scale} to `init_grad_scale` when initializing the "
+                          "optimizer as this will improve numerical stability (was initialized to "
+                          "1.0).", UserWarning, stacklevel=2)
         for pending in self._pending.values():
             pending.clear()
         if found_inf is not None and float(found_inf) != 0.0:
@@ -398,13 +422,18 @@ class SINGD(torch.optim.Optimizer):
                 torch._foreach_zero_(list(self._parts(layer, "H_K") + self._parts(layer, "H_C")))
                 self.state[layer.anchor]["H_count"].zero_()
         else:
-            self._step(scale)
+            self._step(scale, divide)
         self._grad_scale_prev = scale
         self._steps.advance()
         return loss
 
-    def _step(self, grad_scale: float) -> None:
-        c_g = self._grad_scale_prev / grad_scale ** 2
+    def set_current_grad_scale(self, grad_scale: float) -> None:
+        """The gradient scale of this step's backward pass (singd's API, for a scaler driven by
+        hand); the gradients are divided by it."""
+        self._manual_scale = real_number(grad_scale, "grad_scale")
+
+    def _step(self, scale: float, grad_scale: float) -> None:
+        c_g = self._grad_scale_prev / scale ** 2
         dues = [(layer, self._steps.host_due(self._group(layer)["T"])) for layer in self._layers]
         if distributed():
             self._average_curvature([layer for layer, due in dues if due is not False])
