@@ -585,3 +585,36 @@ def test_grad_scaler_inf_skips_step():
         assert torch.equal(v, before[k])
     assert torch.equal(o.state[m[0].weight]["K.0"], K)
     assert (o.state[m[0].weight]["H_K.0"] == 0).all()
+
+
+def test_bf16_preconditioner_close_to_float32():
+    """bf16 K, C (singd's preconditioner_dtype): finite, stored in bf16, within bf16 noise of the
+    float32-factor run (singd's own bf16 run is as far: docs/singd.md)."""
+    torch.manual_seed(0)
+    m = mlp()
+    m2 = copy.deepcopy(m)
+    kw = dict(T=1, lr=0.05, lr_cov=0.05, structures=("dense", "hierarchical15_15"))
+    o = cafin.SINGD(m, preconditioner_dtype=(torch.bfloat16, torch.bfloat16), **kw)
+    o2 = cafin.SINGD(m2, **kw)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        x, y = batch("mlp", gen, torch.float32)
+        for model, opt in ((m, o), (m2, o2)):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert o.state[m[0].weight]["K.0"].dtype == torch.bfloat16
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    errs = [((p - q).norm() / q.norm()).item() for p, q in zip(m.parameters(), m2.parameters())]
+    assert 0 < max(errs) < 3e-2
+
+
+@pytest.mark.parametrize("structures", [("dense", "dense"), ("block30diagonal", "hierarchical15_15"),
+                                        ("triutoeplitz", "diagonal")])
+def test_cached_preconditioner_equals_uncached(structures):
+    kw = dict(T=2, lr=0.05, lr_cov=0.1, structures=structures)
+    _, a, opt = run_pair("mlp", steps=5, cafin_kw=dict(cache_preconditioner=True), **kw)
+    _, b, _ = run_pair("mlp", steps=5, **kw)
+    assert "P_K" in opt.state[a[0].weight]
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-11, atol=1e-13)

@@ -78,6 +78,10 @@ class SINGD(torch.optim.Optimizer):
             K^T is meant); per group. Default False: singd's numbers.
         process_group: with torch.distributed initialised, the H terms are averaged (summed for
             loss_average=None) over this group in one collective per preconditioner update.
+        cache_preconditioner: keep P_K = K K^T and P_C = C C^T (dense) from each preconditioner
+            update, so a step takes two GEMMs instead of four (singd's order of products is then
+            not kept: the numbers differ by rounding). Not for diagonal-diagonal layers, whose
+            step is elementwise anyway.
         grad_scaler: the torch.amp.GradScaler in use, needed only when the gradients are unscaled
             before the step (`scaler.unscale_(opt)`, e.g. to clip them).
     Parameters in params that no Linear/Conv2d owns are updated with their plain gradient
@@ -95,7 +99,8 @@ class SINGD(torch.optim.Optimizer):
                  preconditioner_dtype: tuple = (None, None), init_grad_scale: float = 1.0,
                  normalize_lr_cov: bool = False, *, backend: str = "fused",
                  exact_block_transposes: bool = False, process_group=None,
-                 grad_scaler: torch.amp.GradScaler | None = None):
+                 grad_scaler: torch.amp.GradScaler | None = None,
+                 cache_preconditioner: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; SINGD takes "
                             "the model first (parameters go in params=)")
@@ -119,6 +124,7 @@ class SINGD(torch.optim.Optimizer):
         self._init_scale = real_number(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
         self.grad_scaler = grad_scaler
+        self.cache_preconditioner = bool(cache_preconditioner)
         self._grad_scale_prev = self._init_scale
         defaults = dict(lr=lr, momentum=momentum, damping=damping, alpha1=alpha1,
                         weight_decay=weight_decay, T=T, loss_average=loss_average, lr_cov=lr_cov,
@@ -260,6 +266,9 @@ class SINGD(torch.optim.Optimizer):
         put("H_K", sk.zeros(d_k, dk, device))
         put("H_C", sc.zeros(d_c, dc, device))
         out["H_count"] = torch.zeros((), device=device)
+        if self._caches(sk, sc):
+            out["P_K"] = torch.eye(d_k, device=device).to(dk)
+            out["P_C"] = torch.eye(d_c, device=device).to(dc)
         return out
 
     def _parts(self, layer: Layer, prefix: str) -> tuple[Tensor, ...] | None:
@@ -372,6 +381,10 @@ class SINGD(torch.optim.Optimizer):
         else:
             torch._foreach_zero_(list(H_K + H_C))
             count.zero_()
+        if "P_K" in state:  # the cached products follow the factors
+            for key, kind, parts, d in (("P_K", sk, K, d_k), ("P_C", sc, C, d_c)):
+                eye = torch.eye(d, device=device, dtype=state[key].dtype)
+                state[key].copy_(kind.matmul(parts, kind.rmatmat(parts, eye)))
 
     def _average_curvature(self, due: list[Layer]) -> None:
         """Distributed without a DDP wrapper's gradient averaging too: H terms averaged (summed for
@@ -466,7 +479,11 @@ class SINGD(torch.optim.Optimizer):
             gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
-            nat = ref.natural_gradient(sk, K, sc, C, gmat)
+            state = self.state[layer.anchor]
+            if "P_K" in state:
+                nat = ref.cached_natural_gradient(state["P_K"], state["P_C"], gmat)
+            else:
+                nat = ref.natural_gradient(sk, K, sc, C, gmat)
             if distributed():
                 self._reduce_natural_gradient(layer, nat)
             params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
@@ -493,6 +510,9 @@ class SINGD(torch.optim.Optimizer):
                 ops.singd_diag_step_(ps, gs, bs if group["momentum"] != 0.0 else [], ks, cs, offs,
                                      on(group["lr"], ps[0].device), group["momentum"],
                                      group["weight_decay"], grad_scale)
+
+    def _caches(self, sk, sc) -> bool:
+        return self.cache_preconditioner and not (sk is Diagonal and sc is Diagonal)
 
     def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
         """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the

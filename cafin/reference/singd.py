@@ -151,3 +151,9 @@ def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers
     if momentum != 0.0:
         for b, w in zip(momentum_buffers, bufs):
             b.copy_(w)
+
+
+def cached_natural_gradient(p_k: Tensor, p_c: Tensor, gmat: Tensor) -> Tensor:
+    """The natural gradient from cached P_K = K K^T and P_C = C C^T: (P_K Gmat^T)^T, then P_C ."""
+    nat = (p_k @ gmat.mT.to(p_k.dtype)).mT
+    return (p_c @ nat.to(p_c.dtype)).to(gmat.dtype)
