@@ -57,11 +57,7 @@ def project(name: str, M: torch.Tensor) -> torch.Tensor:
         for k in range(d):
             c = torch.diagonal(M, k).sum() / d if k == 0 else \
                 (torch.diagonal(M, k).sum() + torch.diagonal(M, -k).sum()) / (d - k)
-            for i in range(d - k):
-                if name == "triltoeplitz":
-                    out[i + k, i] = c
-                else:
-                    out[i, i + k] = c
+            torch.diagonal(out, -k if name == "triltoeplitz" else k).fill_(c)
         return out
     return pattern(name, d).to(M) * M
 
@@ -197,7 +193,7 @@ def batch(kind, gen, dtype):
 
 
 def run_pair(kind, steps=5, dtype=torch.float64, backend="fused", oracle_kw=None, groups=None,
-             cafin_kw=None, **kw):
+             cafin_kw=None, with_oracle=True, **kw):
     torch.manual_seed(0)
     m64 = (cnn() if kind == "cnn" else mlp()).double()
     m = copy.deepcopy(m64).to(dtype)
@@ -214,7 +210,8 @@ def run_pair(kind, steps=5, dtype=torch.float64, backend="fused", oracle_kw=None
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         x, y = batch(kind, gen, dtype)
-        oracle.step(lambda: F.mse_loss(m64(x.double()), y.double(), reduction=red))
+        if with_oracle:
+            oracle.step(lambda: F.mse_loss(m64(x.double()), y.double(), reduction=red))
         opt.zero_grad()
         F.mse_loss(m(x), y, reduction=red).backward()
         opt.step()
@@ -293,8 +290,8 @@ def test_float32_close_to_oracle(kind, kw):
 
 @pytest.mark.parametrize("kind,kw", [CASES[2], CASES[3], CASES[8], CASES[13]])
 def test_fused_equals_reference(kind, kw):
-    _, a, _ = run_pair(kind, backend="fused", **kw)
-    _, b, _ = run_pair(kind, backend="reference", **kw)
+    _, a, _ = run_pair(kind, backend="fused", with_oracle=False, **kw)
+    _, b, _ = run_pair(kind, backend="reference", with_oracle=False, **kw)
     assert max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-12
 
 
@@ -311,7 +308,7 @@ def test_block30_exact_transposes():
     m64, m, _ = run_pair("mlp", steps=4, oracle_kw=dict(singd_blocks=False),
                          cafin_kw=dict(exact_block_transposes=True), **kw)
     assert rel_err(m64, m) < 1e-10
-    _, m_singd, _ = run_pair("mlp", steps=4, **kw)  # singd's transposes differ once K is not symmetric
+    _, m_singd, _ = run_pair("mlp", steps=4, with_oracle=False, **kw)  # singd's transposes differ once K is not symmetric
     assert rel_err(m64, m_singd) > 1e-8
 
 
@@ -370,7 +367,7 @@ def test_unsupported_parameters():
     assert {id(p) for g in opt.param_groups for p in g["params"]} == {
         id(p) for i in (0, 2) for p in m[i].parameters()}
     # passed explicitly, they are trained with the plain gradient (singd never updates them)
-    opt.remove_hooks()
+    del opt
     opt = cafin.SINGD(m, list(m.parameters()), lr=0.1, momentum=0.0)
     m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
     before = m[1].weight.detach().clone()
@@ -613,8 +610,8 @@ def test_bf16_preconditioner_close_to_float32():
                                         ("triutoeplitz", "diagonal")])
 def test_cached_preconditioner_equals_uncached(structures):
     kw = dict(T=2, lr=0.05, lr_cov=0.1, structures=structures)
-    _, a, opt = run_pair("mlp", steps=5, cafin_kw=dict(cache_preconditioner=True), **kw)
-    _, b, _ = run_pair("mlp", steps=5, **kw)
+    _, a, opt = run_pair("mlp", steps=5, cafin_kw=dict(cache_preconditioner=True), with_oracle=False, **kw)
+    _, b, _ = run_pair("mlp", steps=5, with_oracle=False, **kw)
     assert "P_K" in opt.state[a[0].weight]
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-11, atol=1e-13)
