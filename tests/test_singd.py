@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch._dynamo.testing
@@ -615,3 +616,63 @@ def test_cached_preconditioner_equals_uncached(structures):
     assert "P_K" in opt.state[a[0].weight]
     for p, q in zip(a.parameters(), b.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-11, atol=1e-13)
+
+
+# ------------------------------------------------------------------------------ two ranks
+_WORKER = r'''
+import sys, torch, torch.distributed as dist
+from torch import nn
+import torch.nn.functional as F
+import cafin
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+results = {}
+for wrap in ("ddp", "plain"):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    model = nn.parallel.DistributedDataParallel(m) if wrap == "ddp" else m
+    opt = cafin.SINGD(model, T=1, lr=0.05, lr_cov=0.1, structures=("dense", "hierarchical15_15"))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(8, 3, 6, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        opt.step()
+    results[wrap] = [p.detach().clone() for p in m.parameters()]
+if rank == 0:
+    torch.save(results, out)
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    """Two gloo ranks, each with half of every batch: the averaged H terms and gradients (DDP
+    wrapper) or natural gradients (no wrapper, as singd) give the one-process full-batch run."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"),
+                               str(tmp_path / "out.pt")], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    opt = cafin.SINGD(m, T=1, lr=0.05, lr_cov=0.1, structures=("dense", "hierarchical15_15"))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(8, 3, 6, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+    for wrap in ("ddp", "plain"):
+        for p, q in zip(m.parameters(), results[wrap]):
+            torch.testing.assert_close(q, p.detach(), rtol=1e-11, atol=1e-13)
