@@ -676,3 +676,25 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     for wrap in ("ddp", "plain"):
         for p, q in zip(m.parameters(), results[wrap]):
             torch.testing.assert_close(q, p.detach(), rtol=1e-11, atol=1e-13)
+
+
+def test_deepcopy_trains_a_copy_of_the_model():
+    torch.manual_seed(0)
+    m = mlp().double()
+    o = cafin.SINGD(m, T=2, lr=0.05, lr_cov=0.1, structures=("diagonal", "dense"))
+    gen = torch.Generator().manual_seed(8)
+    data = [batch("mlp", gen, torch.float64) for _ in range(5)]
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            o2 = copy.deepcopy(o)
+            m2 = o2.model
+            assert m2 is not m
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    for x, y in data[2:]:
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        o2.step()
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

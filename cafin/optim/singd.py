@@ -289,6 +289,7 @@ class SINGD(torch.optim.Optimizer):
         for key, value in self.__dict__.items():
             if key != "_hooks":
                 setattr(new, key, copy.deepcopy(value, memo))
+        new._pending = {id(layer): [] for layer in new._layers}
         new._hooks = Hooks(new, new._layers) if self._hooks is not None else None
         return new
 
