@@ -454,7 +454,7 @@ def test_compiled_step_equals_eager_without_recompiles(structures):
     s1 = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9)
     s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounter()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     step = torch.compile(o2.step, backend=counter, fullgraph=True)
     gen = torch.Generator().manual_seed(4)
     for i in range(5):
