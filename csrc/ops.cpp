@@ -51,6 +51,14 @@ TORCH_LIBRARY(cafin, m) {
       "fisher_average_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!) skipped, float gamma, "
       "bool[] grad_side, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // SINGD step of a bucket of parameters whose layers have diagonal K and C: the natural gradient
+  // C^2 G K^2 (K read from k_offsets[i] on, one entry per column of the parameter viewed as
+  // [C.numel(), -1]), weight decay, momentum (momentum_buffers empty when momentum == 0), update.
+  m.def(
+      "singd_diag_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+      "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, float momentum, float weight_decay, "
+      "float grad_scale=1.0) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 namespace {
@@ -84,7 +92,8 @@ void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
 
 TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
   for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
-                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_"}) {
+                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
+                           "singd_diag_step_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

@@ -6,3 +6,4 @@ from .adafisher import (  # noqa: F401
     MINMAX_EPS, adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_,
     norm_input_stats_, preconditioner, state_dtype, sumsq_stats_,
 )
+from . import singd  # noqa: F401,E402  (SINGD's per-layer maths: cafin.reference.singd)

@@ -1,0 +1,159 @@
+"""SINGD's per-layer maths in plain PyTorch (arXiv 2312.05705; reference/kronecker-optimizers.md §5),
+computed the way singd 0.0.5 computes it: the rows a and g a layer's input and output gradient
+become, the curvature terms H, the preconditioner update and the natural gradient.
+
+Structured matrices are tuples of tensors (`cafin.structures`). Every function here is pure
+(returns new tensors) except where its name ends in `_`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers import conv_padding
+from ..structures import Structure
+
+# TODO(merge): use cafin.factors for the Linear/Conv2d rows once it lands; these follow singd's
+# conventions (group-averaged patches, "reduce" = mean of the input rows / sum of the gradient
+# rows over shared locations, 1/sqrt(rows) and sqrt(loss terms) scalings).
+
+
+def _conv_input_4d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, list[int]]:
+    """The input padded as the convolution pads it (padding_mode honoured), and the zero padding
+    left for unfold."""
+    if x.dim() == 3:  # unbatched
+        x = x.unsqueeze(0)
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * 4
+    pads = conv_padding(module)  # [top, bottom, left, right]
+    if pads[0] != pads[1] or pads[2] != pads[3]:  # 'same' with an odd total: pad explicitly
+        return F.pad(x, [pads[2], pads[3], pads[0], pads[1]]), [0] * 4
+    return x, pads
+
+
+def input_rows(module: nn.Module, x: Tensor, kfac_approx: str) -> Tensor:
+    """a [rows, d_K]: input rows (with a ones column for a bias) divided by sqrt(rows), so that
+    a^T a is the mean outer product."""
+    if isinstance(module, nn.Conv2d):
+        x, pads = _conv_input_4d(module, x)
+        b, c = x.shape[:2]
+        # singd averages the input over channel groups (one K for every group)
+        x = x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
+        cols = F.unfold(x, module.kernel_size, dilation=module.dilation,
+                        padding=(pads[0], pads[2]), stride=module.stride)  # [b, D, L]
+        if kfac_approx == "expand":
+            a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+        else:
+            a = cols.mean(2)
+    else:
+        if x.dim() == 1:
+            x = x.unsqueeze(0)
+        a = x.reshape(-1, x.shape[-1]) if kfac_approx == "expand" else \
+            x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
+    if module.bias is not None:
+        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
+    return a / math.sqrt(a.shape[0])
+
+
+def grad_rows(module: nn.Module, g: Tensor, loss_average: str | None, kfac_approx: str) -> Tensor:
+    """g [rows, d_C]: output-gradient rows times sqrt(number of loss terms) ("batch": B,
+    "batch+sequence": B times the shared locations, None: 1); "reduce" sums over locations."""
+    if isinstance(module, nn.Conv2d):
+        if g.dim() == 3:
+            g = g.unsqueeze(0)
+        g = g.flatten(2).transpose(1, 2)  # [b, locations, c]
+    elif g.dim() == 1:
+        g = g.unsqueeze(0).unsqueeze(1)
+    else:
+        g = g.reshape(g.shape[0], -1, g.shape[-1])
+    scale = 1.0
+    if loss_average is not None:
+        terms = g.shape[0] * (g.shape[1] if loss_average == "batch+sequence" else 1)
+        scale = math.sqrt(terms)
+    rows = g.reshape(-1, g.shape[-1]) if kfac_approx == "expand" else g.sum(1)
+    return rows * scale
+
+
+def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Tensor | None,
+                    like: Tensor) -> Tensor:
+    """[d_C, d_K] = [grad W viewed (out, -1) | grad b]; a missing gradient reads as zeros."""
+    w = module.weight
+    gw = weight_grad.reshape(w.shape[0], -1) if weight_grad is not None else \
+        torch.zeros(w.shape[0], w[0].numel(), dtype=like.dtype, device=like.device)
+    if module.bias is None:
+        return gw
+    gb = bias_grad if bias_grad is not None else torch.zeros(w.shape[0], dtype=gw.dtype, device=gw.device)
+    return torch.cat([gw, gb.unsqueeze(1)], dim=1)
+
+
+def natural_gradient(sk: type[Structure], k: tuple, sc: type[Structure], c: tuple,
+                     gmat: Tensor) -> Tensor:
+    """C C^T Gmat K K^T, as singd orders it: (K (K^T Gmat^T))^T in K's dtype, then C (C^T .) in
+    C's dtype, back in the gradient's dtype."""
+    nat = sk.matmul(k, sk.rmatmat(k, gmat.mT.to(k[0].dtype))).mT
+    nat = sc.matmul(c, sc.rmatmat(c, nat.to(c[0].dtype)))
+    return nat.to(gmat.dtype)
+
+
+def new_momentum(s: type[Structure], h: tuple, ktk: tuple, eye: tuple, c_h, c_damp, scale,
+                 alpha1: float, m_old: tuple | None) -> tuple:
+    """m~ = scale * (c_h * H + c_damp * Pi(K^T K) - I) (+ alpha1 * m_old), elementwise over the
+    structured storage (I's parts are the identity's)."""
+    out = []
+    for i, (hp, kp, ep) in enumerate(zip(h, ktk, eye)):
+        m = (c_h * hp + c_damp * kp - ep) * scale
+        if m_old is not None:
+            m = m + alpha1 * m_old[i]
+        out.append(m)
+    return tuple(out)
+
+
+def factor_step(s: type[Structure], k: tuple, m: tuple, beta) -> tuple:
+    """The truncated exponential K exp(-beta m) ~ K - beta K m, within the group."""
+    km = s.product(k, m)
+    return tuple(kp - beta * kmp for kp, kmp in zip(k, km))
+
+
+def sgd_update_(params: list[Tensor], updates: list[Tensor], buffers: list[Tensor | None], lr,
+                momentum: float, weight_decay: float) -> None:
+    """u = nat + wd*theta; buf <- momentum*buf + u (torch SGD, no dampening); theta -= lr*buf."""
+    for p, u, buf in zip(params, updates, buffers):
+        if weight_decay != 0.0:
+            u = u + weight_decay * p
+        if buf is not None:
+            buf.mul_(momentum).add_(u)
+            u = buf
+        p.sub_(lr * u if isinstance(lr, Tensor) else u * lr)
+
+
+def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
+                     K: list[Tensor], C: list[Tensor], k_offsets: list[int], lr: Tensor,
+                     momentum: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+    """The op of the same name in plain PyTorch: the natural gradient of diagonal K and C in singd's
+    order of products, then `sgd_update_`."""
+    updates = []
+    for p, g, k, c, off in zip(params, grads, K, C, k_offsets):
+        rows = c.numel()
+        g = g.reshape(rows, -1).to(k.dtype)
+        if grad_scale != 1.0:
+            g = g / grad_scale
+        kk = k[off:off + g.shape[1]]
+        nat = c.unsqueeze(1) * (c.unsqueeze(1) * (kk * (kk * g)))
+        updates.append(nat.reshape(p.shape))
+    work = [p.to(lr.dtype) for p in params]
+    bufs = [b.to(lr.dtype) for b in momentum_buffers] if momentum != 0.0 else [None] * len(params)
+    sgd_update_(work, updates, bufs, lr, momentum, weight_decay)
+    for p, w in zip(params, work):
+        p.copy_(w)
+    if momentum != 0.0:
+        for b, w in zip(momentum_buffers, bufs):
+            b.copy_(w)
+
+
+def cached_natural_gradient(p_k: Tensor, p_c: Tensor, gmat: Tensor) -> Tensor:
+    """The natural gradient from cached P_K = K K^T and P_C = C C^T: (P_K Gmat^T)^T, then P_C ."""
+    nat = (p_k @ gmat.mT.to(p_k.dtype)).mT
+    return (p_c @ nat.to(p_c.dtype)).to(gmat.dtype)

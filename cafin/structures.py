@@ -1,0 +1,484 @@
+"""SINGD's structured matrices (arXiv 2312.05705, reference/kronecker-optimizers.md §5.5).
+
+A structured d x d matrix is stored as a tuple of plain tensors (its "parts"), so the optimizer
+keeps them in `self.state` and checkpoints hold nothing but tensors. Each structure is a class of
+static methods over such tuples; every one of them is a matrix group under multiplication, and
+`project` is the projection Pi of a dense symmetric matrix onto the group's tangent space.
+
+Operations SINGD needs (K a structured matrix, X a dense d x n matrix):
+  eye, zeros, project (Pi), dense, matmul (K X), rmatmat (K^T X), product (K M in the group),
+  inner (Pi(K^T X X^T K), or Pi(K^T K) for X None), mat_inner (Pi(X X^T)), average_trace,
+  diag_mask (the identity's parts, so "- I" is elementwise), inf_norm.
+Elementwise work (the momentum/trace combination, scaling) runs over the parts uniformly, so the
+same code serves every structure.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+Parts = tuple  # tuple[Tensor, ...]
+
+
+class Structure:
+    name = ""
+    part_names: tuple[str, ...] = ()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def shapes(cls, d: int) -> tuple[tuple[int, ...], ...]:
+        raise NotImplementedError
+
+    @classmethod
+    def zeros(cls, d: int, dtype=None, device=None) -> Parts:
+        return tuple(torch.zeros(s, dtype=dtype, device=device) for s in cls.shapes(d))
+
+    @classmethod
+    def eye(cls, d: int, dtype=None, device=None) -> Parts:
+        # Built in float32 and cast: bf16 has no eye on every backend.
+        return tuple(p.to(dtype) for p in cls.project(torch.eye(d, device=device)))
+
+    @classmethod
+    def diag_mask(cls, d: int, dtype=None, device=None) -> Parts:
+        """The identity's parts with the off-diagonal Pi factors removed (Pi(I) = I for all)."""
+        return cls.eye(d, dtype, device)
+
+    # ------------------------------------------------------------------ maths
+    @classmethod
+    def project(cls, m: Tensor) -> Parts:
+        raise NotImplementedError
+
+    @classmethod
+    def dense(cls, parts: Parts) -> Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def matmul(cls, parts: Parts, x: Tensor) -> Tensor:
+        return cls.dense(parts) @ x
+
+    @classmethod
+    def rmatmat(cls, parts: Parts, x: Tensor) -> Tensor:
+        return cls.dense(parts).mT @ x
+
+    @classmethod
+    def product(cls, a: Parts, b: Parts) -> Parts:
+        """a @ b, which stays in the group (no projection needed)."""
+        return cls.from_dense_exact(cls.dense(a) @ cls.dense(b))
+
+    @classmethod
+    def from_dense_exact(cls, m: Tensor) -> Parts:
+        """The parts of a matrix known to have the structure (no Pi factors)."""
+        raise NotImplementedError
+
+    @classmethod
+    def mat_inner(cls, x: Tensor) -> Parts:
+        return cls.project(x @ x.mT)
+
+    @classmethod
+    def inner(cls, parts: Parts, x: Tensor | None = None) -> Parts:
+        if x is None:
+            k = cls.dense(parts)
+            return cls.project(k.mT @ k)
+        return cls.mat_inner(cls.rmatmat(parts, x))
+
+    @classmethod
+    def average_trace(cls, parts: Parts) -> Tensor:
+        return torch.diagonal(cls.dense(parts)).mean()
+
+    @staticmethod
+    def inf_norm(parts: Parts) -> Tensor:
+        return torch.stack([p.abs().max() for p in parts if p.numel() > 0]).max()
+
+
+# ---------------------------------------------------------------------------------- dense
+class Dense(Structure):
+    """A general d x d matrix. Pi is the identity (nothing is symmetrised: K is not symmetric)."""
+    name = "dense"
+    part_names = ("mat",)
+
+    @classmethod
+    def shapes(cls, d):
+        return ((d, d),)
+
+    @classmethod
+    def eye(cls, d, dtype=None, device=None):
+        return (torch.eye(d, device=device).to(dtype),)
+
+    @classmethod
+    def project(cls, m):
+        return (m,)
+
+    from_dense_exact = project
+
+    @classmethod
+    def dense(cls, parts):
+        return parts[0]
+
+    @classmethod
+    def product(cls, a, b):
+        return (a[0] @ b[0],)
+
+    @classmethod
+    def mat_inner(cls, x):
+        return (x @ x.mT,)
+
+    @classmethod
+    def inner(cls, parts, x=None):
+        s = parts[0].mT if x is None else parts[0].mT @ x
+        return (s @ s.mT,)
+
+    @classmethod
+    def average_trace(cls, parts):
+        return torch.diagonal(parts[0]).mean()
+
+
+# ---------------------------------------------------------------------------------- diagonal
+class Diagonal(Structure):
+    name = "diagonal"
+    part_names = ("diag",)
+
+    @classmethod
+    def shapes(cls, d):
+        return ((d,),)
+
+    @classmethod
+    def eye(cls, d, dtype=None, device=None):
+        return (torch.ones(d, dtype=dtype, device=device),)
+
+    @classmethod
+    def project(cls, m):
+        return (torch.diagonal(m).clone(),)
+
+    from_dense_exact = project
+
+    @classmethod
+    def dense(cls, parts):
+        return torch.diag(parts[0])
+
+    @classmethod
+    def matmul(cls, parts, x):
+        return parts[0].unsqueeze(-1) * x
+
+    rmatmat = matmul
+
+    @classmethod
+    def product(cls, a, b):
+        return (a[0] * b[0],)
+
+    @classmethod
+    def mat_inner(cls, x):
+        return ((x * x).sum(1),)
+
+    @classmethod
+    def inner(cls, parts, x=None):
+        k2 = parts[0] * parts[0]
+        return (k2,) if x is None else (k2 * (x * x).sum(1),)
+
+    @classmethod
+    def average_trace(cls, parts):
+        return parts[0].mean()
+
+
+# ---------------------------------------------------------------------------------- block-diagonal
+class BlockDiagonal(Structure):
+    """floor(d/b) b x b blocks, then one r x r block (r = d mod b).
+
+    singd's rmatmat and inner multiply by K where K^T is meant (they treat the blocks as
+    symmetric, which they stop being after the second preconditioner update). `exact=False`
+    reproduces that, `exact=True` uses the true transposes."""
+    block = 30
+    exact = False
+    part_names = ("blocks", "last")
+
+    @classmethod
+    def shapes(cls, d):
+        n, r = divmod(d, cls.block)
+        return ((n, cls.block, cls.block), (r, r))
+
+    @classmethod
+    def project(cls, m):
+        d = m.shape[0]
+        n, r = divmod(d, cls.block)
+        head = m[: n * cls.block, : n * cls.block].reshape(n, cls.block, n, cls.block)
+        idx = torch.arange(n, device=m.device)
+        return (head[idx, :, idx, :], m[n * cls.block:, n * cls.block:])
+
+    from_dense_exact = project
+
+    @classmethod
+    def dense(cls, parts):
+        blocks, last = parts
+        return torch.block_diag(*blocks.unbind(0), last)
+
+    @classmethod
+    def _apply(cls, parts, x, transpose):
+        blocks, last = parts
+        n = blocks.shape[0]
+        head, tail = x.split([n * cls.block, last.shape[0]])
+        if transpose:
+            blocks, last = blocks.mT, last.mT
+        cols = x.shape[1]
+        out_head = torch.bmm(blocks, head.reshape(n, cls.block, cols)).reshape(n * cls.block, cols)
+        return torch.cat([out_head, last @ tail])
+
+    @classmethod
+    def matmul(cls, parts, x):
+        return cls._apply(parts, x, False)
+
+    @classmethod
+    def rmatmat(cls, parts, x):
+        return cls._apply(parts, x, cls.exact)
+
+    @classmethod
+    def product(cls, a, b):
+        return (torch.bmm(a[0], b[0]), a[1] @ b[1])
+
+    @classmethod
+    def mat_inner(cls, x):
+        n, r = divmod(x.shape[0], cls.block)
+        head, tail = x.split([n * cls.block, r])
+        head = head.reshape(n, cls.block, x.shape[1])
+        return (torch.bmm(head, head.mT), tail @ tail.mT)
+
+    @classmethod
+    def inner(cls, parts, x=None):
+        if x is None:
+            blocks, last = parts
+            if cls.exact:
+                return (torch.bmm(blocks.mT, blocks), last.mT @ last)
+            return (torch.bmm(blocks, blocks.mT), last @ last.mT)
+        return cls.mat_inner(cls.rmatmat(parts, x))
+
+    @classmethod
+    def average_trace(cls, parts):
+        blocks, last = parts
+        d = blocks.shape[0] * cls.block + last.shape[0]
+        return (torch.diagonal(blocks, dim1=-2, dim2=-1).sum() + torch.diagonal(last).sum()) / d
+
+
+class Block30Diagonal(BlockDiagonal):
+    name = "block30diagonal"
+
+
+class Block30DiagonalExact(BlockDiagonal):
+    name = "block30diagonal"
+    exact = True
+
+
+# ---------------------------------------------------------------------------------- hierarchical
+class Hierarchical(Structure):
+    """Upper block-triangular [[A, B], [0, diag(C) ; D, E]]:
+        rows 0..K1      : A (K1 x K1) | B (K1 x (mid + K2))
+        rows mid        : diag(C)
+        rows last K2    : D (K2 x mid) | E (K2 x K2)
+    with K1 <= max_k1, K2 <= max_k2 (a small d is one dense A block)."""
+    max_k1 = 15
+    max_k2 = 15
+    name = "hierarchical15_15"
+    part_names = ("A", "B", "C", "D", "E")
+
+    @classmethod
+    def dims(cls, d):
+        if d <= cls.max_k1:
+            return d, 0, 0
+        if d <= cls.max_k1 + cls.max_k2:
+            return cls.max_k1, 0, d - cls.max_k1
+        return cls.max_k1, d - cls.max_k1 - cls.max_k2, cls.max_k2
+
+    @classmethod
+    def shapes(cls, d):
+        k1, mid, k2 = cls.dims(d)
+        return ((k1, k1), (k1, mid + k2), (mid,), (k2, mid), (k2, k2))
+
+    @classmethod
+    def _split(cls, m, scale):
+        d = m.shape[0]
+        k1, mid, k2 = cls.dims(d)
+        e0 = k1 + mid
+        return (m[:k1, :k1], scale * m[:k1, k1:], torch.diagonal(m)[k1:e0].clone(),
+                scale * m[e0:, k1:e0], m[e0:, e0:])
+
+    @classmethod
+    def project(cls, m):
+        # The tangent space of the group: a symmetric M's lower part folds onto the upper (x2).
+        return cls._split(m, 2.0)
+
+    @classmethod
+    def from_dense_exact(cls, m):
+        return cls._split(m, 1.0)
+
+    @classmethod
+    def eye(cls, d, dtype=None, device=None):
+        return tuple(p.to(dtype) for p in cls.from_dense_exact(torch.eye(d, device=device)))
+
+    @classmethod
+    def dense(cls, parts):
+        a, b, c, dd, e = parts
+        k1, mid, k2 = a.shape[0], c.shape[0], e.shape[0]
+        d = k1 + mid + k2
+        m = a.new_zeros(d, d)
+        m[:k1, :k1] = a
+        m[:k1, k1:] = b
+        idx = torch.arange(k1, k1 + mid, device=a.device)
+        m[idx, idx] = c
+        m[k1 + mid:, k1:k1 + mid] = dd
+        m[k1 + mid:, k1 + mid:] = e
+        return m
+
+    @classmethod
+    def matmul(cls, parts, x):
+        a, b, c, dd, e = parts
+        mid = c.shape[0]
+        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        return torch.cat([a @ top + b_c @ middle + b_e @ bottom,
+                          c.unsqueeze(-1) * middle,
+                          dd @ middle + e @ bottom])
+
+    @classmethod
+    def rmatmat(cls, parts, x):
+        a, b, c, dd, e = parts
+        mid = c.shape[0]
+        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        return torch.cat([a.mT @ top,
+                          b_c.mT @ top + c.unsqueeze(-1) * middle + dd.mT @ bottom,
+                          b_e.mT @ top + e.mT @ bottom])
+
+    @classmethod
+    def product(cls, p, q):
+        a, b, c, dd, e = p
+        a2, b2, c2, d2, e2 = q
+        mid = c.shape[0]
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        b2_c, b2_e = b2.split([mid, e2.shape[0]], dim=1)
+        return (a @ a2,
+                torch.cat([a @ b2_c + b_c * c2 + b_e @ d2, a @ b2_e + b_e @ e2], dim=1),
+                c * c2,
+                dd * c2 + e @ d2,
+                e @ e2)
+
+    @classmethod
+    def mat_inner(cls, x):
+        k1, mid, k2 = cls.dims(x.shape[0])
+        s_a, s_c, s_e = x.split([k1, mid, k2])
+        return (s_a @ s_a.mT,
+                2.0 * torch.cat([s_a @ s_c.mT, s_a @ s_e.mT], dim=1),
+                (s_c * s_c).sum(1),
+                2.0 * (s_e @ s_c.mT),
+                s_e @ s_e.mT)
+
+    @classmethod
+    def inner(cls, parts, x=None):
+        if x is not None:
+            return cls.mat_inner(cls.rmatmat(parts, x))
+        a, b, c, dd, e = parts
+        mid = c.shape[0]
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        # Pi(K^T K) from the blocks of K^T K.
+        return (a.mT @ a,
+                2.0 * (a.mT @ b),
+                c * c + (b_c * b_c).sum(0) + (dd * dd).sum(0),
+                2.0 * (b_e.mT @ b_c + e.mT @ dd),
+                e.mT @ e + b_e.mT @ b_e)
+
+    @classmethod
+    def average_trace(cls, parts):
+        a, _, c, _, e = parts
+        d = a.shape[0] + c.shape[0] + e.shape[0]
+        return (torch.diagonal(a).sum() + c.sum() + torch.diagonal(e).sum()) / d
+
+
+# ---------------------------------------------------------------------------------- Toeplitz
+@functools.lru_cache(maxsize=64)
+def _toeplitz_index(d: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    i = torch.arange(d, device=device)
+    offset = i.unsqueeze(1) - i.unsqueeze(0)  # i - j
+    return offset.clamp(min=0), offset >= 0
+
+
+def _lower_toeplitz(coef: Tensor) -> Tensor:
+    """L[i, j] = coef[i - j] for i >= j, else 0."""
+    index, mask = _toeplitz_index(coef.shape[0], coef.device)
+    return torch.where(mask, coef[index], coef.new_zeros(()))
+
+
+def _diagonal_sums(m: Tensor) -> Tensor:
+    """s[k] = sum_i m[i, i + k] for k = 0..d-1 (the upper diagonals' sums), without a loop:
+    in the row-major flat m, m[i, i + k] sits at i*(d+1) + k, so a [d, d+1] view of the flat
+    matrix padded by d puts diagonal k in column k (entries past the end of a row masked)."""
+    d = m.shape[0]
+    flat = torch.nn.functional.pad(m.reshape(-1), (0, d))
+    view = flat.reshape(d, d + 1)[:, :d]
+    index, mask = _toeplitz_index(d, m.device)
+    # column k of row i is valid while i + k < d, i.e. (d - 1 - i) - k >= 0
+    valid = mask.flip(0)
+    return torch.where(valid, view, view.new_zeros(())).sum(0)
+
+
+class _Toeplitz(Structure):
+    part_names = ("coef",)
+    lower = True
+
+    @classmethod
+    def shapes(cls, d):
+        return ((d,),)
+
+    @classmethod
+    def eye(cls, d, dtype=None, device=None):
+        coef = torch.zeros(d, dtype=dtype, device=device)
+        coef[0] = 1.0
+        return (coef,)
+
+    @classmethod
+    def project(cls, m):
+        # coef[k] = (sum of diagonal +k + sum of diagonal -k) / (d - k); coef[0] = trace / d.
+        d = m.shape[0]
+        sums = _diagonal_sums(m) + _diagonal_sums(m.mT)
+        sums = torch.cat([sums[:1] * 0.5, sums[1:]])
+        return (sums / torch.arange(d, 0, -1, dtype=m.dtype, device=m.device),)
+
+    @classmethod
+    def dense(cls, parts):
+        low = _lower_toeplitz(parts[0])
+        return low if cls.lower else low.mT
+
+    @classmethod
+    def product(cls, a, b):
+        # Triangular Toeplitz matrices commute and multiply as a causal convolution of their
+        # coefficients, which is the lower Toeplitz matrix of one applied to the other.
+        return (_lower_toeplitz(a[0]) @ b[0],)
+
+    @classmethod
+    def average_trace(cls, parts):
+        return parts[0][0]
+
+
+class TrilToeplitz(_Toeplitz):
+    name = "triltoeplitz"
+    lower = True
+
+
+class TriuToeplitz(_Toeplitz):
+    name = "triutoeplitz"
+    lower = False
+
+
+STRUCTURES: dict[str, type[Structure]] = {
+    "dense": Dense,
+    "diagonal": Diagonal,
+    "block30diagonal": Block30Diagonal,
+    "hierarchical15_15": Hierarchical,
+    "triltoeplitz": TrilToeplitz,
+    "triutoeplitz": TriuToeplitz,
+}
+
+
+def structure(name: str, exact_transposes: bool = False) -> type[Structure]:
+    if name not in STRUCTURES:
+        raise ValueError(f"structure must be one of {sorted(STRUCTURES)}, got {name!r}")
+    if name == "block30diagonal" and exact_transposes:
+        return Block30DiagonalExact
+    return STRUCTURES[name]

@@ -1,0 +1,63 @@
+// CPU kernel of singd_diag_step_: the whole SINGD step of layers whose K and C are diagonal, one
+// pass over the bucket (read theta, g, buf and the factor entries; write theta, buf), threads over
+// each tensor's elements. Semantics: cafin/reference/singd.py; arithmetic: singd_math.h.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include "singd_checks.h"
+#include "singd_math.h"
+
+namespace cafin {
+namespace {
+
+template <bool kMomentum, typename scalar_t, typename opmath_t>
+void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opmath_t* K,
+                 const opmath_t* C, int64_t numel, int64_t cols, const SingdCoeffs<opmath_t>& s) {
+  at::parallel_for(0, numel, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t e = begin; e < end; ++e) {
+      const int64_t row = e / cols;
+      opmath_t th = static_cast<opmath_t>(theta[e]);
+      opmath_t b = kMomentum ? static_cast<opmath_t>(buf[e]) : opmath_t(0);
+      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), K[e - row * cols], C[row], s);
+      theta[e] = static_cast<scalar_t>(th);
+      if (kMomentum) buf[e] = static_cast<scalar_t>(b);
+    }
+  });
+}
+
+void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs,
+                         at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
+                         const at::Tensor& lr, double momentum, double weight_decay,
+                         double grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum);
+  if (params.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), static_cast<opmath_t>(momentum),
+                                  static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(grad_scale),
+                                  grad_scale != 1.0};
+    for (size_t i = 0; i < params.size(); ++i) {
+      const int64_t cols = params[i].numel() / C[i].numel();
+      scalar_t* buf = bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>();
+      const opmath_t* k = K[i].const_data_ptr<opmath_t>() + k_offsets[i];
+      if (buf != nullptr) {
+        diag_tensor<true>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
+                          k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+      } else {
+        diag_tensor<false>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
+                           k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cafin, CPU, m) {
+  m.impl("singd_diag_step_", &singd_diag_step_cpu);
+}
+
+}  // namespace cafin

@@ -1,0 +1,108 @@
+// CUDA kernel of singd_diag_step_: one multi-tensor-apply launch per table of the bucket; lr is
+// read through a device pointer (no host sync, capturable). Semantics: cafin/reference/singd.py;
+// arithmetic: singd_math.h, shared with the CPU kernel.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "cuda/multi_tensor.cuh"
+#include "singd_checks.h"
+#include "singd_math.h"
+
+namespace cafin {
+namespace cuda {
+namespace {
+
+template <typename scalar_t, typename opmath_t>
+struct DiagMeta {
+  scalar_t* theta;
+  const scalar_t* grad;
+  scalar_t* buf;       // nullptr: no momentum
+  const opmath_t* K;   // already advanced by the parameter's k_offset
+  const opmath_t* C;
+  int64_t cols;
+};
+
+template <typename opmath_t>
+struct DiagArgs {
+  const opmath_t* lr;
+  double momentum;
+  double weight_decay;
+  double grad_scale;
+};
+
+constexpr int kMaxDiagTensors = 30;
+
+template <typename scalar_t, typename opmath_t>
+using DiagTable = TensorTable<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>;
+
+static_assert(sizeof(DiagTable<double, double>) + sizeof(DiagArgs<double>) <= 4000,
+              "kernel arguments must stay under 4 KB");
+
+template <bool kMomentum, typename scalar_t, typename opmath_t>
+__global__ void __launch_bounds__(kBlockSize)
+    singd_diag_kernel(const DiagTable<scalar_t, opmath_t> table, const DiagArgs<opmath_t> args) {
+  const int slot = table.block_to_tensor[blockIdx.x];
+  const DiagMeta<scalar_t, opmath_t>& t = table.meta[slot];
+  const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t end = min(table.numel[slot], begin + kChunkSize);
+  const SingdCoeffs<opmath_t> s{*args.lr, static_cast<opmath_t>(args.momentum),
+                                static_cast<opmath_t>(args.weight_decay),
+                                static_cast<opmath_t>(args.grad_scale), args.grad_scale != 1.0};
+  for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
+    const int64_t row = i / t.cols;
+    opmath_t th = static_cast<opmath_t>(t.theta[i]);
+    opmath_t b = kMomentum ? static_cast<opmath_t>(t.buf[i]) : opmath_t(0);
+    singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(t.grad[i]), __ldg(t.K + (i - row * t.cols)),
+                                  __ldg(t.C + row), s);
+    t.theta[i] = static_cast<scalar_t>(th);
+    if (kMomentum) t.buf[i] = static_cast<scalar_t>(b);
+  }
+}
+
+void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs,
+                          at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
+                          const at::Tensor& lr, double momentum, double weight_decay,
+                          double grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum);
+  if (params.empty()) return;
+  const c10::cuda::CUDAGuard guard(params[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    std::vector<DiagMeta<scalar_t, opmath_t>> metas;
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < params.size(); ++i) {
+      metas.push_back({params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(),
+                       bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>(),
+                       K[i].const_data_ptr<opmath_t>() + k_offsets[i], C[i].const_data_ptr<opmath_t>(),
+                       params[i].numel() / C[i].numel()});
+      numels.push_back(params[i].numel());
+    }
+    const DiagArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(), momentum, weight_decay, grad_scale};
+    multi_tensor_apply<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>(
+        metas, numels, [&](const DiagTable<scalar_t, opmath_t>& table, int blocks) {
+          if (bufs.empty()) {
+            singd_diag_kernel<false><<<blocks, kBlockSize, 0, stream>>>(table, args);
+          } else {
+            singd_diag_kernel<true><<<blocks, kBlockSize, 0, stream>>>(table, args);
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
+  });
+}
+
+}  // namespace
+}  // namespace cuda
+
+TORCH_LIBRARY_IMPL(cafin, CUDA, m) {
+  m.impl("singd_diag_step_", &cuda::singd_diag_step_cuda);
+}
+
+}  // namespace cafin

@@ -1,0 +1,700 @@
+"""cafin.SINGD against an independent float64 oracle written from the maths
+(reference/kronecker-optimizers.md §5, singd 0.0.5's conventions), and fused against reference.
+
+The oracle keeps every factor as a dense matrix and each structure as a projection written the
+most direct way (an entry mask with the tangent-space factor 2 on the folded blocks of the
+hierarchical structure; Toeplitz coefficients from the diagonals one by one). It imports nothing
+from cafin. Side-by-side numbers against the singd package itself are in docs/singd.md (CI does
+not have singd).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch._dynamo.testing
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cafin
+from cafin import structures as S
+
+STRUCTS = ["dense", "diagonal", "block30diagonal", "hierarchical15_15", "triltoeplitz", "triutoeplitz"]
+
+
+# ------------------------------------------------------------------------------ oracle: structures
+def pattern(name: str, d: int) -> torch.Tensor:
+    """Pi(M) = W * M for the entrywise structures: W holds 0, 1 or the factor 2 of the entries a
+    symmetric M's lower part folds onto."""
+    W = torch.zeros(d, d, dtype=torch.float64)
+    if name == "dense":
+        W[:] = 1
+    elif name == "diagonal":
+        W.fill_diagonal_(1)
+    elif name == "block30diagonal":
+        for s in range(0, d, 30):
+            W[s:s + 30, s:s + 30] = 1
+    elif name == "hierarchical15_15":
+        k1 = min(d, 15)
+        k2 = min(max(d - 15, 0), 15)
+        mid = d - k1 - k2
+        W[:k1, :k1] = 1
+        W[:k1, k1:] = 2
+        for i in range(k1, k1 + mid):
+            W[i, i] = 1
+        W[k1 + mid:, k1:k1 + mid] = 2
+        W[k1 + mid:, k1 + mid:] = 1
+    return W
+
+
+def project(name: str, M: torch.Tensor) -> torch.Tensor:
+    d = M.shape[0]
+    if name in ("triltoeplitz", "triutoeplitz"):
+        out = torch.zeros_like(M)
+        for k in range(d):
+            c = torch.diagonal(M, k).sum() / d if k == 0 else \
+                (torch.diagonal(M, k).sum() + torch.diagonal(M, -k).sum()) / (d - k)
+            torch.diagonal(out, -k if name == "triltoeplitz" else k).fill_(c)
+        return out
+    return pattern(name, d).to(M) * M
+
+
+def tr(K: torch.Tensor, name: str, singd_blocks: bool) -> torch.Tensor:
+    """What singd multiplies by where K^T is meant (K itself for its block-diagonal)."""
+    return K if (name == "block30diagonal" and singd_blocks) else K.T
+
+
+# ------------------------------------------------------------------------------ oracle: rows
+def oracle_rows(m: nn.Module, x: torch.Tensor, g: torch.Tensor, la, approx):
+    if isinstance(m, nn.Conv2d):
+        G = m.groups
+        x = x.reshape(x.shape[0], G, -1, *x.shape[2:]).mean(1)
+        pad = m.padding if not isinstance(m.padding, str) else (0, 0)
+        cols = F.unfold(x, m.kernel_size, dilation=m.dilation, padding=pad, stride=m.stride)
+        a = cols.transpose(1, 2).reshape(-1, cols.shape[1]) if approx == "expand" else cols.mean(2)
+        gg = g.flatten(2).transpose(1, 2)
+    else:
+        xs = x.reshape(x.shape[0], -1, x.shape[-1])
+        a = xs.reshape(-1, xs.shape[-1]) if approx == "expand" else xs.mean(1)
+        gg = g.reshape(g.shape[0], -1, g.shape[-1])
+    if m.bias is not None:
+        a = torch.cat([a, torch.ones(a.shape[0], 1, dtype=a.dtype)], 1)
+    a = a / math.sqrt(a.shape[0])
+    terms = 1 if la is None else gg.shape[0] * (gg.shape[1] if la == "batch+sequence" else 1)
+    grows = gg.reshape(-1, gg.shape[-1]) if approx == "expand" else gg.sum(1)
+    return a, grows * math.sqrt(terms)
+
+
+class Oracle:
+    """SINGD with dense factors, one layer at a time, from the formulas of §5.2-§5.4."""
+
+    def __init__(self, model, lr=1e-3, momentum=0.9, damping=1e-3, alpha1=0.5, weight_decay=0.0,
+                 T=10, loss_average="batch", lr_cov=1e-2, structures=("dense", "dense"),
+                 kfac_approx="expand", kfac_like=False, normalize_lr_cov=False, singd_blocks=True,
+                 groups=None):
+        self.model = model
+        self.layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        base = dict(lr=lr, momentum=momentum, damping=damping, alpha1=0.0 if kfac_like else alpha1,
+                    weight_decay=weight_decay, T=T, loss_average=loss_average, lr_cov=lr_cov,
+                    structures=structures, kfac_approx=kfac_approx, kfac_like=kfac_like,
+                    normalize_lr_cov=normalize_lr_cov)
+        self.hp = {m: dict(base, **((groups or {}).get(i, {}))) for i, m in enumerate(self.layers)}
+        self.singd_blocks = singd_blocks
+        self.k = 0
+        self.f = {}
+        for m in self.layers:
+            dk = m.weight[0].numel() + (m.bias is not None)
+            dc = m.weight.shape[0]
+            self.f[m] = dict(K=torch.eye(dk, dtype=torch.float64), C=torch.eye(dc, dtype=torch.float64),
+                             mK=torch.zeros(dk, dk, dtype=torch.float64),
+                             mC=torch.zeros(dc, dc, dtype=torch.float64))
+        self.buf = {}
+
+    def step(self, loss_fn):
+        io = {}
+        hooks = [m.register_forward_hook(lambda m, i, o: io.__setitem__(m, (i[0].detach(), o)))
+                 for m in self.layers]
+        loss = loss_fn()
+        for h in hooks:
+            h.remove()
+        outs = [io[m][1] for m in self.layers]
+        params = [p for m in self.layers for p in m.parameters()]
+        grads = torch.autograd.grad(loss, params + outs)
+        pgrad = dict(zip(params, grads[:len(params)]))
+        ograd = dict(zip(self.layers, grads[len(params):]))
+        for m in self.layers:
+            hp, f = self.hp[m], self.f[m]
+            sk, sc = hp["structures"]
+            tK = lambda K: tr(K, sk, self.singd_blocks)  # noqa: E731
+            tC = lambda C: tr(C, sc, self.singd_blocks)  # noqa: E731
+            if self.k % hp["T"] == 0:
+                a, g = oracle_rows(m, io[m][0], ograd[m], hp["loss_average"], hp["kfac_approx"])
+                K, C = f["K"], f["C"]
+                HK = project(sk, tK(K) @ a.T @ a @ tK(K).T)
+                HC = project(sc, tC(C) @ g.T @ g @ tC(C).T)
+                KtK, CtC = project(sk, tK(K) @ tK(K).T), project(sc, tC(C) @ tC(C).T)
+                at = lambda M: torch.diagonal(M).mean()  # noqa: E731
+                s = 0.5 * ((1 - hp["alpha1"]) if hp["normalize_lr_cov"] else 1.0)
+                IK, IC = torch.eye(K.shape[0], dtype=K.dtype), torch.eye(C.shape[0], dtype=C.dtype)
+                if hp["kfac_like"]:
+                    nK = s * (HK + hp["damping"] * KtK - IK)
+                    nC = s * (HC + hp["damping"] * CtC - IC)
+                else:
+                    nK = s * (at(HC) * HK + hp["damping"] * at(CtC) * KtK - IK)
+                    nC = s * (at(HK) * HC + hp["damping"] * at(KtK) * CtC - IC)
+                nK = nK + hp["alpha1"] * f["mK"]
+                nC = nC + hp["alpha1"] * f["mC"]
+                f["mK"], f["mC"] = nK, nC
+                lr_cov = hp["lr_cov"](self.k) if callable(hp["lr_cov"]) else hp["lr_cov"]
+                bK, bC = lr_cov, lr_cov
+                if hp["normalize_lr_cov"]:
+                    # the largest stored entry: Pi's structure only (a diagonal stores d numbers)
+                    store = lambda M, name: M[pattern(name, M.shape[0]) != 0] if name not in (  # noqa: E731
+                        "triltoeplitz", "triutoeplitz") else M[:, 0] if name == "triltoeplitz" else M[0]
+                    bK /= max(1.0, store(nK, sk).abs().max().item())
+                    bC /= max(1.0, store(nC, sc).abs().max().item())
+                f["K"] = K - bK * K @ nK
+                f["C"] = C - bC * C @ nC
+            gw = pgrad[m.weight].reshape(m.weight.shape[0], -1)
+            gm = torch.cat([gw, pgrad[m.bias][:, None]], 1) if m.bias is not None else gw
+            K, C = f["K"], f["C"]
+            nat = C @ tC(C) @ gm @ tK(K).T @ K.T
+            pieces = [nat[:, :-1], nat[:, -1]] if m.bias is not None else [nat]
+            with torch.no_grad():
+                for p, u in zip(m.parameters(), pieces):
+                    u = u.reshape(p.shape) + hp["weight_decay"] * p
+                    if hp["momentum"] != 0:
+                        self.buf[p] = hp["momentum"] * self.buf.get(p, torch.zeros_like(p)) + u
+                        u = self.buf[p]
+                    p.sub_(hp["lr"] * u)
+        self.k += 1
+
+
+# ------------------------------------------------------------------------------ models and runs
+def mlp():
+    return nn.Sequential(nn.Linear(7, 33), nn.ReLU(), nn.Linear(33, 5, bias=False), nn.Tanh(),
+                         nn.Linear(5, 3))
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(6, 6, 3, stride=2, groups=2, dilation=2, padding=2, bias=False),
+                         nn.ReLU(), nn.Conv2d(6, 4, 2), nn.Flatten(), nn.Linear(64, 3))
+
+
+def batch(kind, gen, dtype):
+    shape = {"mlp": (8, 7), "seq": (4, 5, 7), "cnn": (5, 4, 9, 9)}[kind]
+    out = {"mlp": (8, 3), "seq": (4, 5, 3), "cnn": (5, 3)}[kind]
+    return (torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(*out, generator=gen, dtype=torch.float64).to(dtype))
+
+
+def run_pair(kind, steps=5, dtype=torch.float64, backend="fused", oracle_kw=None, groups=None,
+             cafin_kw=None, with_oracle=True, **kw):
+    torch.manual_seed(0)
+    m64 = (cnn() if kind == "cnn" else mlp()).double()
+    m = copy.deepcopy(m64).to(dtype)
+    red = "sum" if kw.get("loss_average", "batch") is None else "mean"
+    oracle = Oracle(m64, groups=groups, **kw, **(oracle_kw or {}))
+    if groups:
+        layers = [x for x in m.modules() if isinstance(x, (nn.Linear, nn.Conv2d))]
+        params = [dict(params=list(layer.parameters()), **groups.get(i, {})) for i, layer in enumerate(layers)]
+    else:
+        params = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        opt = cafin.SINGD(m, params, backend=backend, **kw, **(cafin_kw or {}))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = batch(kind, gen, dtype)
+        if with_oracle:
+            oracle.step(lambda: F.mse_loss(m64(x.double()), y.double(), reduction=red))
+        opt.zero_grad()
+        F.mse_loss(m(x), y, reduction=red).backward()
+        opt.step()
+    return m64, m, opt
+
+
+def rel_err(m64, m):
+    return max(((p - q.double()).norm() / p.norm()).item() for p, q in zip(m64.parameters(), m.parameters()))
+
+
+def moved(m64, kind):
+    torch.manual_seed(0)
+    m0 = (cnn() if kind == "cnn" else mlp()).double()
+    return max(((p - q).norm() / q.norm()).item() for p, q in zip(m64.parameters(), m0.parameters()))
+
+
+# ------------------------------------------------------------------------------ structures
+@pytest.mark.parametrize("name", STRUCTS)
+@pytest.mark.parametrize("exact", [False, True])
+def test_structure_ops_match_dense(name, exact):
+    cls = S.structure(name, exact)
+    gen = torch.Generator().manual_seed(0)
+    for d in (1, 7, 16, 31, 47, 62):
+        M = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        M = M + M.T
+        P = project(name, M)
+        assert torch.allclose(cls.dense(cls.project(M)), P, atol=1e-12)
+        # a group element far from symmetric: I + 0.3 Pi(M) + 0.2 Pi(N)^2 ...
+        K = tuple(e + 0.1 * p for e, p in zip(cls.eye(d, torch.float64), cls.project(M)))
+        N = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        K = cls.product(K, tuple(e + 0.1 * p for e, p in zip(cls.eye(d, torch.float64), cls.project(N + N.T))))
+        Kd = cls.dense(K)
+        if name not in ("triltoeplitz", "triutoeplitz"):  # the product stays in the structure
+            assert (Kd[pattern(name, d) == 0] == 0).all()
+        X = torch.randn(d, 6, generator=gen, dtype=torch.float64)
+        tK = tr(Kd, name, not exact)
+        assert torch.allclose(cls.matmul(K, X), Kd @ X, atol=1e-12)
+        assert torch.allclose(cls.rmatmat(K, X), tK @ X, atol=1e-12)
+        assert torch.allclose(cls.dense(cls.product(K, cls.project(M))), Kd @ P, atol=1e-12)
+        assert torch.allclose(cls.dense(cls.inner(K, X)), project(name, tK @ X @ X.T @ tK.T), atol=1e-11)
+        assert torch.allclose(cls.dense(cls.inner(K)), project(name, tK @ tK.T), atol=1e-12)
+        assert torch.allclose(cls.dense(cls.mat_inner(X)), project(name, X @ X.T), atol=1e-11)
+        assert torch.allclose(cls.average_trace(K), torch.diagonal(Kd).mean(), atol=1e-12)
+        assert torch.equal(cls.dense(cls.eye(d, torch.float64)), torch.eye(d, dtype=torch.float64))
+        assert [tuple(p.shape) for p in cls.eye(d)] == [tuple(s) for s in cls.shapes(d)]
+
+
+# ------------------------------------------------------------------------------ optimizer vs oracle
+CASES = [("mlp", dict(structures=(s, s), T=2, lr=0.05, lr_cov=0.05)) for s in STRUCTS] + [
+    ("cnn", dict(structures=(s, s), T=2, lr=0.03, lr_cov=0.05)) for s in ("dense", "diagonal", "hierarchical15_15")
+] + [
+    ("seq", dict(loss_average="batch+sequence", kfac_approx="expand", T=2, lr=0.02, lr_cov=0.05)),
+    ("seq", dict(loss_average=None, kfac_approx="reduce", T=2, lr=0.002, lr_cov=0.005)),
+    ("cnn", dict(loss_average="batch+sequence", kfac_approx="reduce", T=2, lr=0.02, lr_cov=0.05)),
+    ("cnn", dict(loss_average=None, kfac_approx="expand", T=3, lr=0.002, lr_cov=0.005)),
+    ("cnn", dict(normalize_lr_cov=True, lr_cov=0.5, T=1, lr=0.02, structures=("dense", "diagonal"))),
+    ("mlp", dict(normalize_lr_cov=True, lr_cov=0.5, T=1, lr=0.02, structures=("triutoeplitz", "block30diagonal"))),
+    ("mlp", dict(kfac_like=True, alpha1=0.0, lr_cov=0.1, T=1, lr=0.02)),
+    ("cnn", dict(kfac_like=True, alpha1=0.0, lr_cov=0.1, T=2, lr=0.02, structures=("hierarchical15_15", "diagonal"))),
+    ("mlp", dict(weight_decay=0.1, momentum=0.0, alpha1=0.0, lr_cov=lambda k: 0.01 * (k + 1), T=1)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
+def test_matches_oracle_float64(kind, kw):
+    m64, m, _ = run_pair(kind, **kw)
+    assert moved(m64, kind) > 1e-3  # the comparison is not between two untrained models
+    assert rel_err(m64, m) < 1e-10
+
+
+@pytest.mark.parametrize("kind,kw", [CASES[0], CASES[1], CASES[7], CASES[10]])
+def test_float32_close_to_oracle(kind, kw):
+    m64, m, _ = run_pair(kind, dtype=torch.float32, **kw)
+    assert rel_err(m64, m) < 1e-4
+
+
+@pytest.mark.parametrize("kind,kw", [CASES[2], CASES[3], CASES[8], CASES[13]])
+def test_fused_equals_reference(kind, kw):
+    _, a, _ = run_pair(kind, backend="fused", with_oracle=False, **kw)
+    _, b, _ = run_pair(kind, backend="reference", with_oracle=False, **kw)
+    assert max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters())) < 1e-12
+
+
+def test_per_group_structures_and_hyperparameters():
+    groups = {0: dict(structures=("diagonal", "dense"), lr=0.02), 1: dict(structures=("hierarchical15_15", "triltoeplitz"), T=1),
+              2: dict(kfac_like=True, alpha1=0.0, damping=0.01)}
+    m64, m, opt = run_pair("mlp", T=2, lr=0.05, lr_cov=0.05, groups=groups)
+    assert rel_err(m64, m) < 1e-10
+    assert opt.state[m[0].weight]["K.0"].shape == (8,)  # diagonal K of the first layer
+
+
+def test_block30_exact_transposes():
+    kw = dict(structures=("block30diagonal", "block30diagonal"), T=1, lr=0.05, lr_cov=0.2)
+    m64, m, _ = run_pair("mlp", steps=4, oracle_kw=dict(singd_blocks=False),
+                         cafin_kw=dict(exact_block_transposes=True), **kw)
+    assert rel_err(m64, m) < 1e-10
+    _, m_singd, _ = run_pair("mlp", steps=4, with_oracle=False, **kw)  # singd's transposes differ once K is not symmetric
+    assert rel_err(m64, m_singd) > 1e-8
+
+
+# ------------------------------------------------------------------------------ beyond singd
+def test_inplace_activation_after_view_output():
+    """Linear on 3-D input (its output is a view) followed by an in-place ReLU: singd's tensor
+    hook never fires (KeyError at the step); cafin takes the statistics."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(7, 6), nn.ReLU(inplace=True), nn.Linear(6, 3)).double()
+    b = copy.deepcopy(a)
+    b[1] = nn.ReLU()
+    oa = cafin.SINGD(a, T=1, lr=0.05, lr_cov=0.1)
+    ob = cafin.SINGD(b, T=1, lr=0.05, lr_cov=0.1)
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(3):
+        x = torch.randn(4, 5, 7, generator=gen, dtype=torch.float64)
+        for model, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    assert (oa.state[a[0].weight]["K.0"] != torch.eye(8, dtype=torch.float64)).any()
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_closure_and_clipping():
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    o = cafin.SINGD(m, T=1, lr=0.05, lr_cov=0.1)
+    o2 = cafin.SINGD(m2, T=1, lr=0.05, lr_cov=0.1)
+    x, y = torch.randn(8, 7, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+
+    def closure():
+        o.zero_grad()
+        loss = F.mse_loss(m(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
+        return loss
+
+    for _ in range(2):
+        loss = o.step(closure)
+        assert isinstance(loss, torch.Tensor)
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.1)
+        o2.step()
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_unsupported_parameters():
+    m = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2)).double()
+    with pytest.warns(UserWarning, match="un-supported"):
+        opt = cafin.SINGD(m)
+    assert {id(p) for g in opt.param_groups for p in g["params"]} == {
+        id(p) for i in (0, 2) for p in m[i].parameters()}
+    # passed explicitly, they are trained with the plain gradient (singd never updates them)
+    del opt
+    opt = cafin.SINGD(m, list(m.parameters()), lr=0.1, momentum=0.0)
+    m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    before = m[1].weight.detach().clone()
+    opt.step()
+    torch.testing.assert_close(m[1].weight, before - 0.1 * m[1].weight.grad)
+
+
+def test_state_dict_round_trip():
+    kw = dict(structures=("hierarchical15_15", "diagonal"), T=2, lr=0.05, lr_cov=0.05)
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    o = cafin.SINGD(m, **kw)
+    gen = torch.Generator().manual_seed(3)
+    data = [batch("mlp", gen, torch.float64) for _ in range(6)]
+    for i, (x, y) in enumerate(data):
+        if i == 3:
+            sd = o.state_dict()
+            saved = copy.deepcopy(sd)
+            m2.load_state_dict(m.state_dict())
+            o2 = cafin.SINGD(m2, **kw)
+            o2.load_state_dict(sd)
+            assert str(sd) == str(saved)  # the argument is not modified
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    for x, y in data[3:]:
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        o2.step()
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_bad_arguments():
+    m = nn.Linear(3, 2)
+    for kw, match in [(dict(lr=-1.0), "lr"), (dict(T=0), "T"), (dict(loss_average="mean"), "loss_average"),
+                      (dict(kfac_approx="x"), "kfac_approx"), (dict(structures=("dense", "lowrank")), "structure"),
+                      (dict(preconditioner_dtype=(torch.int32, None)), "preconditioner_dtype"),
+                      (dict(backend="cuda"), "backend"), (dict(lr_cov="0.1"), "lr_cov")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            cafin.SINGD(m, **kw)
+    with pytest.warns(UserWarning, match="alpha1"):
+        opt = cafin.SINGD(m, kfac_like=True)
+    assert opt.param_groups[0]["alpha1"] == 0.0
+    n = nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="different parameter groups"):
+        cafin.SINGD(n, [{"params": [n.weight]}, {"params": [n.bias], "lr": 0.1}])
+
+
+def test_ddp_wrapped_model(tmp_path):
+    import torch.distributed as dist
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        m = mlp().double()
+        m2 = copy.deepcopy(m)
+        ddp = nn.parallel.DistributedDataParallel(m)
+        o = cafin.SINGD(ddp, T=1, lr=0.05, lr_cov=0.1)
+        o2 = cafin.SINGD(m2, T=1, lr=0.05, lr_cov=0.1)
+        x, y = torch.randn(8, 7, dtype=torch.float64), torch.randn(8, 3, dtype=torch.float64)
+        for _ in range(2):
+            for model, opt in ((ddp, o), (m2, o2)):
+                opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+        for p, q in zip(m.parameters(), m2.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------ compile
+@pytest.mark.parametrize("structures", [("hierarchical15_15", "diagonal"), ("diagonal", "diagonal")])
+def test_compiled_step_equals_eager_without_recompiles(structures):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(6, 17), nn.ReLU(), nn.Linear(17, 3))
+    m2 = copy.deepcopy(m)
+    kw = dict(structures=structures, T=2, lr=0.05, lr_cov=0.05)
+    o, o2 = cafin.SINGD(m, **kw), cafin.SINGD(m2, **kw)
+    s1 = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(o2.step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(4)
+    for i in range(5):
+        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+        for model, opt, st, sch in ((m, o, o.step, s1), (m2, o2, step, s2)):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            st()
+            sch.step()
+            opt.param_groups[0]["lr_cov"].fill_(0.05 * (i + 2) / 5)
+    assert counter.frame_count == 1  # one graph for every step: T gating and schedules on the device
+    assert o2._steps.device_gated
+    for p, q in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    K = o2.state[m2[0].weight]["K.0"]
+    assert not torch.equal(K, torch.eye(7) if K.dim() == 2 else torch.ones(7))
+
+
+# ------------------------------------------------------------------------------ the fused op
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def diag_case(device, dtype, momentum, seed=0):
+    """Three parameters of two layers: a conv weight [6, 2, 3, 3] and its bias (K offset 18), and
+    a Linear weight [4, 5] without bias; factor entries away from 1."""
+    g = torch.Generator().manual_seed(seed)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    r = lambda *s, dt=dtype: torch.randn(*s, generator=g, dtype=torch.float64).to(dt).to(device)  # noqa: E731
+    params = [r(6, 2, 3, 3), r(6), r(4, 5)]
+    K1, C1, K2, C2 = r(19, dt=work) * 0.5 + 1, r(6, dt=work) * 0.5 + 1, r(5, dt=work) + 1, r(4, dt=work) + 1
+    return dict(params=params, grads=[r(*p.shape) for p in params],
+                momentum_buffers=[r(*p.shape) for p in params] if momentum else [],
+                K=[K1, K1, K2], C=[C1, C1, C2], k_offsets=[0, 18, 0],
+                lr=torch.tensor(0.1, dtype=work, device=device), momentum=momentum, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+@pytest.mark.parametrize("grad_scale", [1.0, 8.0])
+def test_diag_step_op_matches_reference_and_oracle(device, dtype, momentum, grad_scale):
+    args = diag_case(device, dtype, momentum)
+    want = copy.deepcopy(args)
+    cafin.reference.singd.singd_diag_step_(**want, grad_scale=grad_scale)
+    cafin.ops.singd_diag_step_(**args, grad_scale=grad_scale)
+    tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else \
+        dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for got, exp in zip(args["params"] + args["momentum_buffers"], want["params"] + want["momentum_buffers"]):
+        torch.testing.assert_close(got, exp, **tol)
+    # the oracle: C C^T [G | g_b] K K^T as matrices, then SGD
+    if dtype == torch.float64:
+        a = diag_case(device, dtype, momentum)
+        G = torch.cat([a["grads"][0].reshape(6, -1), a["grads"][1][:, None]], 1) / grad_scale
+        nat = torch.diag(a["C"][0] ** 2) @ G @ torch.diag(a["K"][0] ** 2)
+        u = nat[:, :-1].reshape(6, 2, 3, 3) + 0.01 * a["params"][0]
+        if momentum:
+            u = 0.9 * a["momentum_buffers"][0] + u
+        torch.testing.assert_close(args["params"][0], a["params"][0] - 0.1 * u, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_diag_step_op_opcheck_and_errors(device):
+    for momentum in (0.0, 0.9):
+        args = diag_case(device, torch.float32, momentum)
+        args["params"][0].requires_grad_(True)
+        torch.library.opcheck(torch.ops.cafin.singd_diag_step_.default, (), args)
+    args = diag_case(device, torch.float32, 0.9)
+    before = [p.clone() for p in args["params"]]
+    bad = dict(args, k_offsets=[0, 19, 0])  # the bias column past K's end: nothing is written
+    with pytest.raises(ValueError, match="k_offset"):
+        cafin.ops.singd_diag_step_(**bad)
+    with pytest.raises(ValueError, match="momentum_buffers"):
+        cafin.ops.singd_diag_step_(**dict(args, momentum_buffers=[]))
+    with pytest.raises(TypeError, match="dtype"):
+        cafin.ops.singd_diag_step_(**dict(args, K=[k.double() for k in args["K"]]))
+    for p, q in zip(args["params"], before):
+        assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------ GradScaler
+@pytest.mark.parametrize("clip", [False, True])
+def test_grad_scaler_equals_unscaled(clip):
+    """Scaled gradients (the scale growing every 2 steps, so H_C's previous-scale bookkeeping
+    matters) give the unscaled numbers; with unscale_ before the step (clipping) too."""
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    kw = dict(T=1, lr=0.05, lr_cov=0.1, structures=("dense", "diagonal"))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    o = cafin.SINGD(m, init_grad_scale=2.0 ** 8, grad_scaler=scaler if clip else None, **kw)
+    o2 = cafin.SINGD(m2, **kw)
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        x, y = batch("mlp", gen, torch.float64)
+        o.zero_grad()
+        scaler.scale(F.mse_loss(m(x), y)).backward()
+        if clip:
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.2)
+        scaler.step(o)
+        scaler.update()
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.2)
+        o2.step()
+    assert scaler.get_scale() > 2.0 ** 8
+    for p, q in zip(m.parameters(), m2.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+
+
+def test_grad_scaler_inf_skips_step():
+    torch.manual_seed(0)
+    m = mlp().double()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4)
+    o = cafin.SINGD(m, T=1, init_grad_scale=2.0 ** 4)
+    x, y = batch("mlp", torch.Generator().manual_seed(6), torch.float64)
+    scaler.scale(F.mse_loss(m(x), y)).backward()
+    m[0].weight.grad[0, 0] = float("inf")
+    before = copy.deepcopy(m.state_dict())
+    K = o.state[m[0].weight]["K.0"].clone()
+    with pytest.warns(UserWarning, match="inf"):
+        scaler.step(o)
+    scaler.update()
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert torch.equal(o.state[m[0].weight]["K.0"], K)
+    assert (o.state[m[0].weight]["H_K.0"] == 0).all()
+
+
+def test_bf16_preconditioner_close_to_float32():
+    """bf16 K, C (singd's preconditioner_dtype): finite, stored in bf16, within bf16 noise of the
+    float32-factor run (singd's own bf16 run is as far: docs/singd.md)."""
+    torch.manual_seed(0)
+    m = mlp()
+    m2 = copy.deepcopy(m)
+    kw = dict(T=1, lr=0.05, lr_cov=0.05, structures=("dense", "hierarchical15_15"))
+    o = cafin.SINGD(m, preconditioner_dtype=(torch.bfloat16, torch.bfloat16), **kw)
+    o2 = cafin.SINGD(m2, **kw)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        x, y = batch("mlp", gen, torch.float32)
+        for model, opt in ((m, o), (m2, o2)):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+    assert o.state[m[0].weight]["K.0"].dtype == torch.bfloat16
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    errs = [((p - q).norm() / q.norm()).item() for p, q in zip(m.parameters(), m2.parameters())]
+    assert 0 < max(errs) < 3e-2
+
+
+@pytest.mark.parametrize("structures", [("dense", "dense"), ("block30diagonal", "hierarchical15_15"),
+                                        ("triutoeplitz", "diagonal")])
+def test_cached_preconditioner_equals_uncached(structures):
+    kw = dict(T=2, lr=0.05, lr_cov=0.1, structures=structures)
+    _, a, opt = run_pair("mlp", steps=5, cafin_kw=dict(cache_preconditioner=True), with_oracle=False, **kw)
+    _, b, _ = run_pair("mlp", steps=5, with_oracle=False, **kw)
+    assert "P_K" in opt.state[a[0].weight]
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-11, atol=1e-13)
+
+
+# ------------------------------------------------------------------------------ two ranks
+_WORKER = r'''
+import sys, torch, torch.distributed as dist
+from torch import nn
+import torch.nn.functional as F
+import cafin
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+results = {}
+for wrap in ("ddp", "plain"):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    model = nn.parallel.DistributedDataParallel(m) if wrap == "ddp" else m
+    opt = cafin.SINGD(model, T=1, lr=0.05, lr_cov=0.1, structures=("dense", "hierarchical15_15"))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(8, 3, 6, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+        opt.step()
+    results[wrap] = [p.detach().clone() for p in m.parameters()]
+if rank == 0:
+    torch.save(results, out)
+dist.destroy_process_group()
+'''
+
+
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    """Two gloo ranks, each with half of every batch: the averaged H terms and gradients (DDP
+    wrapper) or natural gradients (no wrapper, as singd) give the one-process full-batch run."""
+    import os
+    import subprocess
+    import sys
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"),
+                               str(tmp_path / "out.pt")], env=env, cwd=root,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()[-3000:]
+    results = torch.load(tmp_path / "out.pt")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    opt = cafin.SINGD(m, T=1, lr=0.05, lr_cov=0.1, structures=("dense", "hierarchical15_15"))
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(3):
+        x = torch.randn(8, 3, 6, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(8, 3, generator=gen, dtype=torch.float64)
+        opt.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        opt.step()
+    for wrap in ("ddp", "plain"):
+        for p, q in zip(m.parameters(), results[wrap]):
+            torch.testing.assert_close(q, p.detach(), rtol=1e-11, atol=1e-13)
+
+
+def test_deepcopy_trains_a_copy_of_the_model():
+    torch.manual_seed(0)
+    m = mlp().double()
+    o = cafin.SINGD(m, T=2, lr=0.05, lr_cov=0.1, structures=("diagonal", "dense"))
+    gen = torch.Generator().manual_seed(8)
+    data = [batch("mlp", gen, torch.float64) for _ in range(5)]
+    for i, (x, y) in enumerate(data):
+        if i == 2:
+            o2 = copy.deepcopy(o)
+            m2 = o2.model
+            assert m2 is not m
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        o.step()
+    for x, y in data[2:]:
+        o2.zero_grad()
+        F.mse_loss(m2(x), y).backward()
+        o2.step()
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
