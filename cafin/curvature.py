@@ -278,13 +278,16 @@ class Hooks:
 
 
 # ------------------------------------------------------------------------------ collectives
-def average_over_ranks(tensors: list[torch.Tensor], group=None) -> None:
-    """Average tensors over the ranks of `group` in one collective over one flat buffer."""
+def average_over_ranks(tensors: list[torch.Tensor], group=None, *, summed: bool = False) -> None:
+    """Average (or sum) tensors of any shapes over the ranks of `group` in one collective over
+    one flat buffer."""
     import torch.distributed as dist
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    flat.div_(dist.get_world_size(group))
-    torch._foreach_copy_(tensors, list(flat.split([t.numel() for t in tensors])))
+    if not summed:
+        flat.div_(dist.get_world_size(group))
+    pieces = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+    torch._foreach_copy_(tensors, pieces)
 
 
 def on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature import (Hooks, Layer, StepCounter, check_int, discover,
+from ..curvature import (Hooks, average_over_ranks, Layer, StepCounter, check_int, discover,
                          distributed, on, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
@@ -44,19 +44,6 @@ def _scalar_tensor(value, device, dtype) -> Tensor:
     if isinstance(value, Tensor):
         return value.detach().to(device=device, dtype=dtype).clone().reshape(())
     return torch.tensor(float(value), device=device, dtype=dtype)
-
-
-def _reduce_over_ranks(tensors: list[Tensor], group, summed: bool) -> None:
-    """Sum (or average) tensors of any shapes over the ranks in one collective over one flat
-    buffer. (cafin.curvature.average_over_ranks copies the flat pieces back without reshaping,
-    which fails for matrices.)"""
-    import torch.distributed as dist
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=group)
-    if not summed:
-        flat.div_(dist.get_world_size(group))
-    pieces = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
-    torch._foreach_copy_(tensors, pieces)
 
 
 class SINGD(torch.optim.Optimizer):
@@ -397,7 +384,7 @@ class SINGD(torch.optim.Optimizer):
             by_op.setdefault(summed, []).extend(
                 list(self._parts(layer, "H_K") + self._parts(layer, "H_C")))
         for summed, tensors in by_op.items():
-            _reduce_over_ranks(tensors, self.process_group, summed)
+            average_over_ranks(tensors, self.process_group, summed=summed)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
