@@ -6,3 +6,6 @@ from .adafisher import (  # noqa: F401
     MINMAX_EPS, adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_,
     norm_input_stats_, preconditioner, state_dtype, sumsq_stats_,
 )
+from .kfac import (  # noqa: F401
+    kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_,
+)
