@@ -10,3 +10,4 @@ from .adafisher import (  # noqa: F401
     adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_, norm_input_stats_,
     sumsq_stats_,
 )
+from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401

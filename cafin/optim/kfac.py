@@ -348,7 +348,8 @@ class KFACPreconditioner:
             self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
 
     def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
-        self._impl.kfac_factor_ema_(fs, ss, cs, self._hyper(device)["factor_decay"], step, interval)
+        impl = self._impl if fs[0].dtype in (torch.float32, torch.float64) else reference
+        impl.kfac_factor_ema_(fs, ss, cs, self._hyper(device)["factor_decay"], step, interval)
 
     def reset_batch(self) -> None:
         """Drop the statistics taken since the last factor update."""
@@ -473,7 +474,7 @@ class KFACPreconditioner:
                                                     self.inv_update_steps) == 0)
             elif due:
                 self._decompose(None)
-        by_device: dict[torch.device, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        buckets: dict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
         for layer in self._layers:
             m = layer.module
             if not self._live(layer) or m.weight.grad is None or (
@@ -481,14 +482,21 @@ class KFACPreconditioner:
                 continue  # never ran (or unused this step): its gradient is left as it is
             if not (self._state[layer.name].decomposed or self._steps.device_gated):
                 continue  # not decomposed yet (kfac-pytorch raises): left as it is
-            ws, bs, vs = by_device[m.weight.grad.device]
+            ws, bs, vs = buckets[(m.weight.grad.device, m.weight.grad.dtype)]
             ws.append(m.weight.grad)
             bs.append(m.bias.grad if m.bias is not None else _empty(m.weight.grad))
             vs.append(self._precondition(layer))
         kl_off = self._values["kl_clip"] is None
-        for device, (ws, bs, vs) in by_device.items():
+        if len(buckets) > 1 and not kl_off:
+            raise RuntimeError("KL clipping needs every registered layer's gradient on one device "
+                               f"and of one dtype, got {sorted(str(k) for k in buckets)}")
+        for (device, dtype), (ws, bs, vs) in buckets.items():
             ts = self._hyper(device)
-            self._impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], None if kl_off else ts["kl_clip"])
+            impl = self._impl
+            if dtype not in (torch.float32, torch.float64) or not all(
+                    w.is_contiguous() and b.is_contiguous() for w, b in zip(ws, bs)):
+                impl = reference  # the kernels take float32/float64 contiguous gradients
+            impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], None if kl_off else ts["kl_clip"])
         self._mini_steps = defaultdict(int)
         self._steps.advance()
         self._refresh()
