@@ -596,8 +596,8 @@ def fresh_dynamo():
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_compiled_step_equals_eager_without_recompiles(method, fresh_dynamo):
     kw = dict(compute_method=method, factor_update_steps=2, inv_update_steps=3, kl_clip=1e-4)
-    batches = data("cnn", torch.float32, 7)
-    base = base_model("cnn", torch.float32)
+    batches = data("mlp", torch.float32, 7)
+    base = base_model("mlp", torch.float32)
 
     def run(compiled):
         model = copy.deepcopy(base)

@@ -238,8 +238,9 @@ class KFACPreconditioner:
                 layer, dtype, layer.module.weight.device, compute_method is ComputeMethod.EIGEN,
                 compute_eigenvalue_outer_product, inv_dtype)
             log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
-        for layer in self._layers:
+        for layer in self._layers:  # device state created now: a compiled step cannot create it
             self._hyper(layer.module.weight.device)
+            self._steps.tensor(layer.module.weight.device)
         self._hooks = Hooks(self, self._layers)
 
     # ------------------------------------------------------------------ hyperparameters
