@@ -620,3 +620,65 @@ def test_compiled_step_equals_eager_without_recompiles(method, fresh_dynamo):
     assert pre._steps.device_gated and pre.steps == 7
     assert rel_error(eager, compiled, flat(base)) <= 1e-4
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+# ------------------------------------------------------------------------------- precision, scaler
+def test_grad_scaler_unscales_the_gradient_statistics():
+    """A scaled backward, unscale_, step: the same as the unscaled run (power-of-two scale:
+    exact), as kfac-pytorch's grad_scaler argument does."""
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("cnn", torch.float64, 4)
+    base = base_model("cnn", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10 ** 6)
+    pre = cafin.KFACPreconditioner(model, grad_scaler=scaler, **kw)
+    for batch in batches:
+        opt.zero_grad()
+        scaler.scale(loss_of(model, *batch[0])).backward()
+        scaler.unscale_(opt)
+        pre.step()
+        scaler.step(opt)
+        scaler.update()
+    assert rel_error(plain, model, flat(base)) <= 1e-12
+    # a callable returning the scale works the same way
+    model2 = copy.deepcopy(base)
+    scaled, _ = train(lambda m: cafin.KFACPreconditioner(m, grad_scaler=lambda: 1.0, **kw), model2, batches)
+    assert rel_error(plain, scaled, flat(base)) <= 1e-12
+
+
+def test_bfloat16_model_with_float32_factors():
+    batches = data("cnn", torch.float32, 3)
+    base = base_model("cnn", torch.float32)
+    ref32, _ = train(lambda m: cafin.KFACPreconditioner(m), copy.deepcopy(base), batches)
+    bf = copy.deepcopy(base).to(torch.bfloat16)
+    bf_batches = [[(x.to(torch.bfloat16), y) for x, y in b] for b in batches]
+    bf, pre = train(lambda m: cafin.KFACPreconditioner(m, factor_dtype=torch.float32), bf, bf_batches)
+    assert all(st.A.dtype == torch.float32 for st in pre._state.values())
+    assert torch.isfinite(flat(bf).float()).all()
+    # bf16 rounds the parameters themselves: compare the direction of the whole move
+    move32, move16 = flat(ref32) - flat(base), flat(bf).float() - flat(base)
+    assert F.cosine_similarity(move32, move16, dim=0) > 0.98
+
+
+def test_decompose_outside_the_step():
+    """decompose_in_step=False with decompose() on the inverse interval (the CUDA-graph recipe)
+    equals the default run."""
+    kw = dict(inv_update_steps=2, inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("mlp", torch.float64, 5)
+    base = base_model("mlp", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+    pre.decompose_in_step = False
+    for i, batch in enumerate(batches):
+        opt.zero_grad()
+        loss_of(model, *batch[0]).backward()
+        if i % 2 == 0:
+            pre._update_factors()  # what step() does first, so decompose() sees this step's factors
+            pre.decompose()
+        pre.step()
+        opt.step()
+    assert rel_error(plain, model, flat(base)) <= 1e-12

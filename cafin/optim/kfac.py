@@ -26,8 +26,8 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (Hooks, Layer, StepCounter, average_over_ranks, check_int, discover,
-                         distributed, unwrap)
+from ..curvature import (Hooks, Layer, StepCounter, average_over_ranks, capturing, check_int,
+                         discover, distributed, unwrap)
 from ..reference import kfac as rk
 
 _BACKENDS = {"fused": ops, "reference": reference}
@@ -462,6 +462,10 @@ class KFACPreconditioner:
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place (call after backward(),
         before the optimizer's step)."""
+        if self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN and capturing():
+            raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: set "
+                               "preconditioner.decompose_in_step = False, capture the step, and call "
+                               "preconditioner.decompose() eagerly every inv_update_steps steps")
         self._update_factors()
         if self.decompose_in_step:
             due = self._steps.host_due(self.inv_update_steps)
