@@ -682,3 +682,86 @@ def test_decompose_outside_the_step():
         pre.step()
         opt.step()
     assert rel_error(plain, model, flat(base)) <= 1e-12
+
+
+# ------------------------------------------------------------------------------- distributed
+DIST_STEPS = 3
+
+
+def rank_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (5,), generator=g)
+
+
+def _dist_worker(rank: int, outdir: str) -> None:
+    """One of two gloo ranks: DDP over cnn() in float64, K-FAC with kfac-pytorch's KAISA options."""
+    import datetime
+    import os
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=90))
+    try:
+        model = base_model("cnn", torch.float64)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        pre = cafin.KFACPreconditioner(ddp, inv_dtype=torch.float64, decompose_dtype=torch.float64,
+                                       grad_worker_fraction=0.5, factor_update_steps=1, inv_update_steps=2)
+        for step in range(DIST_STEPS):
+            opt.zero_grad()
+            loss_of(ddp, *rank_batch(step, rank)).backward()
+            pre.step()
+            opt.step()
+        torch.save({"params": flat(model), "state": pre.state_dict()}, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
+    """Two gloo processes under DDP: identical on both ranks, and equal to one process that takes
+    each rank's statistics separately and averages them (kfac-pytorch averages each factor over
+    the ranks after its update; cafin averages every factor once per factor step, in one
+    collective: the same numbers, because the previous factors are equal on every rank)."""
+    import subprocess
+    import sys
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           # the workers import the cafin this test imported
+           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
+                              cwd=str(Path(__file__).parents[1]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0].decode())
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert torch.equal(r0["params"], r1["params"])
+    for name, layer in r0["state"]["layers"].items():
+        assert torch.equal(layer["A"], r1["state"]["layers"][name]["A"])
+    model = base_model("cnn", torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    oracle = Oracle(model, inv_update_steps=2, inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    for step in range(DIST_STEPS):
+        opt.zero_grad()
+        for rank in range(2):  # each rank's batch at full scale: its own G
+            loss_of(model, *rank_batch(step, rank)).backward()
+        for p in model.parameters():
+            p.grad.div_(2)  # DDP's average
+        oracle.step()
+        opt.step()
+    err = ((r0["params"] - flat(model)).abs().max() / (flat(model) - flat(base_model("cnn", torch.float64))).abs().max())
+    assert err <= 1e-10, err.item()
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--dist-worker"]:
+        _dist_worker(int(sys.argv[2]), sys.argv[3])

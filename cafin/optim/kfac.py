@@ -26,8 +26,8 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (Hooks, Layer, StepCounter, average_over_ranks, capturing, check_int,
-                         discover, distributed, unwrap)
+from ..curvature import (Hooks, Layer, StepCounter, capturing, check_int, discover, distributed,
+                         unwrap)
 from ..reference import kfac as rk
 
 _BACKENDS = {"fused": ops, "reference": reference}
@@ -389,7 +389,7 @@ class KFACPreconditioner:
                 self._fold(fs, ss, cs, device)
         if distributed() and gated is not False and self._layers:
             for sts in self._by_device().values():
-                average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
+                _average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
 
     def _live(self, layer: Layer) -> bool:
         return self._state[layer.name].seen
@@ -613,6 +613,17 @@ def _store(store: dict, key: str, value: torch.Tensor, gate) -> None:
         old.copy_(value)
     else:
         old.copy_(torch.where(gate, value.to(old.dtype), old))
+
+
+def _average_over_ranks(tensors: list[torch.Tensor], group=None) -> None:
+    """The core's one-collective average for tensors of any shape (cafin.curvature's copies
+    flat pieces back, which only fits 1-D tensors)."""
+    import torch.distributed as dist
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    flat.div_(dist.get_world_size(group))
+    torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in
+                                   zip(flat.split([t.numel() for t in tensors]), tensors)])
 
 
 def _any_match(query: str, patterns: list[str]) -> bool:
