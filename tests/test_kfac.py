@@ -578,6 +578,21 @@ class TestKFACOps:
                                      torch.tensor(1e-3, dtype=torch.float64))
 
 
+def test_opcheck_with_inputs_that_require_grad():
+    """opcheck's autograd-registration check runs only when an input requires grad: the
+    read-only inputs do here (the ops are non-differentiable by declaration)."""
+    fs, ss, cs = _ema_args("cpu", torch.float32, 4)
+    decay = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.cafin.kfac_factor_ema_.default, (fs, ss, cs, decay, torch.tensor(2.0), 2))
+    dg, da = torch.rand(2, 3, requires_grad=True), torch.rand(2, 4, requires_grad=True)
+    torch.library.opcheck(torch.ops.cafin.kfac_eigen_scale_.default,
+                          ([torch.randn(2, 3, 4)], [dg], [da], torch.tensor(1e-3, dtype=torch.float64)))
+    ws, bs, vs = _apply_args("cpu", torch.float32, 3)
+    vs = [v.requires_grad_() for v in vs]
+    torch.library.opcheck(torch.ops.cafin.kfac_precondition_apply_.default,
+                          (ws, bs, vs, torch.tensor(0.1, dtype=torch.float64), None))
+
+
 generate_opcheck_tests(
     TestKFACOps, ["cafin"], failures_dict_path=str(Path(__file__).with_name("failures_dict.json")),
     additional_decorators={},
