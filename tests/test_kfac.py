@@ -508,13 +508,19 @@ def _clone(xs):
 def test_ops_match_reference(device, dtype):
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     decay = torch.tensor(0.9, dtype=torch.float64, device=device)
-    for step, interval in [(None, 1), (torch.tensor(4.0, device=device), 2), (torch.tensor(3.0, device=device), 2)]:
+    for step, interval, poison in [(None, 1, False), (torch.tensor(4.0, device=device), 2, False),
+                                   (torch.tensor(3.0, device=device), 2, False), (None, 1, True)]:
         fs, ss, cs = _ema_args(device, dtype, 3)
+        if poison:  # an overflowing GradScaler step: that statistic is dropped
+            ss[2][1, 3, 4] = float("inf")
+            ss[0][0, 1, 1] = float("nan")
         want = (_clone(fs), _clone(ss), _clone(cs))
         ref.kfac_factor_ema_(*want, decay, step, interval)
         ops.kfac_factor_ema_(fs, ss, cs, decay, step, interval)
         for a, b in zip(fs + ss + cs, want[0] + want[1] + want[2]):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        if poison:
+            assert torch.equal(fs[0], _ema_args(device, dtype, 3)[0][0]) and torch.isfinite(fs[2]).all()
     g = torch.Generator().manual_seed(5)
     v = [torch.randn(2, 3, 4, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
     dg = [torch.rand(2, 3, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
@@ -661,6 +667,27 @@ def test_grad_scaler_unscales_the_gradient_statistics():
     model2 = copy.deepcopy(base)
     scaled, _ = train(lambda m: cafin.KFACPreconditioner(m, grad_scaler=lambda: 1.0, **kw), model2, batches)
     assert rel_error(plain, scaled, flat(base)) <= 1e-12
+
+
+def test_overflowing_scaled_step_leaves_the_factors_finite():
+    """kfac-pytorch folds an overflow step's inf gradient statistics into G for good; cafin drops
+    them (the step the GradScaler skips does not reach the factors)."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    pre = cafin.KFACPreconditioner(model, grad_scaler=scaler)
+    x, y = data("cnn", torch.float32, 1)[0][0]
+    opt.zero_grad()
+    scaler.scale(loss_of(model, x, y) * 4).backward()
+    scaler.unscale_(opt)
+    pre.step()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() < 2.0 ** 127  # it was an overflow step
+    for st in pre._state.values():
+        assert torch.isfinite(st.A).all() and torch.isfinite(st.G).all()
+        assert torch.equal(st.G, torch.eye(st.G.shape[-1]).expand_as(st.G))  # dropped
+        assert not torch.equal(st.A, torch.eye(st.A.shape[-1]).expand_as(st.A))  # inputs are fine
 
 
 def test_bfloat16_model_with_float32_factors():

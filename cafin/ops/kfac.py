@@ -31,8 +31,9 @@ def _lengths(names_and_lists):
 def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tensor],
                      counts: Sequence[torch.Tensor], decay: torch.Tensor,
                      step: torch.Tensor | None = None, interval: int = 1) -> None:
-    """factors[i] <- decay*factors[i] + (1-decay)*(S + S^T)/(2*counts[i]) where counts[i] > 0 (and
-    step % interval == 0 when step is given); stats and counts are emptied either way."""
+    """factors[i] <- decay*factors[i] + (1-decay)*(S + S^T)/(2*counts[i]) where counts[i] > 0, S is
+    finite (inf/NaN statistics are dropped) and, when step is given, step % interval == 0; stats
+    and counts are emptied either way."""
     if not torch.compiler.is_compiling():
         _lengths([("factors", factors), ("stats", stats), ("counts", counts)])
         _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")

@@ -29,7 +29,9 @@ def kfac_factor_ema_(factors: list[torch.Tensor], stats: list[torch.Tensor],
                      step: torch.Tensor | None = None, interval: int = 1) -> None:
     """Fold accumulated statistics into the factors and empty the statistics.
 
-    Per i with counts[i] > 0 (and, with `step` given, step % interval == 0):
+    Per i with counts[i] > 0, every entry of stats[i] finite (a GradScaler overflow step's
+    statistics hold inf: they are dropped, never folded) and, with `step` given,
+    step % interval == 0:
     factors[i] <- decay * factors[i] + (1 - decay) * (S + S^T) / (2 * counts[i]) with
     S = stats[i] (a sum of counts[i] covariances, symmetrised as kfac-pytorch does each one).
     stats and counts are zeroed either way."""
@@ -37,7 +39,9 @@ def kfac_factor_ema_(factors: list[torch.Tensor], stats: list[torch.Tensor],
     for f, s, c in zip(factors, stats, counts):
         sym = (s + s.transpose(-1, -2)) / 2
         new = decay.to(f.dtype) * f + (1 - decay.to(f.dtype)) * (sym / c.clamp_min(1).to(f.dtype))
-        keep = c > 0 if due is None else (c > 0) & due
+        keep = (c > 0) & torch.isfinite(s).all()
+        if due is not None:
+            keep = keep & due
         f.copy_(torch.where(keep, new, f))
         s.zero_()
         c.zero_()

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 
 #include "cpu/vectorize.h"
@@ -28,7 +29,12 @@ void kfac_factor_ema_cpu(at::TensorList factors, at::TensorList stats, at::Tenso
       scalar_t* c = counts[i].mutable_data_ptr<scalar_t>();
       const int64_t d = factors[i].size(1);
       const int64_t groups = factors[i].size(0);
+      bool finite = true;
       if (due && *c > scalar_t(0)) {
+        const int64_t n = stats[i].numel();
+        for (int64_t k = 0; k < n && finite; ++k) finite = std::isfinite(s[k]);
+      }
+      if (due && *c > scalar_t(0) && finite) {
         const scalar_t count = *c;
         const scalar_t dec = static_cast<scalar_t>(decay_value);
         // One row of the upper triangle per task: entry (r, j) and its mirror are read once and

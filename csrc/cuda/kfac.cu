@@ -26,14 +26,26 @@ inline int blocks_for(int64_t n) {
   return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
 
+// Marks `bad` when a statistic holds inf or NaN (an overflowing GradScaler step): it is dropped.
+template <typename scalar_t>
+__global__ void nonfinite_kernel(const scalar_t* __restrict s, int64_t n, int* __restrict bad) {
+  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
+       idx += int64_t(blockDim.x) * gridDim.x) {
+    if (!isfinite(s[idx])) {
+      *bad = 1;  // every writer stores the same value: no atomic needed
+      return;
+    }
+  }
+}
+
 // Thread (r, j), j >= r, of each group folds the entry and its mirror and empties both
 // statistics, so nothing is read after another thread wrote it.
 template <typename scalar_t>
 __global__ void factor_ema_kernel(scalar_t* __restrict f, scalar_t* __restrict s,
                                   const scalar_t* __restrict count, const double* __restrict decay,
                                   const float* __restrict step, int64_t interval, int64_t groups,
-                                  int64_t d) {
-  const bool fold = kfac_due(step, interval) && *count > scalar_t(0);
+                                  int64_t d, const int* __restrict bad) {
+  const bool fold = kfac_due(step, interval) && *count > scalar_t(0) && *bad == 0;
   const scalar_t c = *count;
   const scalar_t dec = static_cast<scalar_t>(*decay);
   const int64_t total = groups * d * d;
@@ -61,14 +73,20 @@ void kfac_factor_ema_cuda(at::TensorList factors, at::TensorList stats, at::Tens
   const c10::cuda::CUDAGuard guard(factors[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const float* step_ptr = step.has_value() ? step->const_data_ptr<float>() : nullptr;
+  const at::Tensor bad = at::zeros({static_cast<int64_t>(factors.size())},
+                                   factors[0].options().dtype(at::kInt));
   for (size_t i = 0; i < factors.size(); ++i) {
     const int64_t n = factors[i].numel();
     if (n == 0) continue;
     AT_DISPATCH_FLOATING_TYPES(factors[i].scalar_type(), "kfac_factor_ema_", [&] {
+      int* flag = bad.mutable_data_ptr<int>() + i;
+      nonfinite_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
+          stats[i].const_data_ptr<scalar_t>(), n, flag);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
       factor_ema_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
           factors[i].mutable_data_ptr<scalar_t>(), stats[i].mutable_data_ptr<scalar_t>(),
           counts[i].const_data_ptr<scalar_t>(), decay.const_data_ptr<double>(), step_ptr, interval,
-          factors[i].size(0), factors[i].size(1));
+          factors[i].size(0), factors[i].size(1), flag);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
