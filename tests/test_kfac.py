@@ -175,7 +175,20 @@ def odd_cnn(inplace=False):
         nn.Linear(5, 3))
 
 
-MODELS = {"mlp": (mlp, (6, 5, 7), 4), "cnn": (cnn, (6, 3, 8, 8), 4), "odd_cnn": (odd_cnn, (5, 4, 8, 8), 3)}
+def deep():
+    """Layers of equal shapes: their preconditioning runs stacked (one batched chain)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 6 * 6, 8), nn.Tanh(),
+                         nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def stacked_mlp():
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+MODELS = {"mlp": (mlp, (6, 5, 7), 4), "stacked_mlp": (stacked_mlp, (6, 6), 3), "cnn": (cnn, (6, 3, 8, 8), 4), "odd_cnn": (odd_cnn, (5, 4, 8, 8), 3),
+          "deep": (deep, (5, 3, 6, 6), 3)}
 
 
 def data(kind, dtype, steps, acc=1, seed=1):
@@ -233,7 +246,9 @@ CONFIGS = {
 
 # Every config on every model with the fused backend in float64; float32 and the reference
 # backend (which shares everything but the three ops) on a subset, to keep the suite short.
-CASES = [(k, c, "f64", "fused") for k in MODELS for c in CONFIGS] + \
+CASES = [(k, c, "f64", "fused") for k in ("mlp", "cnn", "odd_cnn") for c in CONFIGS] + \
+        [("deep", c, "f64", "fused") for c in ("eigen", "inverse", "eigen_no_outer", "intervals")] + \
+        [("deep", "eigen", "f32", "fused")] + \
         [(k, c, "f32", "fused") for k in ("mlp", "cnn") for c in ("eigen", "inverse", "kl_clip_active")] + \
         [("odd_cnn", c, "f32", "fused") for c in ("eigen", "accumulation")] + \
         [("cnn", c, "f64", "reference") for c in ("eigen", "inverse", "eigen_no_outer", "kl_clip_active",
@@ -380,15 +395,23 @@ def test_forward_never_runs_leaves_gradient_alone():
 
 
 def test_unused_layer_this_step():
-    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 2)})
-    pre = cafin.KFACPreconditioner(model)
-    x = torch.randn(4, 3)
+    """b is stacked with a (equal shapes); when b is unused a is preconditioned alone, the same."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}).double()
+    pre = cafin.KFACPreconditioner(model, kl_clip=None, inv_update_steps=10, inv_dtype=torch.float64)
+    assert len(pre._stacks) == 1
+    x = torch.randn(4, 3, dtype=torch.float64)
     model["b"](model["a"](x)).sum().backward()
     pre.step()
     model.zero_grad(set_to_none=True)
-    model["a"](x).sum().backward()  # b unused: grad None
+    model["a"](x).square().sum().backward()  # b unused: grad None
+    raw = model["a"].weight.grad.clone()
+    st = pre._state["a"]
+    want = (st.second["qg"] @ ((st.second["qg"].mT @ torch.cat([raw, model["a"].bias.grad[:, None]], 1) @
+                                st.second["qa"]) * st.second["dgda"]) @ st.second["qa"].mT)[0, :, :3]
     pre.step()
     assert model["b"].weight.grad is None
+    torch.testing.assert_close(model["a"].weight.grad, want, rtol=1e-12, atol=1e-12)
 
 
 def test_no_host_sync_in_step(monkeypatch):
@@ -617,8 +640,9 @@ def fresh_dynamo():
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_compiled_step_equals_eager_without_recompiles(method, fresh_dynamo):
     kw = dict(compute_method=method, factor_update_steps=2, inv_update_steps=3, kl_clip=1e-4)
-    batches = data("mlp", torch.float32, 7)
-    base = base_model("mlp", torch.float32)
+    kind = "stacked_mlp"  # two layers of equal shapes: the stacked chain is compiled too
+    batches = data(kind, torch.float32, 7)
+    base = base_model(kind, torch.float32)
 
     def run(compiled):
         model = copy.deepcopy(base)

@@ -238,10 +238,34 @@ class KFACPreconditioner:
                 layer, dtype, layer.module.weight.device, compute_method is ComputeMethod.EIGEN,
                 compute_eigenvalue_outer_product, inv_dtype)
             log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
+        self._stack_second_order()
         for layer in self._layers:  # device state created now: a compiled step cannot create it
             self._hyper(layer.module.weight.device)
             self._steps.tensor(layer.module.weight.device)
         self._hooks = Hooks(self, self._layers)
+
+    def _stack_second_order(self) -> None:
+        """Layers whose second-order data have equal shapes share one stacked tensor per kind
+        (each layer's entries are views of it), so their preconditioning runs as one batched
+        product chain without copying the decompositions every step."""
+        self._stacks: list[tuple[list[Layer], dict[str, torch.Tensor]]] = []
+        groups: dict[tuple, list[Layer]] = defaultdict(list)
+        for layer in self._layers:
+            st = self._state[layer.name]
+            key = (st.A.device, tuple((k, tuple(v.shape[1:])) for k, v in sorted(st.second.items())))
+            groups[key].append(layer)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            states = [self._state[layer.name] for layer in members]
+            stacked = {}
+            for key in states[0].second:
+                stacked[key] = torch.cat([st.second[key] for st in states])
+                torch._dynamo.mark_static_address(stacked[key], guard=False)
+                views = stacked[key].split([st.A.shape[0] for st in states])
+                for st, view in zip(states, views):
+                    st.second[key] = view
+            self._stacks.append((members, stacked))
 
     # ------------------------------------------------------------------ hyperparameters
     def _current(self, name: str):
@@ -441,17 +465,19 @@ class KFACPreconditioner:
                 _store(st.second, "dgda", rk.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
-    def _precondition(self, layer: Layer) -> torch.Tensor:
-        st = self._state[layer.name]
+    def _grad(self, layer: Layer) -> torch.Tensor:
         m = layer.module
-        grad = kf.grad_matrix(m, m.weight.grad, None if m.bias is None else m.bias.grad)
+        return kf.grad_matrix(m, m.weight.grad, None if m.bias is None else m.bias.grad)
+
+    def _precondition(self, grad: torch.Tensor, s: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """The preconditioned gradient [groups, d_g, d_a] (in grad's dtype) of one layer, or of a
+        stack of layers sharing second-order shapes."""
         work = grad.to(self.inv_dtype)
-        s = st.second
         if self.compute_method is ComputeMethod.EIGEN:
             if self.compute_eigenvalue_outer_product:
                 v = rk.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
             else:
-                damping = self._hyper(st.A.device)["damping"]
+                damping = self._hyper(device)["damping"]
                 v = rk.eigen_precondition(work, s["qa"], s["qg"], da=s["da"], dg=s["dg"],
                                           damping=damping, scale_=self._impl.kfac_eigen_scale_)
         else:
@@ -479,7 +505,7 @@ class KFACPreconditioner:
                                                     self.inv_update_steps) == 0)
             elif due:
                 self._decompose(None)
-        buckets: dict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        active = []
         for layer in self._layers:
             m = layer.module
             if not self._live(layer) or m.weight.grad is None or (
@@ -487,10 +513,28 @@ class KFACPreconditioner:
                 continue  # never ran (or unused this step): its gradient is left as it is
             if not (self._state[layer.name].decomposed or self._steps.device_gated):
                 continue  # not decomposed yet (kfac-pytorch raises): left as it is
+            active.append(layer)
+        precond: dict[str, torch.Tensor] = {}
+        names = {layer.name for layer in active}
+        for members, stacked in self._stacks:
+            if not all(layer.name in names for layer in members):
+                continue
+            grads = [self._grad(layer) for layer in members]
+            if len({g.dtype for g in grads}) > 1:
+                continue
+            v = self._precondition(torch.cat(grads), stacked, members[0].module.weight.device)
+            for layer, piece in zip(members, v.split([g.shape[0] for g in grads])):
+                precond[layer.name] = piece
+        buckets: dict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        for layer in active:
+            m = layer.module
+            if layer.name not in precond:
+                precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
+                                                         m.weight.device)
             ws, bs, vs = buckets[(m.weight.grad.device, m.weight.grad.dtype)]
             ws.append(m.weight.grad)
             bs.append(m.bias.grad if m.bias is not None else _empty(m.weight.grad))
-            vs.append(self._precondition(layer))
+            vs.append(precond[layer.name])
         kl_off = self._values["kl_clip"] is None
         if len(buckets) > 1 and not kl_off:
             raise RuntimeError("KL clipping needs every registered layer's gradient on one device "
