@@ -339,6 +339,21 @@ def test_bad_arguments_are_named(kwargs, match):
         cafin.KFACPreconditioner(mlp(), **kwargs)
 
 
+def test_hyperparameter_setters_check_and_take_effect():
+    pre = cafin.KFACPreconditioner(mlp())
+    pre.damping = 0.01
+    pre.kl_clip = None
+    assert pre.damping == 0.01 and pre.kl_clip is None
+    assert pre._tensors[torch.device("cpu")]["damping"].item() == 0.01
+    with pytest.raises(ValueError, match="damping"):
+        pre.damping = -1.0
+    with pytest.raises(ValueError, match="factor_decay"):
+        pre.factor_decay = 0.0
+    assert pre.damping == 0.01
+    sizes = pre.memory_usage()
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total") > 0
+
+
 def test_distributed_options_accepted():
     pre = cafin.KFACPreconditioner(mlp(), grad_worker_fraction=0.5, colocate_factors=False,
                                    compute_eigenvalue_outer_product=False, assignment_strategy="memory",

@@ -31,6 +31,8 @@ from ..curvature import (Hooks, Layer, StepCounter, capturing, check_int, discov
 from ..reference import kfac as rk
 
 _BACKENDS = {"fused": ops, "reference": reference}
+_RULES = {"damping": (lambda v: v > 0, "> 0"), "factor_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
+          "kl_clip": (lambda v: v > 0, "> 0 (or None: no clipping)"), "lr": (lambda v: v >= 0, ">= 0")}
 _HYPER = ("damping", "factor_decay", "kl_clip", "lr")
 
 
@@ -173,11 +175,10 @@ class KFACPreconditioner:
             if not callable(value):
                 check_int(value, name, low)
         check_int(accumulation_steps, "accumulation_steps", 1)
-        _check_hyper("damping", damping, lambda v: v > 0, "> 0")
-        _check_hyper("factor_decay", factor_decay, lambda v: 0 < v <= 1, "in (0, 1]")
-        if kl_clip is not None:
-            _check_hyper("kl_clip", kl_clip, lambda v: v > 0, "> 0 (or None: no clipping)")
-        _check_hyper("lr", lr, lambda v: v >= 0, ">= 0")
+        for name, value in (("damping", damping), ("factor_decay", factor_decay),
+                            ("kl_clip", kl_clip), ("lr", lr)):
+            if value is not None or name != "kl_clip":
+                _check_hyper(name, value, *_RULES[name])
         for name, dt in (("inv_dtype", inv_dtype), ("decompose_dtype", decompose_dtype)):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
@@ -295,6 +296,9 @@ class KFACPreconditioner:
                     ts[name].fill_(math.nan if v is None else float(v))
 
     def _set(self, name, value):
+        if not (name == "kl_clip" and value is None):
+            ok, what = _RULES[name]
+            _check_hyper(name, value, ok, what)
         self._values[name] = value
         if not callable(value):
             for ts in self._tensors.values():
@@ -633,7 +637,7 @@ class KFACPreconditioner:
             sizes["a_batch"] += st.stat_A.nbytes
             sizes["g_batch"] += st.stat_G.nbytes
             for key, t in st.second.items():
-                sizes["a_inverses" if key.endswith("a") or key.startswith("a") else "g_inverses"] += t.nbytes
+                sizes["a_inverses" if key in ("qa", "da", "a_inv") else "g_inverses"] += t.nbytes
         sizes["total"] = sum(sizes.values())
         return dict(sizes)
 
