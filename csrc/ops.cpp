@@ -59,6 +59,22 @@ TORCH_LIBRARY(cafin, m) {
       "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, float momentum, float weight_decay, "
       "float grad_scale=1.0) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // K-FAC (semantics: cafin/reference/kfac.py). Fold summed covariances into [groups, d, d]
+  // factors: F <- decay*F + (1-decay)*sym(S)/count when count > 0 (and step % interval == 0
+  // when step is given); S and count are emptied either way.
+  m.def(
+      "kfac_factor_ema_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!)[] counts, Tensor decay, "
+      "Tensor? step=None, int interval=1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // v <- v / (dg da^T + damping), per group.
+  m.def("kfac_eigen_scale_(Tensor(a!)[] v, Tensor[] dg, Tensor[] da, Tensor damping) -> ()",
+        {at::Tag::pt2_compliant_tag});
+  // Gradients <- nu * precond (weight columns, then the bias column), nu the KL-clip factor
+  // from lr^2 sum <precond, grad> (1 without kl_clip).
+  m.def(
+      "kfac_precondition_apply_(Tensor(a!)[] weight_grads, Tensor(b!)[] bias_grads, Tensor[] precond, "
+      "Tensor lr, Tensor? kl_clip=None) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 namespace {
@@ -93,7 +109,8 @@ void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
 TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
   for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
                            "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
-                           "singd_diag_step_"}) {
+                           "singd_diag_step_", "kfac_factor_ema_", "kfac_eigen_scale_",
+                           "kfac_precondition_apply_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

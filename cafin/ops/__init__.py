@@ -11,3 +11,4 @@ from .adafisher import (  # noqa: F401
     sumsq_stats_,
 )
 from .singd import singd_diag_step_  # noqa: F401,E402
+from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401

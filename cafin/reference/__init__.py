@@ -7,3 +7,6 @@ from .adafisher import (  # noqa: F401
     norm_input_stats_, preconditioner, state_dtype, sumsq_stats_,
 )
 from . import singd  # noqa: F401,E402  (SINGD's per-layer maths: cafin.reference.singd)
+from .kfac import (  # noqa: F401
+    kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_,
+)

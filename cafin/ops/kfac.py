@@ -1,0 +1,105 @@
+"""The Python face of the K-FAC ops: typed wrappers with argument checks, and their fake
+implementations for torch.compile. Schemas: csrc/ops.cpp. Semantics: cafin/reference/kfac.py.
+Per-tensor checks run in the kernels (csrc/kfac_checks.h) before anything is written."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_precondition_apply_"]
+
+
+def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _scalar(t, name, device, dtype):
+    _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+    _check(t.dim() == 0, f"{name} must be a 0-dim tensor, got shape {tuple(t.shape)}")
+    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
+    _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
+
+
+def _lengths(names_and_lists):
+    (first, ref), *rest = names_and_lists
+    for name, xs in rest:
+        _check(len(xs) == len(ref), f"{name} has {len(xs)} entries but {first} has {len(ref)}")
+
+
+def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tensor],
+                     counts: Sequence[torch.Tensor], decay: torch.Tensor,
+                     step: torch.Tensor | None = None, interval: int = 1) -> None:
+    """factors[i] <- decay*factors[i] + (1-decay)*(S + S^T)/(2*counts[i]) where counts[i] > 0, S is
+    finite (inf/NaN statistics are dropped) and, when step is given, step % interval == 0; stats
+    and counts are emptied either way."""
+    if not torch.compiler.is_compiling():
+        _lengths([("factors", factors), ("stats", stats), ("counts", counts)])
+        _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")
+        if not factors:
+            return
+        _scalar(decay, "decay", factors[0].device, torch.float64)
+        if step is not None:
+            _scalar(step, "step", factors[0].device, torch.float32)
+        for i, (f, s) in enumerate(zip(factors, stats)):
+            _check(s.shape == f.shape, f"stats[{i}] has shape {tuple(s.shape)}, expected {tuple(f.shape)}")
+    if not factors:
+        return
+    torch.ops.cafin.kfac_factor_ema_(list(factors), list(stats), list(counts), decay, step, interval)
+
+
+@torch.library.register_fake("cafin::kfac_factor_ema_")
+def _kfac_factor_ema_fake(factors, stats, counts, decay, step=None, interval=1):
+    torch._check(len(stats) == len(factors) and len(counts) == len(factors))
+    return None
+
+
+def kfac_eigen_scale_(v: Sequence[torch.Tensor], dg: Sequence[torch.Tensor], da: Sequence[torch.Tensor],
+                      damping: torch.Tensor) -> None:
+    """v[i] [groups, d_g, d_a] <- v[i] / (dg[i] da[i]^T + damping), per group."""
+    if not torch.compiler.is_compiling():
+        _lengths([("v", v), ("dg", dg), ("da", da)])
+        if v:
+            _scalar(damping, "damping", v[0].device, torch.float64)
+    if not v:
+        return
+    torch.ops.cafin.kfac_eigen_scale_(list(v), list(dg), list(da), damping)
+
+
+@torch.library.register_fake("cafin::kfac_eigen_scale_")
+def _kfac_eigen_scale_fake(v, dg, da, damping):
+    torch._check(len(dg) == len(v) and len(da) == len(v))
+    return None
+
+
+def kfac_precondition_apply_(weight_grads: Sequence[torch.Tensor], bias_grads: Sequence[torch.Tensor],
+                             precond: Sequence[torch.Tensor], lr: torch.Tensor,
+                             kl_clip: torch.Tensor | None = None) -> None:
+    """Gradients <- nu * precond (weight columns, then the bias column when bias_grads[i] is not
+    empty), nu = min(1, sqrt(kl_clip / |lr^2 sum <precond, grad>|)) (1 when the sum is 0 or
+    kl_clip is None), computed on the device before any gradient is written."""
+    if not torch.compiler.is_compiling():
+        _lengths([("weight_grads", weight_grads), ("bias_grads", bias_grads), ("precond", precond)])
+        if weight_grads:
+            device = weight_grads[0].device
+            _scalar(lr, "lr", device, torch.float64)
+            if kl_clip is not None:
+                _scalar(kl_clip, "kl_clip", device, torch.float64)
+            for i, (w, b, v) in enumerate(zip(weight_grads, bias_grads, precond)):
+                _check(v.dtype == w.dtype, f"precond[{i}] has dtype {v.dtype}, expected the gradients' "
+                       f"{w.dtype}", TypeError)
+                bias = 1 if b.numel() else 0
+                _check(v.dim() == 3 and v.shape[2] > bias and
+                       w.numel() == v.shape[0] * v.shape[1] * (v.shape[2] - bias),
+                       f"precond[{i}] of shape {tuple(v.shape)} does not match weight_grads[{i}] of "
+                       f"shape {tuple(w.shape)} (bias: {bool(bias)})")
+    if not weight_grads:
+        return
+    torch.ops.cafin.kfac_precondition_apply_(list(weight_grads), list(bias_grads), list(precond), lr, kl_clip)
+
+
+@torch.library.register_fake("cafin::kfac_precondition_apply_")
+def _kfac_precondition_apply_fake(weight_grads, bias_grads, precond, lr, kl_clip=None):
+    torch._check(len(bias_grads) == len(weight_grads) and len(precond) == len(weight_grads))
+    return None

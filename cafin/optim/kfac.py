@@ -1,0 +1,697 @@
+"""K-FAC as a gradient preconditioner, a drop-in for kfac-pytorch 0.4.2's
+`kfac.preconditioner.KFACPreconditioner` (KAISA, gpauloski/kfac-pytorch): `step()` after
+`backward()` rewrites the gradients of the registered Linear and Conv2d layers in place with
+their K-FAC preconditioned, KL-clipped values, and any torch optimizer then steps.
+
+Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation),
+an EMA of each from the identity, a periodic decomposition (eigh, or damped inverses) and the
+preconditioned gradient Q_G[(Q_G^T dW Q_A) / (d_G d_A^T + damping)]Q_A^T (or G^-1 dW A^-1).
+Conventions (docs/kfac.md) are kfac-pytorch's; what differs is listed there.
+
+Interval decisions are the core's (cafin.curvature.StepCounter): on the host while steps run
+eagerly, on the device after torch.compile or a CUDA-graph capture.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+import warnings
+from collections import defaultdict
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .. import factors as kf
+from .. import ops, reference
+from ..curvature import (Hooks, Layer, average_over_ranks, StepCounter, capturing, check_int, discover, distributed,
+                         unwrap)
+from ..reference import kfac as rk
+
+_BACKENDS = {"fused": ops, "reference": reference}
+_RULES = {"damping": (lambda v: v > 0, "> 0"), "factor_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
+          "kl_clip": (lambda v: v > 0, "> 0 (or None: no clipping)"), "lr": (lambda v: v >= 0, ">= 0")}
+_HYPER = ("damping", "factor_decay", "kl_clip", "lr")
+
+
+class ComputeMethod(enum.Enum):
+    """As kfac-pytorch's `kfac.enums.ComputeMethod` (same names and values)."""
+    EIGEN = 1
+    INVERSE = 2
+
+
+class AssignmentStrategy(enum.Enum):
+    COMPUTE = 1
+    MEMORY = 2
+
+
+class DistributedStrategy(enum.Enum):
+    COMM_OPT = 1
+    MEM_OPT = 2
+    HYBRID_OPT = 3
+
+
+def _enum(value, cls, name):
+    """An enum member from itself, its name (any case) or an enum of another module with the same
+    member name (kfac-pytorch's own enums)."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str) and value.upper() in cls.__members__:
+        return cls[value.upper()]
+    if isinstance(value, enum.Enum) and value.name in cls.__members__:
+        return cls[value.name]
+    raise ValueError(f"{name} must be one of {list(cls.__members__)} (or their lower-case "
+                     f"names), got {value!r}")
+
+
+class _LayerState:
+    """The tensors of one registered layer."""
+
+    def __init__(self, layer: Layer, factor_dtype: torch.dtype, device: torch.device,
+                 eigen: bool, prediv: bool, inv_dtype: torch.dtype) -> None:
+        groups, d_a, d_g = kf.factor_sizes(layer.module)
+        like = dict(dtype=factor_dtype, device=device)
+        eye = lambda n: torch.eye(n, **like).expand(groups, n, n).clone()  # noqa: E731
+        self.A, self.G = eye(d_a), eye(d_g)  # the EMA starts from I: kfac-pytorch's first update
+        self.stat_A = torch.zeros(groups, d_a, d_a, **like)
+        self.stat_G = torch.zeros(groups, d_g, d_g, **like)
+        self.count_A = torch.zeros((), **like)
+        self.count_G = torch.zeros((), **like)
+        # Second-order data, created here so compiled and captured steps find it; it holds the
+        # identity preconditioner until the first decomposition.
+        inv = dict(dtype=inv_dtype, device=device)
+        eye_inv = lambda n: torch.eye(n, **inv).expand(groups, n, n).clone()  # noqa: E731
+        if eigen:
+            self.second = {"qa": eye_inv(d_a), "qg": eye_inv(d_g)}
+            if prediv:
+                self.second["dgda"] = torch.ones(groups, d_g, d_a, **inv)
+            else:
+                self.second.update(da=torch.ones(groups, d_a, **inv), dg=torch.ones(groups, d_g, **inv))
+        else:
+            self.second = {"a_inv": eye_inv(d_a), "g_inv": eye_inv(d_g)}
+        self.seen = False  # statistics ever taken (a layer whose forward never ran keeps its grad)
+        self.decomposed = False  # decomposed at least once by an eager step
+        for t in (self.A, self.G, self.stat_A, self.stat_G, self.count_A, self.count_G,
+                  *self.second.values()):
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
+class KFACPreconditioner:
+    """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see docs/kfac.md).
+
+    Args (as kfac-pytorch; callables take the step count `steps` and are evaluated by eager
+    steps):
+        model: Linear and Conv2d modules (and subclasses) whose parameters all require grad are
+            registered, except those matched by `skip_layers`.
+        factor_update_steps, inv_update_steps: intervals of factor updates and decompositions.
+        damping, factor_decay, kl_clip, lr: K-FAC hyperparameters; kl_clip=None turns clipping
+            off; lr is only used by the KL clip. Kept as 0-dim device tensors (assigning
+            `preconditioner.lr = x` between steps does not recompile a compiled step).
+        accumulation_steps: forward/backward passes per step; their factors are averaged.
+        allreduce_bucket_cap_mb, assignment_strategy, colocate_factors, grad_worker_fraction,
+            symmetry_aware: accepted and checked as kfac-pytorch does; every rank here computes
+            every layer's second-order data, so results do not depend on them.
+        compute_method: "eigen"/"inverse" or a ComputeMethod (cafin's or kfac-pytorch's).
+        compute_eigenvalue_outer_product: precompute 1/(d_G d_A^T + damping) at decomposition.
+        grad_scaler: a GradScaler (or a callable returning the scale): gradient statistics are
+            unscaled with it.
+        factor_dtype: dtype of the factors (default: the layer weight's dtype).
+        inv_dtype: dtype of the decompositions and of the preconditioning products.
+        skip_layers: regular expressions searched in module names and class names.
+        update_factors_in_hook: fold statistics into the factors in the hooks (True) or at the
+            start of step().
+        loglevel: level of the registration log lines.
+    cafin's own:
+        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch).
+        decompose_dtype: dtype eigh/inv run in (kfac-pytorch: a float32 copy; torch.float64 is
+            the precise choice for float64 models).
+        process_group: group the factors are averaged over when torch.distributed is initialised.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        factor_update_steps: Callable[[int], int] | int = 1,
+        inv_update_steps: Callable[[int], int] | int = 1,
+        damping: Callable[[int], float] | float = 0.001,
+        factor_decay: Callable[[int], float] | float = 0.95,
+        kl_clip: Callable[[int], float] | float | None = 0.001,
+        lr: Callable[[int], float] | float = 0.1,
+        accumulation_steps: int = 1,
+        allreduce_bucket_cap_mb: float = 25.0,
+        assignment_strategy: Any = AssignmentStrategy.COMPUTE,
+        colocate_factors: bool = True,
+        compute_method: Any = ComputeMethod.EIGEN,
+        compute_eigenvalue_outer_product: bool = True,
+        grad_worker_fraction: Any = DistributedStrategy.COMM_OPT,
+        symmetry_aware: bool = False,
+        grad_scaler: Any = None,
+        factor_dtype: torch.dtype | None = None,
+        inv_dtype: torch.dtype = torch.float32,
+        skip_layers: list[str] | None = None,
+        update_factors_in_hook: bool = True,
+        loglevel: int = logging.DEBUG,
+        backend: str = "fused",
+        decompose_dtype: torch.dtype = torch.float32,
+        process_group=None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        if allreduce_bucket_cap_mb < 0:
+            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
+        compute_method = _enum(compute_method, ComputeMethod, "compute_method")
+        assignment_strategy = _enum(assignment_strategy, AssignmentStrategy, "assignment_strategy")
+        if (compute_method is ComputeMethod.EIGEN and compute_eigenvalue_outer_product
+                and not colocate_factors):
+            raise ValueError("colocate_factors must be True to use compute_eigenvalue_outer_product")
+        self.grad_worker_fraction, self.distributed_strategy = _worker_fraction(grad_worker_fraction)
+        for name, value, low in (("factor_update_steps", factor_update_steps, 1),
+                                 ("inv_update_steps", inv_update_steps, 1)):
+            if not callable(value):
+                check_int(value, name, low)
+        check_int(accumulation_steps, "accumulation_steps", 1)
+        for name, value in (("damping", damping), ("factor_decay", factor_decay),
+                            ("kl_clip", kl_clip), ("lr", lr)):
+            if value is not None or name != "kl_clip":
+                _check_hyper(name, value, *_RULES[name])
+        for name, dt in (("inv_dtype", inv_dtype), ("decompose_dtype", decompose_dtype)):
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
+        if decompose_dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"decompose_dtype must be torch.float32 or torch.float64, got {decompose_dtype}")
+        if factor_dtype is not None and not (isinstance(factor_dtype, torch.dtype)
+                                             and factor_dtype.is_floating_point):
+            raise TypeError(f"factor_dtype must be None or a floating torch.dtype, got {factor_dtype!r}")
+        if (not callable(inv_update_steps) and not callable(factor_update_steps)
+                and inv_update_steps % factor_update_steps != 0):
+            warnings.warn("It is suggested that inv_update_steps be an integer multiple of "
+                          "factor_update_steps", stacklevel=2)
+        if process_group is not None and not distributed():
+            raise ValueError("process_group given but torch.distributed is not initialised")
+
+        self.model = unwrap(model)
+        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
+        self.assignment_strategy = assignment_strategy
+        self.colocate_factors = colocate_factors
+        self.compute_method = compute_method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.symmetry_aware = symmetry_aware
+        self.grad_scaler = grad_scaler
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.decompose_dtype = decompose_dtype
+        self.skip_layers = [] if skip_layers is None else list(skip_layers)
+        self.backend = backend
+        self.process_group = process_group
+        self._impl = _BACKENDS[backend]
+        self._accumulation_steps = accumulation_steps
+        self._update_factors_in_hook = update_factors_in_hook
+        self._factor_update_steps = factor_update_steps
+        self._inv_update_steps = inv_update_steps
+        self._values = dict(damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr)
+        self._steps = StepCounter()
+        self._mini_steps: dict[str, int] = defaultdict(int)
+        self._tensors: dict[torch.device, dict[str, torch.Tensor]] = {}
+        # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
+        # CUDA-graph-captured step cannot hold eigh).
+        self.decompose_in_step = True
+
+        skipped = {id(m) for name, m in self.model.named_modules()
+                   if _any_match(name, self.skip_layers) or _any_match(type(m).__name__, self.skip_layers)}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+
+        def accept(module, kind):
+            return (kf.supports(module) and id(module) not in skipped
+                    and next(module.children(), None) is None
+                    and all(p.requires_grad for p in module.parameters()))
+
+        self._layers = discover(self.model, params, accept=accept)
+        self._state: dict[str, _LayerState] = {}
+        log = logging.getLogger(__name__)
+        for layer in self._layers:
+            dtype = factor_dtype or layer.module.weight.dtype
+            self._state[layer.name] = _LayerState(
+                layer, dtype, layer.module.weight.device, compute_method is ComputeMethod.EIGEN,
+                compute_eigenvalue_outer_product, inv_dtype)
+            log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
+        self._stack_second_order()
+        for layer in self._layers:  # device state created now: a compiled step cannot create it
+            self._hyper(layer.module.weight.device)
+            self._steps.tensor(layer.module.weight.device)
+        self._hooks = Hooks(self, self._layers)
+
+    def _stack_second_order(self) -> None:
+        """Layers whose second-order data have equal shapes share one stacked tensor per kind
+        (each layer's entries are views of it), so their preconditioning runs as one batched
+        product chain without copying the decompositions every step."""
+        self._stacks: list[tuple[list[Layer], dict[str, torch.Tensor]]] = []
+        groups: dict[tuple, list[Layer]] = defaultdict(list)
+        for layer in self._layers:
+            st = self._state[layer.name]
+            key = (st.A.device, tuple((k, tuple(v.shape[1:])) for k, v in sorted(st.second.items())))
+            groups[key].append(layer)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            states = [self._state[layer.name] for layer in members]
+            stacked = {}
+            for key in states[0].second:
+                stacked[key] = torch.cat([st.second[key] for st in states])
+                torch._dynamo.mark_static_address(stacked[key], guard=False)
+                views = stacked[key].split([st.A.shape[0] for st in states])
+                for st, view in zip(states, views):
+                    st.second[key] = view
+            self._stacks.append((members, stacked))
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _current(self, name: str):
+        value = self._values[name]
+        return value(self.steps) if callable(value) else value
+
+    def _hyper(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """The 0-dim float64 tensors the ops read on `device` (float64: a Python float exactly)."""
+        if device not in self._tensors:
+            ts = {}
+            for name in _HYPER:
+                v = self._current(name)
+                ts[name] = torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
+                                        device=device)
+                torch._dynamo.mark_static_address(ts[name], guard=False)
+            self._tensors[device] = ts
+        return self._tensors[device]
+
+    def _refresh(self) -> None:
+        """Callables see the step count: refill their tensors (eager steps only)."""
+        if torch.compiler.is_compiling():
+            return
+        for name in _HYPER:
+            if callable(self._values[name]):
+                v = self._current(name)
+                for ts in self._tensors.values():
+                    ts[name].fill_(math.nan if v is None else float(v))
+
+    def _set(self, name, value):
+        if not (name == "kl_clip" and value is None):
+            ok, what = _RULES[name]
+            _check_hyper(name, value, ok, what)
+        self._values[name] = value
+        if not callable(value):
+            for ts in self._tensors.values():
+                if isinstance(value, torch.Tensor):
+                    ts[name].copy_(value)
+                else:
+                    ts[name].fill_(math.nan if value is None else float(value))
+        else:
+            self._refresh()
+
+    damping = property(lambda self: self._current("damping"), lambda self, v: self._set("damping", v))
+    factor_decay = property(lambda self: self._current("factor_decay"),
+                            lambda self, v: self._set("factor_decay", v))
+    kl_clip = property(lambda self: self._current("kl_clip"), lambda self, v: self._set("kl_clip", v))
+    lr = property(lambda self: self._current("lr"), lambda self, v: self._set("lr", v))
+
+    @property
+    def factor_update_steps(self) -> int:
+        v = self._factor_update_steps
+        return v(self.steps) if callable(v) else v
+
+    @property
+    def inv_update_steps(self) -> int:
+        v = self._inv_update_steps
+        return v(self.steps) if callable(v) else v
+
+    @property
+    def steps(self) -> int:
+        return self._steps.value()
+
+    @property
+    def layers(self) -> list[Layer]:
+        return list(self._layers)
+
+    def __repr__(self) -> str:
+        items = [("accumulation_steps", self._accumulation_steps), ("backend", self.backend),
+                 ("compute_method", self.compute_method), ("damping", self._values["damping"]),
+                 ("factor_decay", self._values["factor_decay"]),
+                 ("factor_update_steps", self._factor_update_steps),
+                 ("inv_update_steps", self._inv_update_steps), ("kl_clip", self._values["kl_clip"]),
+                 ("layers", len(self._layers)), ("lr", self._values["lr"]),
+                 ("update_factors_in_hook", self._update_factors_in_hook)]
+        return "KFACPreconditioner(\n" + "\n".join(f"  {k}={v}," for k, v in items) + "\n)"
+
+    # ------------------------------------------------------------------ statistics hooks
+    def _statistics_gate(self, layer: Layer, device: torch.device):
+        if not layer.module.training:
+            return False, None
+        return self._steps.due(self.factor_update_steps, device)
+
+    def _host_folds(self) -> bool:
+        """Whether the hooks fold on the host's count (eager, update_factors_in_hook)."""
+        return self._update_factors_in_hook and not self._steps.device_gated
+
+    def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+        st = self._state[layer.name]
+        kf.kfac_input_factor(layer.module, x, out=st.stat_A, accumulate=True)
+        st.count_A.add_(1)
+        st.seen = True
+        self._mini_steps[layer.name] += 1
+        if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
+            self._fold([st.A], [st.stat_A], [st.count_A], st.A.device)
+
+    def _grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
+        st = self._state[layer.name]
+        if self.grad_scaler is not None:
+            scale = self.grad_scaler
+            if hasattr(scale, "_get_scale_async"):
+                s = scale._get_scale_async()
+                g = g / (s.to(g.device) if s is not None else 1.0)
+            else:
+                g = g / scale()
+        kf.kfac_grad_factor(layer.module, g, out=st.stat_G, accumulate=True, dtype=st.stat_G.dtype)
+        st.count_G.add_(1)
+        if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
+            self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
+
+    def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
+        impl = self._impl if fs[0].dtype in (torch.float32, torch.float64) else reference
+        impl.kfac_factor_ema_(fs, ss, cs, self._hyper(device)["factor_decay"], step, interval)
+
+    def reset_batch(self) -> None:
+        """Drop the statistics taken since the last factor update."""
+        for st in self._state.values():
+            for t in (st.stat_A, st.stat_G, st.count_A, st.count_G):
+                t.zero_()
+
+    def remove_hooks(self) -> None:
+        if self._hooks is not None:
+            self._hooks.remove()
+            self._hooks = None
+
+    # ------------------------------------------------------------------ step
+    def _by_device(self, names=None):
+        out: dict[torch.device, list[_LayerState]] = defaultdict(list)
+        for layer in self._layers:
+            if names is None or layer.name in names:
+                st = self._state[layer.name]
+                out[st.A.device].append(st)
+        return out
+
+    def _update_factors(self) -> None:
+        gated = self._steps.host_due(self.factor_update_steps)
+        if gated is None:  # device gated: fold every step, the op decides
+            for device, sts in self._by_device().items():
+                step = self._steps.tensor(device)
+                fs = [t for st in sts for t in (st.A, st.G)]
+                ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
+                cs = [t for st in sts for t in (st.count_A, st.count_G)]
+                self._fold(fs, ss, cs, device, step, self.factor_update_steps)
+        elif gated and not self._update_factors_in_hook:
+            for device, sts in self._by_device().items():
+                fs = [t for st in sts for t in (st.A, st.G)]
+                ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
+                cs = [t for st in sts for t in (st.count_A, st.count_G)]
+                self._fold(fs, ss, cs, device)
+        if distributed() and gated is not False and self._layers:
+            for sts in self._by_device().values():
+                average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
+
+    def _live(self, layer: Layer) -> bool:
+        return self._state[layer.name].seen
+
+    def decompose(self) -> None:
+        """Recompute every live layer's decompositions now, with the current damping (eagerly;
+        for a captured step whose `decompose_in_step` is False)."""
+        self._decompose(None)
+
+    def _decompose(self, gate: torch.Tensor | None) -> None:
+        """Decompositions of the live layers, batched over factors of equal shape and dtype.
+        With `gate` (a device bool), new values are kept only where it holds."""
+        live = [layer for layer in self._layers if self._live(layer)]
+        eigen = self.compute_method is ComputeMethod.EIGEN
+        prediv = eigen and self.compute_eigenvalue_outer_product
+        eigenvalues: dict[tuple[str, str], torch.Tensor] = {}
+        for side in ("a", "g"):
+            # Batched over equal shapes on GPUs (fewer launches); one by one on CPUs, where
+            # LAPACK loops anyway and a batched call rounds differently from kfac-pytorch's.
+            buckets: dict[tuple, list[_LayerState]] = defaultdict(list)
+            for layer in live:
+                f = getattr(self._state[layer.name], side.upper())
+                key = (f.shape[1:], f.dtype, f.device) if f.device.type != "cpu" else (layer.name, None, f.device)
+                buckets[key].append(self._state[layer.name])
+            for (_, _, device), sts in buckets.items():
+                stacked = torch.cat([getattr(st, side.upper()) for st in sts])
+                sizes = [st.A.shape[0] for st in sts]
+                if eigen:
+                    d, q = rk.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
+                                              out_dtype=self.inv_dtype)
+                    for st, di, qi in zip(sts, d.split(sizes), q.split(sizes)):
+                        _store(st.second, "q" + side, qi, gate)
+                        if prediv:
+                            eigenvalues[(id(st), side)] = di
+                        else:
+                            _store(st.second, "d" + side, di, gate)
+                else:
+                    inv = rk.damped_inverse(stacked, self._hyper(device)["damping"],
+                                            decompose_dtype=self.decompose_dtype,
+                                            out_dtype=self.inv_dtype)
+                    for st, ii in zip(sts, inv.split(sizes)):
+                        _store(st.second, f"{side}_inv", ii, gate)
+        for layer in live:
+            st = self._state[layer.name]
+            if gate is None:
+                st.decomposed = True
+            if prediv:
+                damping = self._hyper(st.A.device)["damping"].to(self.inv_dtype)
+                _store(st.second, "dgda", rk.eigenvalue_reciprocal(
+                    eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
+
+    def _grad(self, layer: Layer) -> torch.Tensor:
+        m = layer.module
+        return kf.grad_matrix(m, m.weight.grad, None if m.bias is None else m.bias.grad)
+
+    def _precondition(self, grad: torch.Tensor, s: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """The preconditioned gradient [groups, d_g, d_a] (in grad's dtype) of one layer, or of a
+        stack of layers sharing second-order shapes."""
+        work = grad.to(self.inv_dtype)
+        if self.compute_method is ComputeMethod.EIGEN:
+            if self.compute_eigenvalue_outer_product:
+                v = rk.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
+            else:
+                damping = self._hyper(device)["damping"]
+                v = rk.eigen_precondition(work, s["qa"], s["qg"], da=s["da"], dg=s["dg"],
+                                          damping=damping, scale_=self._impl.kfac_eigen_scale_)
+        else:
+            v = rk.inverse_precondition(work, s["a_inv"], s["g_inv"])
+        return v.to(grad.dtype).contiguous()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Precondition the gradients of the registered layers in place (call after backward(),
+        before the optimizer's step)."""
+        if self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN and capturing():
+            raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: set "
+                               "preconditioner.decompose_in_step = False, capture the step, and call "
+                               "preconditioner.decompose() eagerly every inv_update_steps steps")
+        self._update_factors()
+        if self.decompose_in_step:
+            due = self._steps.host_due(self.inv_update_steps)
+            if due is None:
+                devices = {self._state[layer.name].A.device for layer in self._layers}
+                if len(devices) > 1:
+                    raise RuntimeError("a device-gated K-FAC step needs every layer on one device")
+                if devices:
+                    device = devices.pop()
+                    self._decompose(torch.remainder(self._steps.tensor(device),
+                                                    self.inv_update_steps) == 0)
+            elif due:
+                self._decompose(None)
+        active = []
+        for layer in self._layers:
+            m = layer.module
+            if not self._live(layer) or m.weight.grad is None or (
+                    m.bias is not None and m.bias.grad is None):
+                continue  # never ran (or unused this step): its gradient is left as it is
+            if not (self._state[layer.name].decomposed or self._steps.device_gated):
+                continue  # not decomposed yet (kfac-pytorch raises): left as it is
+            active.append(layer)
+        precond: dict[str, torch.Tensor] = {}
+        names = {layer.name for layer in active}
+        for members, stacked in self._stacks:
+            if not all(layer.name in names for layer in members):
+                continue
+            grads = [self._grad(layer) for layer in members]
+            if len({g.dtype for g in grads}) > 1:
+                continue
+            v = self._precondition(torch.cat(grads), stacked, members[0].module.weight.device)
+            for layer, piece in zip(members, v.split([g.shape[0] for g in grads])):
+                precond[layer.name] = piece
+        buckets: dict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
+        for layer in active:
+            m = layer.module
+            if layer.name not in precond:
+                precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
+                                                         m.weight.device)
+            ws, bs, vs = buckets[(m.weight.grad.device, m.weight.grad.dtype)]
+            ws.append(m.weight.grad)
+            bs.append(m.bias.grad if m.bias is not None else _empty(m.weight.grad))
+            vs.append(precond[layer.name])
+        kl_off = self._values["kl_clip"] is None
+        if len(buckets) > 1 and not kl_off:
+            raise RuntimeError("KL clipping needs every registered layer's gradient on one device "
+                               f"and of one dtype, got {sorted(str(k) for k in buckets)}")
+        for (device, dtype), (ws, bs, vs) in buckets.items():
+            ts = self._hyper(device)
+            impl = self._impl
+            if dtype not in (torch.float32, torch.float64) or not all(
+                    w.is_contiguous() and b.is_contiguous() for w, b in zip(ws, bs)):
+                impl = reference  # the kernels take float32/float64 contiguous gradients
+            impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], None if kl_off else ts["kl_clip"])
+        self._mini_steps = defaultdict(int)
+        self._steps.advance()
+        self._refresh()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
+        """kfac-pytorch's layout: steps, the non-callable hyperparameters and, per layer name,
+        its factors 'A' and 'G' ([d, d]; [groups, d, d] for grouped convolutions)."""
+        sd: dict[str, Any] = {"steps": self.steps}
+        if not callable(self._factor_update_steps):
+            sd["factor_update_steps"] = self._factor_update_steps
+        if not callable(self._inv_update_steps):
+            sd["inv_update_steps"] = self._inv_update_steps
+        for name in _HYPER:
+            if not callable(self._values[name]):
+                sd[name] = self._values[name]
+        if include_factors:
+            sd["layers"] = {}
+            for layer in self._layers:
+                st = self._state[layer.name]
+                A, G = st.A, st.G
+                if A.shape[0] == 1:
+                    A, G = A[0], G[0]
+                sd["layers"][layer.name] = {"A": A.detach().clone() if st.seen else None,
+                                            "G": G.detach().clone() if st.seen else None}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
+        """Load a state_dict of this class or of kfac-pytorch; checks everything before changing
+        anything, copies the factors onto the layers' devices, leaves `state_dict` unchanged."""
+        if "steps" not in state_dict:
+            raise ValueError("not a KFACPreconditioner state_dict: missing 'steps'")
+        layers = state_dict.get("layers")
+        new = {}
+        if layers is not None:
+            mine = {layer.name for layer in self._layers}
+            if len(layers) != len(self._layers) or set(layers) != mine:
+                raise ValueError(f"state_dict has layers {sorted(layers)}, this preconditioner "
+                                 f"has {sorted(mine)}")
+            for name, saved in layers.items():
+                if "A" not in saved or "G" not in saved:
+                    raise KeyError("a layer's state must contain keys 'A' and 'G'")
+                st = self._state[name]
+                pair = []
+                for key, own in (("A", st.A), ("G", st.G)):
+                    t = saved[key]
+                    if t is None:
+                        pair.append(None)
+                        continue
+                    t = t.detach()
+                    if t.dim() == 2:
+                        t = t.unsqueeze(0)
+                    if tuple(t.shape) != tuple(own.shape):
+                        raise ValueError(f"state_dict factor {key} of layer '{name}' has shape "
+                                         f"{tuple(saved[key].shape)}, expected {tuple(own.shape)}")
+                    pair.append(t)
+                new[name] = pair
+        self._steps.load(int(state_dict["steps"]))
+        for key in ("factor_update_steps", "inv_update_steps"):
+            if key in state_dict:
+                setattr(self, "_" + key, state_dict[key])
+        for name in _HYPER:
+            if name in state_dict:
+                self._set(name, state_dict[name])
+        self._refresh()
+        for name, (A, G) in new.items():
+            st = self._state[name]
+            if A is not None:
+                st.A.copy_(A)
+            if G is not None:
+                st.G.copy_(G)
+            st.seen = st.seen or A is not None or G is not None
+        if layers is None and compute_inverses:
+            warnings.warn("Layer factors are not included in the state_dict so inverses cannot "
+                          "be computed. Skipping inverse computation.", stacklevel=2)
+            compute_inverses = False
+        if compute_inverses:
+            self._decompose(None)
+
+    def memory_usage(self) -> dict[str, int]:
+        sizes: dict[str, int] = defaultdict(int)
+        for st in self._state.values():
+            sizes["a_factors"] += st.A.nbytes
+            sizes["g_factors"] += st.G.nbytes
+            sizes["a_batch"] += st.stat_A.nbytes
+            sizes["g_batch"] += st.stat_G.nbytes
+            for key, t in st.second.items():
+                sizes["a_inverses" if key in ("qa", "da", "a_inv") else "g_inverses"] += t.nbytes
+        sizes["total"] = sum(sizes.values())
+        return dict(sizes)
+
+
+# ------------------------------------------------------------------------------ helpers
+_EMPTY: dict[tuple, torch.Tensor] = {}
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    key = (like.device, like.dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=like.dtype, device=like.device)
+    return _EMPTY[key]
+
+
+def _store(store: dict, key: str, value: torch.Tensor, gate) -> None:
+    """store[key] <- value in place (compiled and captured steps keep addresses); with a
+    device-bool gate, only where the gate holds."""
+    old = store[key]
+    if gate is None:
+        old.copy_(value)
+    else:
+        old.copy_(torch.where(gate, value.to(old.dtype), old))
+
+
+def _any_match(query: str, patterns: list[str]) -> bool:
+    return any(re.search(p, query) for p in patterns)
+
+
+def _check_hyper(name, value, ok, what):
+    if callable(value):
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name} must be a number or a callable of the step, got {value!r}")
+    v = float(value)
+    if not (math.isfinite(v) and ok(v)):
+        raise ValueError(f"{name} must be {what}, got {v}")
+
+
+def _worker_fraction(value):
+    size = torch.distributed.get_world_size() if distributed() else 1
+    if isinstance(value, enum.Enum):
+        strategy = _enum(value, DistributedStrategy, "grad_worker_fraction")
+        fraction = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
+                    DistributedStrategy.MEM_OPT: 1.0 / size}[strategy]
+        return fraction, strategy
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"grad_worker_fraction must be in [0, 1] or a DistributedStrategy, got {value!r}")
+    if value == 0:
+        value = 1.0 / size
+    if size % max(1, round(size * value)) != 0:
+        raise ValueError("grad_worker_fraction must produce groups of equal size")
+    if value == 1:
+        return 1.0, DistributedStrategy.COMM_OPT
+    if value <= 1 / size:
+        return float(value), DistributedStrategy.MEM_OPT
+    return float(value), DistributedStrategy.HYBRID_OPT

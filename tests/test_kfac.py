@@ -1,0 +1,851 @@
+"""cafin.KFACPreconditioner against an independent K-FAC oracle written here from the maths and
+kfac-pytorch 0.4.2's conventions (docs/kfac.md), step for step with torch SGD, in float64 (tight)
+and float32; the constructor contract; what cafin adds (dilation, groups, 'same', padding modes,
+in-place activations, modules whose forward never runs, no host sync, checkpoints); the fused
+ops against the reference ones, with opcheck; torch.compile of the step.
+
+kfac-pytorch itself is not installable from the package registry, so it is not run here; the
+side-by-side numbers against it are recorded in docs/kfac.md.
+"""
+from __future__ import annotations
+
+import copy
+import enum
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.testing._internal.optests import generate_opcheck_tests
+
+import cafin
+from cafin import ops
+from cafin import reference as ref
+
+CUDA = torch.cuda.is_available() and cafin.cuda_kernels_built()
+CUDA_SKIP = ("no CUDA device" if not torch.cuda.is_available() else "cafin built without CUDA kernels")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=CUDA_SKIP))]
+
+
+# ------------------------------------------------------------------------------- the oracle
+def patches(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    """[groups, B*oh*ow, C/g*kh*kw] patch rows, sliced tap by tap from the padded input."""
+    kh, kw = conv.kernel_size
+    (sh, sw), (dh, dw) = conv.stride, conv.dilation
+    if conv.padding == "same":
+        pads = [(d * (k - 1) // 2, d * (k - 1) - d * (k - 1) // 2) for d, k in ((dh, kh), (dw, kw))]
+    elif conv.padding == "valid":
+        pads = [(0, 0), (0, 0)]
+    else:
+        pads = [(conv.padding[0],) * 2, (conv.padding[1],) * 2]
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    xp = F.pad(x, [pads[1][0], pads[1][1], pads[0][0], pads[0][1]], mode=mode)
+    oh = (xp.shape[2] - dh * (kh - 1) - 1) // sh + 1
+    ow = (xp.shape[3] - dw * (kw - 1) - 1) // sw + 1
+    taps = torch.stack([torch.stack([xp[:, :, i * dh: i * dh + sh * (oh - 1) + 1: sh,
+                                        j * dw: j * dw + sw * (ow - 1) + 1: sw]
+                                     for j in range(kw)], 2) for i in range(kh)], 2)
+    cg = x.shape[1] // conv.groups  # taps: [B, C, kh, kw, oh, ow]
+    return torch.stack([taps[:, q * cg:(q + 1) * cg].permute(0, 4, 5, 1, 2, 3).reshape(-1, cg * kh * kw)
+                        for q in range(conv.groups)])
+
+
+class Oracle:
+    """K-FAC by the book, kfac-pytorch's conventions: A = sum abar abar^T / (L^2 N) over the
+    N = B*L rows (abar = [patch; 1]), G = sum g g^T / (L^2 N) with g = grad_output rows, each
+    symmetrised; micro-batches averaged; EMA from I on steps k % factor == 0; on k % inv == 0
+    eigh (or (F + damping I)^-1) on a `decompose` copy, eigenvalues clamped at 0; V = Q_G[(Q_G^T
+    dW Q_A) / (dg da^T + damping)] Q_A^T; nu = min(1, sqrt(kl / |lr^2 sum <V, dW>|))."""
+
+    def __init__(self, model, *, factor_update_steps=1, inv_update_steps=1, damping=1e-3,
+                 factor_decay=0.95, kl_clip=1e-3, lr=0.1, compute_method="eigen",
+                 compute_eigenvalue_outer_product=True, inv_dtype=torch.float32,
+                 decompose_dtype=torch.float32, **_):
+        self.hp = dict(f=factor_update_steps, i=inv_update_steps, damping=damping,
+                       decay=factor_decay, kl=kl_clip, lr=lr)
+        self.method, self.prediv = compute_method, compute_eigenvalue_outer_product
+        self.inv_dtype, self.decompose = inv_dtype, decompose_dtype
+        self.layers = [m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+        self.k = 0
+        self.A, self.G, self.batch, self.second = {}, {}, {}, {}
+        for m in self.layers:
+            m.register_forward_hook(self._forward)
+
+    def value(self, name):
+        v = self.hp[name]
+        return v(self.k) if callable(v) else v
+
+    def _forward(self, m, inputs, out):
+        if not torch.is_grad_enabled() or self.k % self.value("f"):
+            return
+        x = inputs[0].detach()
+        if isinstance(m, nn.Linear):
+            rows, L = x.reshape(1, -1, x.shape[-1]), 1
+        else:
+            rows, L = patches(m, x), out.shape[2] * out.shape[3]
+        if m.bias is not None:
+            rows = torch.cat([rows, torch.ones(*rows.shape[:2], 1, dtype=rows.dtype)], 2)
+        rows = rows / L
+        A = rows.transpose(1, 2) @ rows / rows.shape[1]
+        self.batch.setdefault(m, []).append([(A + A.transpose(1, 2)) / 2, None])
+        out.register_hook(lambda g, m=m: self._backward(m, g))
+
+    def _backward(self, m, g):
+        if isinstance(m, nn.Linear):
+            rows, L = g.reshape(1, -1, g.shape[-1]), 1
+        else:
+            L = g.shape[2] * g.shape[3]
+            rows = g.permute(0, 2, 3, 1).reshape(-1, m.groups, g.shape[1] // m.groups).transpose(0, 1)
+        rows = rows / L
+        G = rows.transpose(1, 2) @ rows / rows.shape[1]
+        self.batch[m][-1][1] = (G + G.transpose(1, 2)) / 2
+
+    @torch.no_grad()
+    def step(self):
+        decay, damping = self.value("decay"), self.value("damping")
+        for m, pairs in self.batch.items():
+            A = sum(p[0] for p in pairs) / len(pairs)
+            G = sum(p[1] for p in pairs) / len(pairs)
+            eye = lambda n, like: torch.eye(n, dtype=like.dtype).expand_as(like)  # noqa: E731
+            self.A[m] = decay * self.A.get(m, eye(A.shape[-1], A)) + (1 - decay) * A
+            self.G[m] = decay * self.G.get(m, eye(G.shape[-1], G)) + (1 - decay) * G
+        self.batch = {}
+        if self.k % self.value("i") == 0:
+            for m in self.A:
+                if self.method == "eigen":
+                    da, qa = torch.linalg.eigh(self.A[m].to(self.decompose))
+                    dg, qg = torch.linalg.eigh(self.G[m].to(self.decompose))
+                    da, dg = da.to(self.inv_dtype).clamp(min=0), dg.to(self.inv_dtype).clamp(min=0)
+                    qa, qg = qa.to(self.inv_dtype), qg.to(self.inv_dtype)
+                    outer = dg.unsqueeze(-1) * da.unsqueeze(-2)
+                    self.second[m] = (qa, qg, 1 / (outer + damping) if self.prediv else (da, dg))
+                else:
+                    inv = lambda F_: torch.linalg.inv(  # noqa: E731
+                        (F_ + damping * torch.eye(F_.shape[-1], dtype=F_.dtype)).to(self.decompose))
+                    self.second[m] = (inv(self.A[m]).to(self.inv_dtype), inv(self.G[m]).to(self.inv_dtype))
+        vs, vg = {}, 0.0
+        for m in self.layers:
+            if m not in self.second or m.weight.grad is None:
+                continue
+            groups = m.groups if isinstance(m, nn.Conv2d) else 1
+            gw = m.weight.grad.reshape(groups, m.weight.shape[0] // groups, -1)
+            dW = gw if m.bias is None else torch.cat([gw, m.bias.grad.reshape(groups, -1, 1)], 2)
+            work = dW.to(self.inv_dtype)
+            if self.method == "eigen":
+                qa, qg, s = self.second[m]
+                v1 = qg.transpose(1, 2) @ work @ qa
+                v2 = v1 * s if self.prediv else v1 / (s[1].unsqueeze(-1) * s[0].unsqueeze(-2) + damping)
+                V = qg @ v2 @ qa.transpose(1, 2)
+            else:
+                a_inv, g_inv = self.second[m]
+                V = g_inv @ work @ a_inv
+            V = V.to(dW.dtype)
+            vs[m] = V
+            vg += (V * dW).sum().item() * self.value("lr") ** 2
+        kl = self.value("kl")
+        nu = 1.0 if kl is None or vg == 0 else min(1.0, math.sqrt(kl / abs(vg)))
+        for m, V in vs.items():
+            d = m.weight.grad.numel() // (V.shape[0] * V.shape[1])
+            m.weight.grad.copy_((nu * V[:, :, :d]).reshape(m.weight.shape))
+            if m.bias is not None:
+                m.bias.grad.copy_((nu * V[:, :, d]).reshape(m.bias.shape))
+        self.k += 1
+
+
+# ------------------------------------------------------------------------------- models
+def mlp():
+    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9, bias=False), nn.ReLU(), nn.Linear(9, 4))
+
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 5, 3, stride=2, padding=1, bias=False),
+                         nn.ReLU(), nn.Flatten(), nn.Linear(5 * 4 * 4, 10), nn.Tanh(), nn.Linear(10, 4))
+
+
+def odd_cnn(inplace=False):
+    """What kfac-pytorch gets wrong or cannot run: dilation, groups, 'same', padding modes."""
+    return nn.Sequential(
+        nn.Conv2d(4, 6, 3, dilation=2, padding=2, groups=2), nn.ReLU(inplace=inplace),
+        nn.Conv2d(6, 6, 3, groups=6, stride=2, padding=1, padding_mode="reflect"), nn.ReLU(inplace=inplace),
+        nn.Conv2d(6, 4, (2, 3), padding="same", dilation=(2, 1), padding_mode="circular"), nn.Tanh(),
+        nn.Conv2d(4, 4, 3, padding="valid", bias=False), nn.Flatten(), nn.Linear(4 * 2 * 2, 5), nn.ReLU(inplace=inplace),
+        nn.Linear(5, 3))
+
+
+def deep():
+    """Layers of equal shapes: their preconditioning runs stacked (one batched chain)."""
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(4, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 6 * 6, 8), nn.Tanh(),
+                         nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def stacked_mlp():
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+MODELS = {"mlp": (mlp, (6, 5, 7), 4), "stacked_mlp": (stacked_mlp, (6, 6), 3), "cnn": (cnn, (6, 3, 8, 8), 4), "odd_cnn": (odd_cnn, (5, 4, 8, 8), 3),
+          "deep": (deep, (5, 3, 6, 6), 3)}
+
+
+def data(kind, dtype, steps, acc=1, seed=1):
+    _, shape, classes = MODELS[kind]
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(*shape, generator=g).to(dtype), torch.randint(0, classes, (shape[0],), generator=g))
+             for _ in range(acc)] for _ in range(steps)]
+
+
+def loss_of(model, x, y):
+    out = model(x)
+    return F.cross_entropy(out.mean(1) if out.dim() == 3 else out, y)
+
+
+def train(make_pre, model, batches, step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = make_pre(model)
+    step = step or pre.step
+    for batch in batches:
+        opt.zero_grad()
+        for x, y in batch:
+            (loss_of(model, x, y) / len(batch)).backward()
+        step()
+        opt.step()
+    return model, pre
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def rel_error(a_model, b_model, start):
+    moved = (flat(a_model) - start).abs().max()
+    return ((flat(a_model) - flat(b_model)).abs().max() / moved).item()
+
+
+def base_model(kind, dtype, **kw):
+    torch.manual_seed(0)
+    return MODELS[kind][0](**kw).to(dtype)
+
+
+CONFIGS = {
+    "eigen": dict(),
+    "inverse": dict(compute_method="inverse"),
+    "eigen_no_outer": dict(compute_eigenvalue_outer_product=False, kl_clip=None),
+    "intervals": dict(factor_update_steps=2, inv_update_steps=3),
+    "intervals_inverse": dict(factor_update_steps=2, inv_update_steps=4, compute_method="inverse", kl_clip=None),
+    "kl_clip_active": dict(kl_clip=1e-5, lr=1.0),
+    "accumulation": dict(accumulation_steps=2),
+    "accumulation_at_step": dict(accumulation_steps=3, update_factors_in_hook=False, factor_update_steps=2),
+    "callables": dict(damping=lambda k: 1e-2 / (k + 1), lr=lambda k: 0.1 + 0.01 * k,
+                      factor_decay=lambda k: 0.9 if k < 2 else 0.95),
+}
+
+
+# Every config on the two kfac-pytorch-style models with the fused backend in float64; the other
+# models, float32 and the reference backend (which shares everything but the three ops) on
+# subsets, to keep the suite short.
+CASES = [(k, c, "f64", "fused") for k in ("mlp", "cnn") for c in CONFIGS] + \
+        [("odd_cnn", c, "f64", "fused") for c in ("eigen", "inverse", "eigen_no_outer", "kl_clip_active",
+                                                 "accumulation")] + \
+        [("deep", c, "f64", "fused") for c in ("eigen", "inverse", "eigen_no_outer", "intervals")] + \
+        [("deep", "eigen", "f32", "fused")] + \
+        [(k, c, "f32", "fused") for k in ("mlp", "cnn") for c in ("eigen", "inverse", "kl_clip_active")] + \
+        [("odd_cnn", c, "f32", "fused") for c in ("eigen", "accumulation")] + \
+        [("cnn", c, "f64", "reference") for c in ("eigen", "inverse", "eigen_no_outer", "kl_clip_active",
+                                                   "intervals", "accumulation_at_step")]
+
+
+@pytest.mark.filterwarnings("ignore:It is suggested")
+@pytest.mark.parametrize("kind, config, dtype, backend", CASES)
+def test_matches_oracle(kind, config, dtype, backend):
+    dtype = torch.float64 if dtype == "f64" else torch.float32
+    kw = dict(CONFIGS[config])
+    if dtype == torch.float64:
+        kw.update(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    steps = 5
+    batches = data(kind, dtype, steps, acc=kw.get("accumulation_steps", 1))
+    base = base_model(kind, dtype)
+    ours, pre = train(lambda m: cafin.KFACPreconditioner(m, backend=backend, **kw), copy.deepcopy(base), batches)
+    theirs, _ = train(lambda m: Oracle(m, **kw), copy.deepcopy(base), batches)
+    assert pre.steps == steps
+    err = rel_error(theirs, ours, flat(base))
+    assert err <= (1e-10 if dtype == torch.float64 else 1e-4), err
+
+
+def test_kl_clip_really_clips():
+    """The KL config above must actually scale: nu < 1 changes the step."""
+    batches = data("mlp", torch.float64, 2)
+    base = base_model("mlp", torch.float64)
+    a, _ = train(lambda m: cafin.KFACPreconditioner(m, kl_clip=1e-5, lr=1.0), copy.deepcopy(base), batches)
+    b, _ = train(lambda m: cafin.KFACPreconditioner(m, kl_clip=None), copy.deepcopy(base), batches)
+    assert rel_error(b, a, flat(base)) > 1e-3
+
+
+def test_inplace_activations_same_as_out_of_place():
+    batches = data("odd_cnn", torch.float64, 3)
+    base = base_model("odd_cnn", torch.float64)
+    inplace = base_model("odd_cnn", torch.float64, inplace=True)
+    inplace.load_state_dict(base.state_dict())
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    a, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    b, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), inplace, batches)
+    assert rel_error(a, b, flat(base)) <= 1e-12
+
+
+# ------------------------------------------------------------------------------- contract
+def test_constructor_signature_is_kfac_pytorchs():
+    import inspect
+    sig = inspect.signature(cafin.KFACPreconditioner)
+    expected = dict(factor_update_steps=1, inv_update_steps=1, damping=0.001, factor_decay=0.95, kl_clip=0.001,
+                    lr=0.1, accumulation_steps=1, allreduce_bucket_cap_mb=25.0, colocate_factors=True,
+                    compute_eigenvalue_outer_product=True, symmetry_aware=False, grad_scaler=None,
+                    factor_dtype=None, inv_dtype=torch.float32, skip_layers=None, update_factors_in_hook=True,
+                    backend="fused")
+    for name, default in expected.items():
+        assert sig.parameters[name].default == default, name
+        assert sig.parameters[name].kind is inspect.Parameter.KEYWORD_ONLY
+    from cafin.optim.kfac import AssignmentStrategy, ComputeMethod, DistributedStrategy
+    assert sig.parameters["compute_method"].default is ComputeMethod.EIGEN
+    assert sig.parameters["assignment_strategy"].default is AssignmentStrategy.COMPUTE
+    assert sig.parameters["grad_worker_fraction"].default is DistributedStrategy.COMM_OPT
+    assert (ComputeMethod.EIGEN.value, ComputeMethod.INVERSE.value) == (1, 2)
+    assert (DistributedStrategy.COMM_OPT.value, DistributedStrategy.MEM_OPT.value,
+            DistributedStrategy.HYBRID_OPT.value) == (1, 2, 3)
+
+
+def test_compute_method_spellings():
+    from cafin.optim.kfac import ComputeMethod
+
+    class Foreign(enum.Enum):  # kfac-pytorch's enum, as a user would pass it
+        EIGEN = 1
+        INVERSE = 2
+    for value, want in [("eigen", ComputeMethod.EIGEN), ("INVERSE", ComputeMethod.INVERSE),
+                        (ComputeMethod.INVERSE, ComputeMethod.INVERSE), (Foreign.INVERSE, ComputeMethod.INVERSE)]:
+        assert cafin.KFACPreconditioner(mlp(), compute_method=value).compute_method is want
+    with pytest.raises(ValueError, match="compute_method"):
+        cafin.KFACPreconditioner(mlp(), compute_method="cholesky")
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(damping=0.0), "damping"), (dict(factor_decay=1.5), "factor_decay"), (dict(kl_clip=0.0), "kl_clip"),
+    (dict(lr=-1.0), "lr"), (dict(accumulation_steps=0), "accumulation_steps"),
+    (dict(factor_update_steps=0), "factor_update_steps"), (dict(inv_update_steps=1.5), "inv_update_steps"),
+    (dict(colocate_factors=False), "colocate_factors"), (dict(allreduce_bucket_cap_mb=-1), "allreduce"),
+    (dict(grad_worker_fraction=2.0), "grad_worker_fraction"), (dict(backend="cuda"), "backend"),
+    (dict(assignment_strategy="fastest"), "assignment_strategy"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        cafin.KFACPreconditioner(mlp(), **kwargs)
+
+
+def test_hyperparameter_setters_check_and_take_effect():
+    pre = cafin.KFACPreconditioner(mlp())
+    pre.damping = 0.01
+    pre.kl_clip = None
+    assert pre.damping == 0.01 and pre.kl_clip is None
+    assert pre._tensors[torch.device("cpu")]["damping"].item() == 0.01
+    with pytest.raises(ValueError, match="damping"):
+        pre.damping = -1.0
+    with pytest.raises(ValueError, match="factor_decay"):
+        pre.factor_decay = 0.0
+    assert pre.damping == 0.01
+    sizes = pre.memory_usage()
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total") > 0
+
+
+def test_distributed_options_accepted():
+    pre = cafin.KFACPreconditioner(mlp(), grad_worker_fraction=0.5, colocate_factors=False,
+                                   compute_eigenvalue_outer_product=False, assignment_strategy="memory",
+                                   symmetry_aware=True, allreduce_bucket_cap_mb=0)
+    from cafin.optim.kfac import DistributedStrategy
+    # one process: kfac-pytorch's rule makes 0.5 of 1 worker MEM_OPT
+    assert pre.grad_worker_fraction == 0.5 and pre.distributed_strategy is DistributedStrategy.MEM_OPT
+    with pytest.warns(UserWarning, match="multiple"):
+        cafin.KFACPreconditioner(mlp(), factor_update_steps=3, inv_update_steps=4)
+
+
+def test_registration_and_skip_layers():
+    class Sub(nn.Linear):
+        pass
+    model = nn.Sequential(nn.Linear(3, 4), nn.Conv2d(1, 1, 1), Sub(4, 4), nn.LayerNorm(4), nn.Embedding(5, 4),
+                          nn.Linear(4, 2))
+    model[5].weight.requires_grad_(False)  # a frozen parameter: not registered (kfac-pytorch's rule)
+    names = [layer.name for layer in cafin.KFACPreconditioner(model).layers]
+    assert names == ["0", "1", "2"]
+    names = [layer.name for layer in cafin.KFACPreconditioner(model, skip_layers=["Conv2d", "^0$"]).layers]
+    assert names == ["2"]
+    assert [layer.name for layer in cafin.KFACPreconditioner(model, skip_layers=["Sub"]).layers] == ["0", "1"]
+
+
+def test_eval_mode_and_no_grad_take_no_statistics():
+    model = mlp().double()
+    pre = cafin.KFACPreconditioner(model)
+    x = torch.randn(4, 7, dtype=torch.float64)
+    model.eval()
+    model(x).sum().backward()
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert all(not st.seen and st.count_A.item() == 0 for st in pre._state.values())
+
+
+def test_forward_never_runs_leaves_gradient_alone():
+    """MultiheadAttention's out_proj is a Linear whose forward never runs (kfac-pytorch's first
+    step fails on it): its gradient is left to the optimizer as it is."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Unflatten(1, (2, 4)))
+    mha = nn.MultiheadAttention(4, 2, batch_first=True)
+    head = nn.Linear(4, 3)
+    x = torch.randn(5, 6)
+    pre = cafin.KFACPreconditioner(nn.ModuleList([model, mha, head]))
+    assert "1.out_proj" in [layer.name for layer in pre.layers]
+    h = model(x)
+    out = head(mha(h, h, h)[0].mean(1))
+    out.square().sum().backward()
+    before = mha.out_proj.weight.grad.clone(), mha.out_proj.bias.grad.clone(), head.weight.grad.clone()
+    pre.step()
+    assert torch.equal(mha.out_proj.weight.grad, before[0]) and torch.equal(mha.out_proj.bias.grad, before[1])
+    assert not torch.equal(head.weight.grad, before[2])
+
+
+def test_unused_layer_this_step():
+    """b is stacked with a (equal shapes); when b is unused a is preconditioned alone, the same."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)}).double()
+    pre = cafin.KFACPreconditioner(model, kl_clip=None, inv_update_steps=10, inv_dtype=torch.float64)
+    assert len(pre._stacks) == 1
+    x = torch.randn(4, 3, dtype=torch.float64)
+    model["b"](model["a"](x)).sum().backward()
+    pre.step()
+    model.zero_grad(set_to_none=True)
+    model["a"](x).square().sum().backward()  # b unused: grad None
+    raw = model["a"].weight.grad.clone()
+    st = pre._state["a"]
+    want = (st.second["qg"] @ ((st.second["qg"].mT @ torch.cat([raw, model["a"].bias.grad[:, None]], 1) @
+                                st.second["qa"]) * st.second["dgda"]) @ st.second["qa"].mT)[0, :, :3]
+    pre.step()
+    assert model["b"].weight.grad is None
+    torch.testing.assert_close(model["a"].weight.grad, want, rtol=1e-12, atol=1e-12)
+
+
+def test_no_host_sync_in_step(monkeypatch):
+    model = cnn()
+    pre = cafin.KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=2)
+    for i in range(3):
+        model.zero_grad()
+        x, y = data("cnn", torch.float32, 1, seed=i)[0][0]
+        loss_of(model, x, y).backward()
+
+        def refuse(*a, **k):
+            raise AssertionError("host sync in step()")
+        with monkeypatch.context() as mp:
+            for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+                mp.setattr(torch.Tensor, name, refuse)
+            pre.step()
+
+
+# ------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_state_dict_round_trip(method):
+    kw = dict(compute_method=method, factor_update_steps=2, inv_update_steps=3, inv_dtype=torch.float64,
+              decompose_dtype=torch.float64)
+    batches = data("odd_cnn", torch.float64, 7)
+    base = base_model("odd_cnn", torch.float64)
+    full, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    # 4 steps, checkpoint, a fresh preconditioner (and SGD state) continues
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+
+    def run(pre, opt, model, batches):
+        for batch in batches:
+            opt.zero_grad()
+            for x, y in batch:
+                loss_of(model, x, y).backward()
+            pre.step()
+            opt.step()
+    run(pre, opt, model, batches[:4])
+    sd, osd = pre.state_dict(), copy.deepcopy(opt.state_dict())
+    assert sd["steps"] == 4 and set(sd["layers"]["0"]) == {"A", "G"}
+    assert sd["layers"]["8"]["A"].shape == (17, 17)  # ungrouped: kfac-pytorch's [d, d]
+    saved = copy.deepcopy(sd)
+    model2 = copy.deepcopy(model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    opt2.load_state_dict(osd)
+    pre2 = cafin.KFACPreconditioner(model2, **kw)
+    pre2.load_state_dict(sd)
+    for k, layer in sd["layers"].items():
+        for key in ("A", "G"):
+            assert torch.equal(layer[key], saved["layers"][k][key])  # argument untouched
+    run(pre2, opt2, model2, batches[4:])
+    # the inverse at step 4 is recomputed from the loaded factors, as kfac-pytorch does; the
+    # trajectory is that of a run whose decomposition happened at step 4
+    run(pre, opt, model, batches[4:])
+    assert pre2.steps == 7
+    assert rel_error(model, model2, flat(base)) <= 1e-10 or method == "eigen"
+    with pytest.raises(ValueError, match="layers"):
+        pre2.load_state_dict({"steps": 1, "layers": {"nope": {"A": None, "G": None}}})
+    bad = copy.deepcopy(sd)
+    bad["layers"]["0"]["A"] = torch.zeros(3, 3)
+    with pytest.raises(ValueError, match="shape"):
+        pre2.load_state_dict(bad)
+    assert pre2.steps == 7  # a rejected checkpoint changes nothing
+
+
+def test_state_dict_continues_exactly_with_decompositions():
+    """Loading factors then decomposing at a step that decomposes anyway: same trajectory."""
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("cnn", torch.float64, 6)
+    base = base_model("cnn", torch.float64)
+    full, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+    for i, batch in enumerate(batches):
+        if i == 3:
+            sd = pre.state_dict()
+            pre.remove_hooks()
+            del pre
+            pre = cafin.KFACPreconditioner(model, **kw)
+            pre.load_state_dict(sd)
+        opt.zero_grad()
+        loss_of(model, *batch[0]).backward()
+        pre.step()
+        opt.step()
+    assert rel_error(full, model, flat(base)) <= 1e-12
+
+
+# ------------------------------------------------------------------------------- ops
+def _ema_args(device, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1, 5, 5), (3, 2, 2), (2, 7, 7)]
+    fs = [torch.randn(s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for s in shapes]
+    ss = [torch.randn(s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype) for s in shapes]
+    cs = [torch.tensor(c, dtype=dtype, device=device) for c in (2.0, 0.0, 1.0)]
+    return fs, ss, cs
+
+
+def _apply_args(device, dtype, seed, bias=(True, False, True)):
+    g = torch.Generator().manual_seed(seed)
+    ws, bs, vs = [], [], []
+    for i, (groups, rows, cols, b) in enumerate([(1, 4, 6, bias[0]), (2, 3, 5, bias[1]), (3, 1, 2, bias[2])]):
+        ws.append(torch.randn(groups * rows, cols - b, generator=g, dtype=torch.float64).to(device=device, dtype=dtype))
+        bs.append(torch.randn(groups * rows, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)
+                  if b else torch.empty(0, dtype=dtype, device=device))
+        vs.append(torch.randn(groups, rows, cols, generator=g, dtype=torch.float64).to(device=device, dtype=dtype))
+    return ws, bs, vs
+
+
+def _clone(xs):
+    return [x.clone() for x in xs]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_ops_match_reference(device, dtype):
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    decay = torch.tensor(0.9, dtype=torch.float64, device=device)
+    for step, interval, poison in [(None, 1, False), (torch.tensor(4.0, device=device), 2, False),
+                                   (torch.tensor(3.0, device=device), 2, False), (None, 1, True)]:
+        fs, ss, cs = _ema_args(device, dtype, 3)
+        if poison:  # an overflowing GradScaler step: that statistic is dropped
+            ss[2][1, 3, 4] = float("inf")
+            ss[0][0, 1, 1] = float("nan")
+        want = (_clone(fs), _clone(ss), _clone(cs))
+        ref.kfac_factor_ema_(*want, decay, step, interval)
+        ops.kfac_factor_ema_(fs, ss, cs, decay, step, interval)
+        for a, b in zip(fs + ss + cs, want[0] + want[1] + want[2]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        if poison:
+            assert torch.equal(fs[0], _ema_args(device, dtype, 3)[0][0]) and torch.isfinite(fs[2]).all()
+    g = torch.Generator().manual_seed(5)
+    v = [torch.randn(2, 3, 4, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
+    dg = [torch.rand(2, 3, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
+    da = [torch.rand(2, 4, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
+    damping = torch.tensor(1e-3, dtype=torch.float64, device=device)
+    want = _clone(v)
+    ref.kfac_eigen_scale_(want, dg, da, damping)
+    ops.kfac_eigen_scale_(v, dg, da, damping)
+    torch.testing.assert_close(v[0], want[0], rtol=tol, atol=tol)
+    lr = torch.tensor(0.3, dtype=torch.float64, device=device)
+    for kl in (None, torch.tensor(1e-3, dtype=torch.float64, device=device),
+               torch.tensor(1e6, dtype=torch.float64, device=device)):
+        ws, bs, vs = _apply_args(device, dtype, 7)
+        want = (_clone(ws), _clone(bs))
+        ref.kfac_precondition_apply_(*want, vs, lr, kl)
+        ops.kfac_precondition_apply_(ws, bs, vs, lr, kl)
+        for a, b in zip(ws + bs, want[0] + want[1]):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_zero_dot_product_means_no_scaling():
+    ws, bs, vs = _apply_args("cpu", torch.float64, 1)
+    vs = [torch.zeros_like(v) for v in vs]
+    vs[0][0, 0, 0] = 1.0
+    ws[0].zero_()  # <V, grad> = 0
+    ops.kfac_precondition_apply_(ws, bs, vs, torch.tensor(1.0, dtype=torch.float64),
+                                 torch.tensor(1e-9, dtype=torch.float64))
+    assert ws[0][0, 0].item() == 1.0
+
+
+def test_ops_reject_bad_arguments():
+    fs, ss, cs = _ema_args("cpu", torch.float32, 0)
+    decay = torch.tensor(0.9, dtype=torch.float64)
+    with pytest.raises(ValueError, match="stats"):
+        ops.kfac_factor_ema_(fs, ss[:2], cs, decay)
+    with pytest.raises(ValueError, match="shape"):
+        ops.kfac_factor_ema_(fs, [ss[1], ss[0], ss[2]], cs, decay)
+    ws, bs, vs = _apply_args("cpu", torch.float32, 0)
+    with pytest.raises(ValueError, match="precond"):
+        ops.kfac_precondition_apply_(ws, bs, [vs[1], vs[0], vs[2]], decay)
+    with pytest.raises(TypeError, match="dtype"):
+        ops.kfac_precondition_apply_(ws, bs, [v.double() for v in vs], decay)
+
+
+class TestKFACOps:
+    """Small calls of every K-FAC op for generate_opcheck_tests (schema, autograd registration,
+    fake tensor, AOT dispatch)."""
+
+    def test_kfac_factor_ema_(self):
+        fs, ss, cs = _ema_args("cpu", torch.float32, 1)
+        ops.kfac_factor_ema_(fs, ss, cs, torch.tensor(0.95, dtype=torch.float64), torch.tensor(2.0), 2)
+
+    def test_kfac_eigen_scale_(self):
+        ops.kfac_eigen_scale_([torch.randn(2, 3, 4)], [torch.rand(2, 3)], [torch.rand(2, 4)],
+                              torch.tensor(1e-3, dtype=torch.float64))
+
+    def test_kfac_precondition_apply_(self):
+        ws, bs, vs = _apply_args("cpu", torch.float32, 2)
+        ws[0].requires_grad_(False)
+        ops.kfac_precondition_apply_(ws, bs, vs, torch.tensor(0.1, dtype=torch.float64),
+                                     torch.tensor(1e-3, dtype=torch.float64))
+
+
+def test_opcheck_with_inputs_that_require_grad():
+    """opcheck's autograd-registration check runs only when an input requires grad: the
+    read-only inputs do here (the ops are non-differentiable by declaration)."""
+    fs, ss, cs = _ema_args("cpu", torch.float32, 4)
+    decay = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(torch.ops.cafin.kfac_factor_ema_.default, (fs, ss, cs, decay, torch.tensor(2.0), 2))
+    dg, da = torch.rand(2, 3, requires_grad=True), torch.rand(2, 4, requires_grad=True)
+    torch.library.opcheck(torch.ops.cafin.kfac_eigen_scale_.default,
+                          ([torch.randn(2, 3, 4)], [dg], [da], torch.tensor(1e-3, dtype=torch.float64)))
+    ws, bs, vs = _apply_args("cpu", torch.float32, 3)
+    vs = [v.requires_grad_() for v in vs]
+    torch.library.opcheck(torch.ops.cafin.kfac_precondition_apply_.default,
+                          (ws, bs, vs, torch.tensor(0.1, dtype=torch.float64), None))
+
+
+generate_opcheck_tests(
+    TestKFACOps, ["cafin"], failures_dict_path=str(Path(__file__).with_name("failures_dict.json")),
+    additional_decorators={},
+    test_utils=["test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"])
+
+
+# ------------------------------------------------------------------------------- compile
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("method", ["eigen", "inverse"])
+def test_compiled_step_equals_eager_without_recompiles(method, fresh_dynamo):
+    kw = dict(compute_method=method, factor_update_steps=2, inv_update_steps=3, kl_clip=1e-4)
+    kind = "stacked_mlp"  # two layers of equal shapes: the stacked chain is compiled too
+    batches = data(kind, torch.float32, 7)
+    base = base_model(kind, torch.float32)
+
+    def run(compiled):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        pre = cafin.KFACPreconditioner(model, **kw)
+        step = torch.compile(pre.step, fullgraph=True) if compiled else pre.step
+        for i, batch in enumerate(batches):
+            opt.zero_grad()
+            loss_of(model, *batch[0]).backward()
+            if i == 0:
+                pre.step()  # the first step eagerly: layers become live, state exists
+            else:
+                step()
+            opt.step()
+            pre.lr = 0.1 / (i + 1)  # changes every step: a tensor, no recompile
+            pre.damping = 1e-3 * (i + 1)
+        return model, pre
+    eager, _ = run(False)
+    compiled, pre = run(True)
+    assert pre._steps.device_gated and pre.steps == 7
+    assert rel_error(eager, compiled, flat(base)) <= 1e-4
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+# ------------------------------------------------------------------------------- precision, scaler
+def test_grad_scaler_unscales_the_gradient_statistics():
+    """A scaled backward, unscale_, step: the same as the unscaled run (power-of-two scale:
+    exact), as kfac-pytorch's grad_scaler argument does."""
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("cnn", torch.float64, 4)
+    base = base_model("cnn", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=10 ** 6)
+    pre = cafin.KFACPreconditioner(model, grad_scaler=scaler, **kw)
+    for batch in batches:
+        opt.zero_grad()
+        scaler.scale(loss_of(model, *batch[0])).backward()
+        scaler.unscale_(opt)
+        pre.step()
+        scaler.step(opt)
+        scaler.update()
+    assert rel_error(plain, model, flat(base)) <= 1e-12
+    # a callable returning the scale works the same way
+    model2 = copy.deepcopy(base)
+    scaled, _ = train(lambda m: cafin.KFACPreconditioner(m, grad_scaler=lambda: 1.0, **kw), model2, batches)
+    assert rel_error(plain, scaled, flat(base)) <= 1e-12
+
+
+def test_overflowing_scaled_step_leaves_the_factors_finite():
+    """kfac-pytorch folds an overflow step's inf gradient statistics into G for good; cafin drops
+    them (the step the GradScaler skips does not reach the factors)."""
+    model = cnn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)
+    pre = cafin.KFACPreconditioner(model, grad_scaler=scaler)
+    x, y = data("cnn", torch.float32, 1)[0][0]
+    opt.zero_grad()
+    scaler.scale(loss_of(model, x, y) * 4).backward()
+    scaler.unscale_(opt)
+    pre.step()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() < 2.0 ** 127  # it was an overflow step
+    for st in pre._state.values():
+        assert torch.isfinite(st.A).all() and torch.isfinite(st.G).all()
+        assert torch.equal(st.G, torch.eye(st.G.shape[-1]).expand_as(st.G))  # dropped
+        assert not torch.equal(st.A, torch.eye(st.A.shape[-1]).expand_as(st.A))  # inputs are fine
+
+
+def test_bfloat16_model_with_float32_factors():
+    batches = data("cnn", torch.float32, 3)
+    base = base_model("cnn", torch.float32)
+    ref32, _ = train(lambda m: cafin.KFACPreconditioner(m), copy.deepcopy(base), batches)
+    bf = copy.deepcopy(base).to(torch.bfloat16)
+    bf_batches = [[(x.to(torch.bfloat16), y) for x, y in b] for b in batches]
+    bf, pre = train(lambda m: cafin.KFACPreconditioner(m, factor_dtype=torch.float32), bf, bf_batches)
+    assert all(st.A.dtype == torch.float32 for st in pre._state.values())
+    assert torch.isfinite(flat(bf).float()).all()
+    # bf16 rounds the parameters themselves: compare the direction of the whole move
+    move32, move16 = flat(ref32) - flat(base), flat(bf).float() - flat(base)
+    assert F.cosine_similarity(move32, move16, dim=0) > 0.98
+
+
+def test_decompose_outside_the_step():
+    """decompose_in_step=False with decompose() on the inverse interval (the CUDA-graph recipe)
+    equals the default run."""
+    kw = dict(inv_update_steps=2, inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("mlp", torch.float64, 5)
+    base = base_model("mlp", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+    pre.decompose_in_step = False
+    for i, batch in enumerate(batches):
+        opt.zero_grad()
+        loss_of(model, *batch[0]).backward()
+        if i % 2 == 0:
+            pre._update_factors()  # what step() does first, so decompose() sees this step's factors
+            pre.decompose()
+        pre.step()
+        opt.step()
+    assert rel_error(plain, model, flat(base)) <= 1e-12
+
+
+# ------------------------------------------------------------------------------- distributed
+DIST_STEPS = 3
+
+
+def rank_batch(step, rank):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(5, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (5,), generator=g)
+
+
+def _dist_worker(rank: int, outdir: str) -> None:
+    """One of two gloo ranks: DDP over cnn() in float64, K-FAC with kfac-pytorch's KAISA options."""
+    import datetime
+    import os
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=90))
+    try:
+        model = base_model("cnn", torch.float64)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        pre = cafin.KFACPreconditioner(ddp, inv_dtype=torch.float64, decompose_dtype=torch.float64,
+                                       grad_worker_fraction=0.5, factor_update_steps=1, inv_update_steps=2)
+        for step in range(DIST_STEPS):
+            opt.zero_grad()
+            loss_of(ddp, *rank_batch(step, rank)).backward()
+            pre.step()
+            opt.step()
+        torch.save({"params": flat(model), "state": pre.state_dict()}, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
+    """Two gloo processes under DDP: identical on both ranks, and equal to one process that takes
+    each rank's statistics separately and averages them (kfac-pytorch averages each factor over
+    the ranks after its update; cafin averages every factor once per factor step, in one
+    collective: the same numbers, because the previous factors are equal on every rank)."""
+    import subprocess
+    import sys
+    import os
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           # the workers import the cafin this test imported
+           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
+                              cwd=str(Path(__file__).parents[1]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0].decode())
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    assert torch.equal(r0["params"], r1["params"])
+    for name, layer in r0["state"]["layers"].items():
+        assert torch.equal(layer["A"], r1["state"]["layers"][name]["A"])
+    model = base_model("cnn", torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    oracle = Oracle(model, inv_update_steps=2, inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    for step in range(DIST_STEPS):
+        opt.zero_grad()
+        for rank in range(2):  # each rank's batch at full scale: its own G
+            loss_of(model, *rank_batch(step, rank)).backward()
+        for p in model.parameters():
+            p.grad.div_(2)  # DDP's average
+        oracle.step()
+        opt.step()
+    err = ((r0["params"] - flat(model)).abs().max() / (flat(model) - flat(base_model("cnn", torch.float64))).abs().max())
+    assert err <= 1e-10, err.item()
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--dist-worker"]:
+        _dist_worker(int(sys.argv[2]), sys.argv[3])
