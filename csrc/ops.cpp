@@ -48,6 +48,24 @@ TORCH_LIBRARY(cafin, m) {
       "fisher_average_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!) skipped, float gamma, "
       "bool[] grad_side, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // DyKAF (semantics: cafin/reference/dykaf.py). The rank-one second moment l r^T of each rotated
+  // gradient gp (one projector-splitting step towards beta2 V + (1 - beta2) gp^2).
+  m.def(
+      "dykaf_rank_one_(Tensor(a!)[] l, Tensor(b!)[] r, Tensor[] gp, Tensor beta2, float guard) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // mp <- mp / (sqrt(l r^T) + guard), the denominator formed per element.
+  m.def("dykaf_precondition_(Tensor(a!)[] mp, Tensor[] l, Tensor[] r, float guard) -> ()",
+        {at::Tag::pt2_compliant_tag});
+  // v <- beta2 v + (1 - beta2) gp^2, mp <- mp / (sqrt(v) + eps).
+  m.def(
+      "dykaf_adam_precondition_(Tensor(a!)[] mp, Tensor(b!)[] v, Tensor[] gp, Tensor beta2, "
+      "float eps) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // theta <- theta - step_size * u (RMS-normalised when normalize), then theta <- theta - lr*wd*theta.
+  m.def(
+      "dykaf_apply_(Tensor(a!)[] params, Tensor[] updates, Tensor step_size, Tensor lr, "
+      "float weight_decay, bool normalize) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 namespace {
@@ -81,7 +99,9 @@ void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
 
 TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
   for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
-                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_"}) {
+                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
+                           "dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
+                           "dykaf_apply_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

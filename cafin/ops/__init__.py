@@ -10,3 +10,6 @@ from .adafisher import (  # noqa: F401
     adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_, norm_input_stats_,
     sumsq_stats_,
 )
+from .dykaf import (  # noqa: F401
+    dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
+)

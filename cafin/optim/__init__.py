@@ -1,2 +1,3 @@
 """The optimizers of the family, one small file each, on the shared core (`cafin.curvature`)."""
 from .adafisher import AdaFisher, AdaFisherW  # noqa: F401
+from .dykaf import DyKAF  # noqa: F401

@@ -6,3 +6,6 @@ from .adafisher import (  # noqa: F401
     MINMAX_EPS, adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_,
     norm_input_stats_, preconditioner, state_dtype, sumsq_stats_,
 )
+from .dykaf import (  # noqa: F401
+    dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
+)
