@@ -88,16 +88,18 @@ class Oracle:
     def __init__(self, params, lr=3e-3, betas=(0.95, 0.95), eps=1e-8, weight_decay=0.01,
                  precondition_frequency=10, max_precond_dim=10000, precondition_1d=False,
                  normalize_grads=False, correct_bias=True, init="eps", adam_rank_one=True,
-                 starts=None):
+                 shampoo_beta=-1, starts=None):
         self.params = list(params)
         self.h = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, f=precondition_frequency,
                       max=max_precond_dim, p1d=precondition_1d, normalize=normalize_grads,
-                      correct_bias=correct_bias, init=init, rank_one=adam_rank_one)
+                      correct_bias=correct_bias, init=init, rank_one=adam_rank_one,
+                      shampoo_beta=shampoo_beta)
         self.starts = starts
         self.state = {}
 
     def _start(self, p, g, st):
-        h, beta = self.h, self.h["betas"][1]
+        h = self.h
+        beta = h["shampoo_beta"] if h["shampoo_beta"] >= 0 else h["betas"][1]
         st.update(t=0, m=torch.zeros_like(p), beta=beta)
         big = [d > h["max"] for d in g.shape]
         if g.dim() == 2 and h["rank_one"]:

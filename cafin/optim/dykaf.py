@@ -5,7 +5,8 @@ src/optimizers/tensor_dykaf.py): the same constructor, defaults and numbers; doc
 the conventions kept and the published bugs fixed.
 
 State per parameter (all in `self.state[p]`): `step` (completed updates, a host int: the
-eigenbasis refresh every `precondition_frequency` updates is decided on the host), `exp_avg`,
+eigenbasis refresh every `precondition_frequency` updates is decided on the host) and
+`device_step` (the same count as a 0-dim float64 tensor, read by the bias corrections), `exp_avg`,
 `exp_avg_sq` (only where the full second moment is used), `l`, `r` (the rank-one second moment),
 `factors` and `bases` (one entry per mode, None where the mode is not preconditioned), and the
 values frozen at the first step: `kind`, `precondition_frequency`, `shampoo_beta`.
@@ -137,6 +138,7 @@ class DyKAF(torch.optim.Optimizer):
         beta = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else float(group["betas"][1])
         merged = self._merged_shape(p, group)
         state["step"] = 0
+        state["device_step"] = torch.zeros((), dtype=torch.float64, device=p.device)
         state["precondition_frequency"] = group["precondition_frequency"]
         state["shampoo_beta"] = beta
         state["exp_avg"] = torch.zeros_like(p, dtype=work, memory_format=torch.contiguous_format)
@@ -230,8 +232,12 @@ class DyKAF(torch.optim.Optimizer):
         states = [self.state[p] for p in params]
         grads = [p.grad.to(st["exp_avg"].dtype) for p, st in zip(params, states)]
         rotated = [self._project(g, st, p, group) for g, st, p in zip(grads, states, params)]
-        for st in states:
-            st["step"] += 1
+        if not torch.compiler.is_compiling():
+            for st in states:
+                st["step"] += 1
+        # The same count on the device: bias corrections read it there, so a compiled step
+        # holds no symbolic step count in its graph (the host count only decides refreshes).
+        torch._foreach_add_([st["device_step"] for st in states], 1.0)
         exp_avgs = [st["exp_avg"] for st in states]
         torch._foreach_mul_(exp_avgs, beta1)
         torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
@@ -248,13 +254,18 @@ class DyKAF(torch.optim.Optimizer):
                                           [rotated[i] for i in full], beta2, group["eps"])
         updates = [self._project(u, st, p, group, back=True)
                    for u, st, p in zip(moments, states, params)]
-        # Parameters with equal step counts share one step size and one apply call.
-        by_step: dict[int, list[int]] = {}
-        for i, st in enumerate(states):
-            by_step.setdefault(st["step"], []).append(i)
-        for t, idx in by_step.items():
+        # Parameters share one step size and one apply call when their step counts agree (the
+        # usual case); no dict keyed by the count, which would make a compiled step specialise
+        # on its value and recompile every step.
+        counts = [st["step"] for st in states]
+        if all(t == counts[0] for t in counts):
+            calls = [(counts[0], list(range(len(states))))]
+        else:
+            calls = [(t, [i]) for i, t in enumerate(counts)]
+        for t, idx in calls:
             step_size = lr
             if group["correct_bias"]:
+                t = states[idx[0]]["device_step"]
                 step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)
             impl.dykaf_apply_([params[i] for i in idx], [updates[i] for i in idx], step_size, lr,
                               float(group["weight_decay"]), bool(group["normalize_grads"]))
@@ -287,12 +298,18 @@ class DyKAF(torch.optim.Optimizer):
         else:
             merged = self._merged_shape(p, group)
             self._ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)
-        if state["step"] % state["precondition_frequency"] == 0:
+        if torch.compiler.is_compiling():
+            # A compiled step cannot branch on the count without recompiling for each value:
+            # the refresh is computed every step and kept only when due, decided on the device.
+            due = torch.fmod(state["device_step"], state["precondition_frequency"]) == 0
+            self._refresh(p, state, group, due)
+        elif state["step"] % state["precondition_frequency"] == 0:
             self._refresh(p, state, group)
 
-    def _refresh(self, p, state, group) -> None:
+    def _refresh(self, p, state, group, due: torch.Tensor | None = None) -> None:
         """The eigenbasis refresh (one power step and QR, float32), with the second moment's
-        entries permuted along with the basis columns."""
+        entries permuted along with the basis columns; with `due` (a device bool) the old basis
+        and order are kept where it is false."""
         bases = list(state["bases"])
         merged = self._merged_shape(p, group)
         v = state.get("exp_avg_sq")
@@ -301,7 +318,12 @@ class DyKAF(torch.optim.Optimizer):
         for k, (factor, basis) in enumerate(zip(state["factors"], bases)):
             if factor is None:
                 continue
-            bases[k], order = math.refresh_basis(factor, basis)
+            new, order = math.refresh_basis(factor, basis)
+            if due is None:
+                bases[k] = new
+            else:
+                bases[k] = torch.where(due, new, basis)
+                order = torch.where(due, order, torch.arange(order.numel(), device=order.device))
             if "l" in state:
                 key = "l" if k == 0 else "r"
                 state[key] = state[key].index_select(0, order.to(state[key].device))
@@ -312,6 +334,16 @@ class DyKAF(torch.optim.Optimizer):
         state["bases"] = bases
 
     # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout; `step` is read from `device_step` (compiled steps advance only
+        the device count), one host read per parameter at checkpoint time."""
+        sd = super().state_dict()
+        sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # not the live dicts
+        for st in sd["state"].values():
+            if "device_step" in st:
+                st["step"] = int(st["device_step"].item())
+        return sd
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a checkpoint; every tensor is copied onto its parameter's device in its saved dtype
         (factors stay float32 for bf16 parameters), and `state_dict` is left unchanged."""
