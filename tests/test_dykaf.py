@@ -377,5 +377,47 @@ def test_op_argument_errors():
         cafin.ops.dykaf_rank_one_(x["ls"], x["rs"], x["gps"], x["beta2"].float())
     with pytest.raises(ValueError, match="l\\[0\\]"):
         cafin.ops.dykaf_rank_one_([x["ls"][1]], [x["rs"][0]], [x["gps"][0]], x["beta2"])
-    with pytest.raises(RuntimeError, match="entries"):  # the kernel checks too, before writing
+    with pytest.raises(ValueError, match="entries"):  # the kernel checks too, before writing
         torch.ops.cafin.dykaf_precondition_(x["mps"], x["ls"][:1], x["rs"], 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_parameters_keep_float32_state(backend):
+    torch.manual_seed(0)
+    model = mlp().to(torch.bfloat16)
+    opt = cafin.DyKAF(model.parameters(), init="eps", lr=1e-2, backend=backend)
+    start = [p.detach().clone() for p in model.parameters()]
+    for x, y in batches("mlp", 5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x.to(torch.bfloat16)).float(), y).backward()
+        opt.step()
+    w = model[0].weight
+    assert opt.state[w]["exp_avg"].dtype == torch.float32
+    assert all(f.dtype == torch.float32 for f in opt.state[w]["factors"] + opt.state[w]["bases"])
+    assert all(torch.isfinite(p).all() and not torch.equal(p, p0)
+               for p, p0 in zip(model.parameters(), start))
+
+
+def test_grad_scaler_skips_inf_steps_and_unscales():
+    """GradScaler's standard path: it unscales the gradients before step() and skips a step
+    whose gradients overflowed, so a scaled run equals an unscaled one."""
+    data = batches("mlp", 6)
+    out = []
+    for scale in (None, 2.0 ** 10):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = cafin.DyKAF(model.parameters(), init="eps", eps=1e-4, lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=scale) if scale else None
+        for t, (x, y) in enumerate(data):
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(x), y)
+            if scaler is None:
+                loss.backward()
+                opt.step()
+            else:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        out.append(model)
+    for p, q in zip(*[m.parameters() for m in out]):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
