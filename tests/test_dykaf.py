@@ -345,8 +345,15 @@ def _op_calls(x):
 @pytest.mark.parametrize("name", ["dykaf_rank_one_", "dykaf_precondition_",
                                   "dykaf_adam_precondition_", "dykaf_apply_"])
 def test_opcheck(name):
-    args = _op_calls(_op_inputs(torch.float32))[name]
+    x = _op_inputs(torch.float32)
+    read_only = {"dykaf_rank_one_": "gps", "dykaf_precondition_": "ls",
+                 "dykaf_adam_precondition_": "gps", "dykaf_apply_": "mps"}[name]
+    for t in x[read_only]:  # so opcheck's autograd-registration check runs
+        t.requires_grad_(True)
+    args = _op_calls(x)[name]
     torch.library.opcheck(getattr(torch.ops.cafin, name).default, args)
+    if name == "dykaf_apply_":  # a call on tensors that require grad builds no graph
+        assert all(p.grad_fn is None for p in x["params"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
