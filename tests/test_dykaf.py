@@ -272,13 +272,13 @@ def test_state_dict_round_trip_is_bit_identical(backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_step_equals_eager_without_recompiles(backend):
-    """After the first (state-building, eager) step, the step compiles to one graph, which runs
-    the refresh every step and keeps it only when due (decided on the device), and never
-    recompiles while lr and beta1 change every step."""
+    """After the first (state-building, eager) step, the step compiles to one graph, whose
+    refresh is a torch.cond on the device step count, and never recompiles while lr and beta1
+    change every step."""
     torch._dynamo.reset()
     counters.clear()
     data = batches("mlp", 8)
-    out = []
+    out, states = [], []
     for compiled in (False, True):
         torch.manual_seed(0)
         model = mlp()
@@ -294,10 +294,17 @@ def test_compiled_step_equals_eager_without_recompiles(backend):
             opt.param_groups[0]["betas"][0].fill_(0.9 + 0.001 * t)
             (opt.step if t == 0 else step)()
         out.append(model)
+        states.append(opt.state[model[2].weight])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     for p, q in zip(*[m.parameters() for m in out]):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    # the compiled refreshes happened (steps 3 and 6), with the eager bases and permutations
+    eager, compiled = states
+    assert compiled["step"] == 0 and eager["step"] == 7  # compiled steps advance the device count
+    assert float(compiled["device_step"]) == 7
+    for a, b in zip(eager["bases"] + [eager["l"]], compiled["bases"] + [compiled["l"]]):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)  # float32 QR of near-equal inputs
     torch._dynamo.reset()
 
 

@@ -299,8 +299,8 @@ class DyKAF(torch.optim.Optimizer):
             merged = self._merged_shape(p, group)
             self._ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)
         if torch.compiler.is_compiling():
-            # A compiled step cannot branch on the count without recompiling for each value:
-            # the refresh is computed every step and kept only when due, decided on the device.
+            # A compiled step cannot branch on a host count without recompiling for each value:
+            # the refresh is a torch.cond on the device count.
             due = torch.fmod(state["device_step"], state["precondition_frequency"]) == 0
             self._refresh(p, state, group, due)
         elif state["step"] % state["precondition_frequency"] == 0:
@@ -318,12 +318,10 @@ class DyKAF(torch.optim.Optimizer):
         for k, (factor, basis) in enumerate(zip(state["factors"], bases)):
             if factor is None:
                 continue
-            new, order = math.refresh_basis(factor, basis)
             if due is None:
-                bases[k] = new
-            else:
-                bases[k] = torch.where(due, new, basis)
-                order = torch.where(due, order, torch.arange(order.numel(), device=order.device))
+                bases[k], order = math.refresh_basis(factor, basis)
+            else:  # the QR runs only on due steps, the branch taken on the device
+                bases[k], order = torch.cond(due, math.refresh_basis, _keep_basis, (factor, basis))
             if "l" in state:
                 key = "l" if k == 0 else "r"
                 state[key] = state[key].index_select(0, order.to(state[key].device))
@@ -382,6 +380,11 @@ class DyKAF(torch.optim.Optimizer):
                 elif key == "betas":
                     value = tuple(_scalar(b, device) for b in value)
                 group[key] = value
+
+
+def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The not-due branch of a compiled refresh: the basis as it is, the identity order."""
+    return basis.clone(), torch.arange(basis.shape[1], device=basis.device)
 
 
 def _split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
