@@ -33,6 +33,17 @@ def mlp():
     return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 5))
 
 
+def deep():
+    """Matrices of equal shapes (9x9 twice, 9x7 twice): the fused backend batches them."""
+    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 9),
+                         nn.Tanh(), nn.Linear(9, 7), nn.Tanh(), nn.Linear(7, 9), nn.Tanh(),
+                         nn.Linear(9, 7), nn.Tanh(), nn.Linear(7, 5))
+
+
+def build(kind):
+    return {"mlp": mlp, "cnn": cnn, "deep": deep}[kind]()
+
+
 def cnn():
     return nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, (3, 2)), nn.ReLU(),
                          nn.Flatten(), nn.Linear(4 * 6 * 7, 5))
@@ -40,7 +51,7 @@ def cnn():
 
 def batches(kind, n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shape = (16, 7) if kind == "mlp" else (8, 3, 8, 8)
+    shape = (8, 3, 8, 8) if kind == "cnn" else (16, 7)
     return [(torch.randn(*shape, generator=g).to(torch.get_default_dtype()),
              torch.randint(0, 5, (shape[0],), generator=g)) for _ in range(n)]
 
@@ -62,7 +73,7 @@ def rel(a, b):
 def run_pair(kind, steps, kw, backend, groups=None, lr_change=False, zero_first=None):
     """Train the model with cafin.DyKAF and a copy with the oracle; the worst relative difference."""
     torch.manual_seed(1)
-    model = mlp() if kind == "mlp" else cnn()
+    model = build(kind)
     twin = copy.deepcopy(model)
     if groups is None:
         opt = cafin.DyKAF(model.parameters(), **kw, backend=backend)
@@ -104,6 +115,8 @@ CONFIGS = {
     "mlp-no-bias-correction": ("mlp", dict(correct_bias=False, shampoo_beta=0.9)),
     "mlp-kron-start": ("mlp", dict(init="kron")),
     "cnn-rank-one": ("cnn", {}),
+    "equal-shapes-batched": ("deep", dict(precondition_frequency=4)),
+    "equal-shapes-full-second-moment": ("deep", dict(adam_rank_one=False, shampoo_beta=0.9)),
     "cnn-full-precondition-1d": ("cnn", dict(adam_rank_one=False, precondition_1d=True)),
 }
 
@@ -113,8 +126,12 @@ CONFIGS = {
 def test_matches_oracle_float64(name, backend, float64_default):
     kind, kw = CONFIGS[name]
     kw = {**dict(lr=1e-2, eps=1e-4, init="eps"), **kw}
-    worst, _ = run_pair(kind, 13, kw, backend)  # 12 updates: the refresh at 10 (at 3, 6, 9, 12)
+    worst, opt = run_pair(kind, 13, kw, backend)  # 12 updates: the refresh at 10 (at 3, 6, 9, 12)
     assert worst <= 1e-10, worst
+    if kind == "deep" and backend == "fused":  # the equal shapes really were batched
+        params = [p for p in opt.param_groups[0]["params"]]
+        stacks = opt._stacks(params, [opt.state[p] for p in params])
+        assert sorted(len(idx) for idx, _, _ in stacks) == [2, 2, 2]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

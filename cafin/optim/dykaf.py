@@ -231,7 +231,15 @@ class DyKAF(torch.optim.Optimizer):
         lr, beta1, beta2 = (_on(x, device) for x in (group["lr"], *group["betas"]))
         states = [self.state[p] for p in params]
         grads = [p.grad.to(st["exp_avg"].dtype) for p, st in zip(params, states)]
-        rotated = [self._project(g, st, p, group) for g, st, p in zip(grads, states, params)]
+        # fused: matrices of one shape rotate (and split their factors) in batched GEMMs
+        stacks = self._stacks(params, states) if self.backend == "fused" else []
+        alone = sorted(set(range(len(params))) - {i for idx, _, _ in stacks for i in idx})
+        rotated: list = [None] * len(params)
+        for i in alone:
+            rotated[i] = self._project(grads[i], states[i], params[i], group)
+        for idx, QL, QR in stacks:
+            for i, x in zip(idx, (QL.mT @ torch.stack([grads[i] for i in idx]) @ QR).unbind(0)):
+                rotated[i] = x
         if not torch.compiler.is_compiling():
             for st in states:
                 st["step"] += 1
@@ -241,7 +249,15 @@ class DyKAF(torch.optim.Optimizer):
         exp_avgs = [st["exp_avg"] for st in states]
         torch._foreach_mul_(exp_avgs, beta1)
         torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
-        moments = [self._project(st["exp_avg"], st, p, group) for st, p in zip(states, params)]
+        moments: list = [None] * len(params)
+        for i in alone:
+            moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
+        stacked_moments = []
+        for idx, QL, QR in stacks:
+            stacked = QL.mT @ torch.stack([exp_avgs[i] for i in idx]) @ QR
+            stacked_moments.append(stacked)
+            for i, x in zip(idx, stacked.unbind(0)):
+                moments[i] = x
         rank_one = [i for i, st in enumerate(states) if "l" in st]
         full = [i for i, st in enumerate(states) if "l" not in st]
         if rank_one:
@@ -252,8 +268,12 @@ class DyKAF(torch.optim.Optimizer):
             impl.dykaf_adam_precondition_([moments[i] for i in full],
                                           [states[i]["exp_avg_sq"] for i in full],
                                           [rotated[i] for i in full], beta2, group["eps"])
-        updates = [self._project(u, st, p, group, back=True)
-                   for u, st, p in zip(moments, states, params)]
+        updates: list = [None] * len(params)
+        for i in alone:
+            updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
+        for (idx, QL, QR), stacked in zip(stacks, stacked_moments):
+            for i, x in zip(idx, (QL @ stacked @ QR.mT).unbind(0)):
+                updates[i] = x
         # Parameters share one step size and one apply call when their step counts agree (the
         # usual case); no dict keyed by the count, which would make a compiled step specialise
         # on its value and recompile every step.
@@ -269,8 +289,17 @@ class DyKAF(torch.optim.Optimizer):
                 step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)
             impl.dykaf_apply_([params[i] for i in idx], [updates[i] for i in idx], step_size, lr,
                               float(group["weight_decay"]), bool(group["normalize_grads"]))
-        for p, g, st in zip(params, grads, states):
-            self._update_factors(p, g, st, group)
+        for idx, _, _ in stacks:
+            beta = states[idx[0]]["shampoo_beta"]
+            U, V = math.proj_split_batched(
+                torch.stack([states[i]["factors"][0] for i in idx]),
+                torch.stack([states[i]["factors"][1] for i in idx]),
+                torch.stack([grads[i] for i in idx]), beta)
+            for i, u, v in zip(idx, U.unbind(0), V.unbind(0)):
+                states[i]["factors"] = [u, v]
+        done = {i for idx, _, _ in stacks for i in idx}
+        for i, (p, g, st) in enumerate(zip(params, grads, states)):
+            self._update_factors(p, g, st, group, split=i not in done)
 
     def _project(self, x, state, p, group, back: bool = False) -> torch.Tensor:
         bases = state["bases"]
@@ -284,9 +313,23 @@ class DyKAF(torch.optim.Optimizer):
             x = self._from_merged(x, p)
         return x.contiguous()
 
-    def _update_factors(self, p, g, state, group) -> None:
+    def _stacks(self, params, states) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+        """Matrices rotated on both sides, grouped by (shape, dtype, device, shampoo_beta) when a
+        group has two or more: (indices, stacked Q_L, stacked Q_R)."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (p, st) in enumerate(zip(params, states)):
+            if st["kind"] == "kron2d" and all(Q is not None for Q in st["bases"]):
+                key = (tuple(p.shape), st["exp_avg"].dtype, p.device, st["shampoo_beta"])
+                groups.setdefault(key, []).append(i)
+        return [(idx, torch.stack([states[i]["bases"][0] for i in idx]),
+                 torch.stack([states[i]["bases"][1] for i in idx]))
+                for idx in groups.values() if len(idx) > 1]
+
+    def _update_factors(self, p, g, state, group, split: bool = True) -> None:
         beta, factors, kind = state["shampoo_beta"], state["factors"], state["kind"]
-        if kind == "kron2d":
+        if kind == "kron2d" and not split:
+            pass  # split already, batched with the other matrices of its shape
+        elif kind == "kron2d":
             L, R = factors
             if L is not None and R is not None:
                 state["factors"] = list(math.proj_split(L, R, g, beta))

@@ -232,3 +232,30 @@ def project_back(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch
     for Q in bases:
         x = torch.tensordot(x, Q, dims=[[0], [1]]) if Q is not None else x.movedim(0, -1)
     return x
+
+
+def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
+                       beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
+    one batched GEMM per product instead of one per parameter."""
+    def fro(x):
+        return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+
+    def inner(x, y):
+        return (x * y).sum(dim=(-2, -1), keepdim=True)
+
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    L = L * beta ** 0.5
+    R = R * beta ** 0.5
+    left_norm, right_norm = fro(L), fro(R)
+    sigma = left_norm * right_norm
+    L, R = L / left_norm, R / right_norm
+    gt = g.mT
+    K = L * sigma + g @ R @ gt
+    M = R * sigma + gt @ L @ g
+    U = K / fro(K)
+    V = M / fro(M)
+    S = inner(L, U) * inner(R, V) * sigma + inner(U, g @ V @ gt)
+    root = S ** 0.5
+    return U * root, V * root
