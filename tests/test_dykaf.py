@@ -303,17 +303,19 @@ def test_compiled_step_equals_eager_without_recompiles(backend):
         # kernels and eager ops are amplified by eps-sized denominators (module docstring).
         opt = cafin.DyKAF(model.parameters(), init="eps", eps=1e-4, precondition_frequency=3,
                           lr=1e-2, backend=backend)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.1 * s))
         step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
         for t, (x, y) in enumerate(data):
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
-            opt.param_groups[0]["lr"].fill_(1e-2 / (1 + 0.1 * t))
             opt.param_groups[0]["betas"][0].fill_(0.9 + 0.001 * t)
             (opt.step if t == 0 else step)()
+            sched.step()
         out.append(model)
         states.append(opt.state[model[2].weight])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(1e-2 / (1 + 0.1 * len(data)))
     for p, q in zip(*[m.parameters() for m in out]):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
     # the compiled refreshes happened (steps 3 and 6), with the eager bases and permutations

@@ -216,8 +216,11 @@ class DyKAF(torch.optim.Optimizer):
                     self._init_state(p, p.grad, group)
                     continue  # the first step only builds state, as published
                 active.append(p)
-            if active:
-                self._update(group, active)
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in active:
+                by_device.setdefault(p.device, []).append(p)
+            for params in by_device.values():
+                self._update(group, params)
         return loss
 
     # LR schedulers wrap `opt.step` in a function Dynamo will not trace; marking it as wrapped
