@@ -327,6 +327,28 @@ def test_compiled_step_equals_eager_without_recompiles(backend):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_gradients_and_unrotated_matrix(backend):
+    """A transposed gradient, on a matrix with both sides over max_precond_dim (rank-one Adam in
+    the original basis) and on one rotated on both sides: the same numbers as contiguous ones."""
+    out = []
+    for transposed in (False, True):
+        torch.manual_seed(0)
+        ps = [nn.Parameter(torch.randn(5, 4, dtype=torch.float64)) for _ in range(2)]
+        opt = cafin.DyKAF([dict(params=[ps[0]], max_precond_dim=3), dict(params=[ps[1]])],
+                          init="eps", lr=1e-2, backend=backend)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in ps:
+                g = torch.randn(4, 5, generator=gen, dtype=torch.float64)
+                p.grad = g.T if transposed else g.T.contiguous()
+            opt.step()
+        out.append([p.detach().clone() for p in ps])
+    for a, b in zip(*out):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert not torch.equal(out[0][0], torch.zeros(5, 4))
+
+
 def test_bad_arguments():
     params = [nn.Parameter(torch.randn(3, 2))]
     with pytest.raises(ValueError, match="backend"):

@@ -233,7 +233,7 @@ class DyKAF(torch.optim.Optimizer):
         device = params[0].device
         lr, beta1, beta2 = (_on(x, device) for x in (group["lr"], *group["betas"]))
         states = [self.state[p] for p in params]
-        grads = [p.grad.to(st["exp_avg"].dtype) for p, st in zip(params, states)]
+        grads = [p.grad.to(st["exp_avg"].dtype).contiguous() for p, st in zip(params, states)]
         # fused: matrices of one shape rotate (and split their factors) in batched GEMMs
         stacks = self._stacks(params, states) if self.backend == "fused" else []
         alone = sorted(set(range(len(params))) - {i for idx, _, _ in stacks for i in idx})
@@ -478,8 +478,8 @@ def _check_group(group: dict[str, Any]) -> None:
     betas = group["betas"]
     if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-    if not group["shampoo_beta"] < 1.0:
-        raise ValueError(f"shampoo_beta must be < 1 (< 0 means betas[1]), got {group['shampoo_beta']}")
+    if not group["shampoo_beta"] <= 1.0:
+        raise ValueError(f"shampoo_beta must be <= 1 (< 0 means betas[1]), got {group['shampoo_beta']}")
     if not group["eps"] >= 0.0:
         raise ValueError(f"eps must be >= 0, got {group['eps']}")
     if not group["weight_decay"] >= 0.0:
