@@ -92,42 +92,16 @@ class DyKAF(torch.optim.Optimizer):
         group["lr"] = _scalar(group["lr"], device)
         group["betas"] = tuple(_scalar(b, device) for b in group["betas"])
 
-    # ------------------------------------------------------------------ shapes
+    # ------------------------------------------------------------------ merge_dims
     def _merged_shape(self, p: torch.Tensor, group) -> tuple[int, ...] | None:
-        """The shape merge_dims gives the parameter (published rule), or None when it keeps the
-        parameter's own dims in their own order."""
-        if not group["merge_dims"] or p.dim() < 2:
-            return None
-        shape = list(p.shape)
-        if self.data_format == "channels_last" and p.dim() == 4:
-            shape = [shape[0], shape[3], shape[1], shape[2]]
-        limit, merged, current = group["max_precond_dim"], [], 1
-        for sh in shape:
-            if current * sh > limit:
-                if current > 1:
-                    merged.append(current)
-                    current = sh
-                else:
-                    merged.append(sh)
-                    current = 1
-            else:
-                current *= sh
-        if current > 1 or not merged:
-            merged.append(current)
-        if tuple(merged) == tuple(p.shape) and shape == list(p.shape):
-            return None
-        return tuple(merged)
+        return math.merged_shape(p.shape, group["merge_dims"], group["max_precond_dim"],
+                                 self.data_format)
 
     def _to_merged(self, x: torch.Tensor, shape) -> torch.Tensor:
-        if self.data_format == "channels_last" and x.dim() == 4:
-            x = x.permute(0, 3, 1, 2)
-        return x.reshape(shape)
+        return math.to_merged(x, shape, self.data_format)
 
     def _from_merged(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        if self.data_format == "channels_last" and like.dim() == 4:
-            s = like.shape
-            return x.reshape(s[0], s[3], s[1], s[2]).permute(0, 2, 3, 1)
-        return x.reshape(like.shape)
+        return math.from_merged(x, like.shape, self.data_format)
 
     # ------------------------------------------------------------------ first step: state
     def _init_state(self, p: torch.Tensor, g: torch.Tensor, group) -> None:
@@ -182,7 +156,7 @@ class DyKAF(torch.optim.Optimizer):
         elif group["init"] == "eps":
             L, R = math.eps_start(m, g), math.eps_start(n, g)
         else:
-            return list(_split_from_zero(g, beta))
+            return list(math.proj_split_from_zero(g, beta))
         return list(math.proj_split(L, R, g, beta))
 
     @staticmethod
@@ -433,22 +407,9 @@ def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor
     return basis.clone(), torch.arange(basis.shape[1], device=basis.device)
 
 
-def _split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """proj_split from zero factors (init="zeros"): with sigma = 0 only the unit directions
-    I/||I|| of the "eps" start matter, so this is that start's limit as its scale goes to 0."""
-    m, n = g.shape
-    L = torch.eye(m, dtype=g.dtype, device=g.device)
-    R = torch.eye(n, dtype=g.dtype, device=g.device)
-    L, R = L / L.norm(), R / R.norm()
-    if beta != 1:
-        g = g * (1 - beta) ** 0.5
-    U = g @ R @ g.T
-    V = g.T @ L @ g
-    U, V = U / U.norm(), V / V.norm()
-    root = (U * (g @ V @ g.T)).sum() ** 0.5
-    return U * root, V * root
-
-
+# ----------------------------------------------------------------------------------- generic
+# Helpers any member needs (checkpoint copies, 0-dim hyperparameters): kept apart so that the
+# family's core (cafin/curvature.py) can replace them.
 def _copy_to(value, device):
     if isinstance(value, torch.Tensor):
         return value.detach().to(device=device, copy=True)

@@ -259,3 +259,59 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
     S = inner(L, U) * inner(R, V) * sigma + inner(U, g @ V @ gt)
     root = S ** 0.5
     return U * root, V * root
+
+
+def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj_split from zero factors (init="zeros"): with sigma = 0 only the unit directions
+    I/||I|| of the "eps" start matter, so this is that start's limit as its scale goes to 0."""
+    m, n = g.shape
+    L = torch.eye(m, dtype=g.dtype, device=g.device)
+    R = torch.eye(n, dtype=g.dtype, device=g.device)
+    L, R = L / L.norm(), R / R.norm()
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    U = g @ R @ g.T
+    V = g.T @ L @ g
+    U, V = U / U.norm(), V / V.norm()
+    root = (U * (g @ V @ g.T)).sum() ** 0.5
+    return U * root, V * root
+
+
+# ----------------------------------------------------------------------------------- merge_dims
+def merged_shape(shape, merge_dims: bool, limit: int, data_format: str) -> tuple[int, ...] | None:
+    """The shape merge_dims gives a tensor (the published rule: consecutive dims multiplied while
+    the product stays <= limit; a 4-D channels_last tensor read as (0, 3, 1, 2) first), or None
+    when the tensor keeps its own dims in their own order."""
+    if not merge_dims or len(shape) < 2:
+        return None
+    dims = list(shape)
+    if data_format == "channels_last" and len(dims) == 4:
+        dims = [dims[0], dims[3], dims[1], dims[2]]
+    merged, current = [], 1
+    for sh in dims:
+        if current * sh > limit:
+            if current > 1:
+                merged.append(current)
+                current = sh
+            else:
+                merged.append(sh)
+                current = 1
+        else:
+            current *= sh
+    if current > 1 or not merged:
+        merged.append(current)
+    if tuple(merged) == tuple(shape) and dims == list(shape):
+        return None
+    return tuple(merged)
+
+
+def to_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and x.dim() == 4:
+        x = x.permute(0, 3, 1, 2)
+    return x.reshape(shape)
+
+
+def from_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and len(shape) == 4:
+        return x.reshape(shape[0], shape[3], shape[1], shape[2]).permute(0, 2, 3, 1)
+    return x.reshape(shape)
