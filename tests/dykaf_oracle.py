@@ -150,7 +150,8 @@ class Oracle:
                 sq = gp * gp
                 l1 = _normalise(b2 * a * b * lh + (1 - b2) * torch.mv(sq, rh))
                 r1 = _normalise(b2 * a * b * rh + (1 - b2) * torch.mv(sq.T, lh))
-                c = b2 * torch.dot(l1, lh) * torch.dot(r1, rh) * a * b + (1 - b2) * torch.dot(l1, torch.mv(sq, r1))
+                c = (b2 * torch.dot(l1, lh) * torch.dot(r1, rh) * a * b
+                     + (1 - b2) * torch.dot(l1, torch.mv(sq, r1)))
                 st["l"], st["r"] = l1 * torch.sqrt(c), r1 * torch.sqrt(c)
                 denom = torch.sqrt(torch.outer(st["l"], st["r"]))
             else:
