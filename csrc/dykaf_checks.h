@@ -5,7 +5,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "checks.h"
 
@@ -93,6 +95,35 @@ inline void check_dykaf_apply(at::TensorList params, at::TensorList updates, con
     check_scalar_tensor(step_size, "step_size", params[i].device(), at::kDouble);
     check_scalar_tensor(lr, "lr", params[i].device(), at::kDouble);
   }
+}
+
+// A stack of square matrices [B, d, d] and its companions of the same shape, sigma [B].
+inline void check_dykaf_split(const char* op, std::initializer_list<std::pair<const char*, at::TensorList>> lists,
+                              at::TensorList sigma) {
+  const auto& first = *lists.begin();
+  for (const auto& [name, list] : lists) check_dykaf_same_length(first.second.size(), list.size(), name, first.first);
+  check_dykaf_same_length(first.second.size(), sigma.size(), "sigma", first.first);
+  for (size_t i = 0; i < sigma.size(); ++i) {
+    const std::string k = "[" + std::to_string(i) + "]";
+    const at::Tensor& x = first.second[i];
+    TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == x.size(2), op, ": ", first.first, k,
+                      " must be a [B, d, d] stack, got shape ", x.sizes());
+    for (const auto& [name, list] : lists) {
+      check_dykaf_work(list[i], std::string(name) + k, x);
+      TORCH_CHECK_VALUE(list[i].dim() == 3 && list[i].size(0) == x.size(0) && list[i].size(1) == list[i].size(2),
+                        op, ": ", name, k, " must be a [", x.size(0), ", d, d] stack, got shape ",
+                        list[i].sizes());
+    }
+    check_dykaf_work(sigma[i], "sigma" + k, x);
+    TORCH_CHECK_VALUE(sigma[i].numel() == x.size(0), "sigma", k, " has ", sigma[i].numel(),
+                      " entries, expected ", x.size(0));
+  }
+}
+
+inline void check_dykaf_same_shape(const at::Tensor& a, const at::Tensor& b, const char* na,
+                                   const char* nb, size_t i) {
+  TORCH_CHECK_VALUE(a.sizes() == b.sizes(), na, "[", i, "] has shape ", a.sizes(), " but ", nb, "[", i,
+                    "] has shape ", b.sizes());
 }
 
 }  // namespace cafin

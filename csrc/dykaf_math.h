@@ -36,3 +36,19 @@ C10_HOST_DEVICE inline T dykaf_rank_one_direction(T x_hat, T reduction, T beta2,
 }
 
 }  // namespace cafin
+
+namespace cafin {
+
+// sigma * f + x: the basis step's sum before normalisation.
+template <typename T>
+C10_HOST_DEVICE inline T dykaf_split_sum(T f, T x, T sigma) {
+  return f * sigma + x;
+}
+
+// The Galerkin weight S = sigma <L,U> <R,V> + <U,C>.
+template <typename T>
+C10_HOST_DEVICE inline T dykaf_split_weight(T lu, T rv, T uc, T sigma) {
+  return lu * rv * sigma + uc;
+}
+
+}  // namespace cafin

@@ -66,6 +66,17 @@ TORCH_LIBRARY(cafin, m) {
       "dykaf_apply_(Tensor(a!)[] params, Tensor[] updates, Tensor step_size, Tensor lr, "
       "float weight_decay, bool normalize) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // The factor split around its GEMMs, per matrix of [B, d, d] stacks (sigma [B]):
+  // K <- unit(sigma L + K), M <- unit(sigma R + M); then S = sigma <L,U><R,V> + <U,C>,
+  // U, V <- sqrt(S) U, sqrt(S) V.
+  m.def(
+      "dykaf_split_normalize_(Tensor(a!)[] K, Tensor(b!)[] M, Tensor[] L, Tensor[] R, "
+      "Tensor[] sigma) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "dykaf_split_scale_(Tensor(a!)[] U, Tensor(b!)[] V, Tensor[] L, Tensor[] R, Tensor[] C, "
+      "Tensor[] sigma) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 namespace {
@@ -101,7 +112,7 @@ TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
   for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
                            "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
                            "dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
-                           "dykaf_apply_"}) {
+                           "dykaf_apply_", "dykaf_split_normalize_", "dykaf_split_scale_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

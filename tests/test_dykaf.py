@@ -131,7 +131,7 @@ def test_matches_oracle_float64(name, backend, float64_default):
     if kind == "deep" and backend == "fused":  # the equal shapes really were batched
         params = [p for p in opt.param_groups[0]["params"]]
         stacks = opt._stacks(params, [opt.state[p] for p in params])
-        assert sorted(len(idx) for idx, _, _ in stacks) == [2, 2, 2]
+        assert sorted(len(idx) for idx, _, _ in stacks) == [1, 2, 2, 2]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -377,8 +377,14 @@ def _op_inputs(dtype, seed=0):
     vs = [mk(*s).abs() for s in shapes]
     params = [mk(*s) for s in shapes]
     scalar = lambda v: torch.tensor(v, dtype=torch.float64)  # noqa: E731
+    # factor-split stacks: [B, m, m] and [B, n, n] for (B, m, n) in (2, 3, 4), (1, 5, 2)
+    spd = lambda b, d: (lambda a: a @ a.mT + torch.eye(d, dtype=dtype))(mk(b, d, d))  # noqa: E731
+    Ks, Ms = [spd(2, 3), spd(1, 5)], [spd(2, 4), spd(1, 2)]
+    Ls, Rs = [spd(2, 3), spd(1, 5)], [spd(2, 4), spd(1, 2)]
+    Cs = [spd(2, 3), spd(1, 5)]
+    sig = [mk(2).abs() + 0.5, mk(1).abs() + 0.5]
     return dict(gps=gps, ls=ls, rs=rs, mps=mps, vs=vs, params=params, beta2=scalar(0.93),
-                step_size=scalar(0.03), lr=scalar(0.01))
+                step_size=scalar(0.03), lr=scalar(0.01), Ks=Ks, Ms=Ms, Ls=Ls, Rs=Rs, Cs=Cs, sig=sig)
 
 
 def _op_calls(x):
@@ -387,15 +393,21 @@ def _op_calls(x):
         "dykaf_precondition_": (x["mps"], x["ls"], x["rs"], 1e-6),
         "dykaf_adam_precondition_": (x["mps"], x["vs"], x["gps"], x["beta2"], 1e-8),
         "dykaf_apply_": (x["params"], x["mps"], x["step_size"], x["lr"], 0.1, True),
+        "dykaf_split_normalize_": (x["Ks"], x["Ms"], x["Ls"], x["Rs"], x["sig"]),
+        "dykaf_split_scale_": (x["Ks"], x["Ms"], x["Ls"], x["Rs"], x["Cs"], x["sig"]),
     }
 
 
+SPLIT_OPS = ["dykaf_split_normalize_", "dykaf_split_scale_"]
+
+
 @pytest.mark.parametrize("name", ["dykaf_rank_one_", "dykaf_precondition_",
-                                  "dykaf_adam_precondition_", "dykaf_apply_"])
+                                  "dykaf_adam_precondition_", "dykaf_apply_", *SPLIT_OPS])
 def test_opcheck(name):
     x = _op_inputs(torch.float32)
     read_only = {"dykaf_rank_one_": "gps", "dykaf_precondition_": "ls",
-                 "dykaf_adam_precondition_": "gps", "dykaf_apply_": "mps"}[name]
+                 "dykaf_adam_precondition_": "gps", "dykaf_apply_": "mps",
+                 "dykaf_split_normalize_": "Ls", "dykaf_split_scale_": "Cs"}[name]
     for t in x[read_only]:  # so opcheck's autograd-registration check runs
         t.requires_grad_(True)
     args = _op_calls(x)[name]
@@ -408,7 +420,8 @@ def test_opcheck(name):
 @pytest.mark.parametrize("guard", [0.0, 1e-3])
 def test_fused_ops_equal_reference(dtype, guard):
     tol = dict(rtol=1e-12, atol=1e-14) if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
-    for name in ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_"]:
+    for name in ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_",
+                 *SPLIT_OPS]:
         a, b = _op_inputs(dtype, seed=1), _op_inputs(dtype, seed=1)
         if guard and name == "dykaf_rank_one_":  # a collapsed moment restarts from uniform
             a["ls"][0].zero_()
@@ -418,7 +431,7 @@ def test_fused_ops_equal_reference(dtype, guard):
             args_a, args_b = (*args_a[:-1], guard), (*args_b[:-1], guard)
         getattr(cafin.ops, name)(*args_a)
         getattr(cafin.reference, name)(*args_b)
-        for key in ("ls", "rs", "mps", "vs", "params"):
+        for key in ("ls", "rs", "mps", "vs", "params", "Ks", "Ms"):
             for u, v in zip(a[key], b[key]):
                 torch.testing.assert_close(u, v, **tol)
                 assert torch.isfinite(u).all()
@@ -432,6 +445,10 @@ def test_op_argument_errors():
         cafin.ops.dykaf_rank_one_(x["ls"], x["rs"], x["gps"], x["beta2"].float())
     with pytest.raises(ValueError, match="l\\[0\\]"):
         cafin.ops.dykaf_rank_one_([x["ls"][1]], [x["rs"][0]], [x["gps"][0]], x["beta2"])
+    with pytest.raises(ValueError, match="stack"):
+        cafin.ops.dykaf_split_scale_(x["Ks"], x["Ms"], x["Ls"], x["Rs"], [c[0] for c in x["Cs"]], x["sig"])
+    with pytest.raises(ValueError, match="shape"):
+        torch.ops.cafin.dykaf_split_normalize_(x["Ks"], x["Ms"], x["Rs"], x["Ls"], x["sig"])
     with pytest.raises(ValueError, match="entries"):  # the kernel checks too, before writing
         torch.ops.cafin.dykaf_precondition_(x["mps"], x["ls"][:1], x["rs"], 0.0)
 

@@ -8,7 +8,8 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_"]
+__all__ = ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_",
+           "dykaf_split_normalize_", "dykaf_split_scale_"]
 
 
 def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
@@ -124,4 +125,58 @@ def _(mp, v, gp, beta2, eps):
 
 @torch.library.register_fake("cafin::dykaf_apply_")
 def _(params, updates, step_size, lr, weight_decay, normalize):
+    return None
+
+
+def _stacks(op: str, sigma, **lists) -> None:
+    names = list(lists)
+    first = lists[names[0]]
+    _lengths(names[0], len(first), **{k: v for k, v in lists.items() if k != names[0]}, sigma=sigma)
+    for i, x in enumerate(first):
+        for name in names:
+            t = lists[name][i]
+            _work(t, f"{name}[{i}]", x)
+            _check(t.dim() == 3 and t.shape[0] == x.shape[0] and t.shape[1] == t.shape[2],
+                   f"{op}: {name}[{i}] must be a [{x.shape[0]}, d, d] stack, got shape {tuple(t.shape)}")
+        _work(sigma[i], f"sigma[{i}]", x)
+        _check(sigma[i].numel() == x.shape[0],
+               f"sigma[{i}] has {sigma[i].numel()} entries, expected {x.shape[0]}")
+
+
+def _same_shape(a, b, na: str, nb: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        _check(x.shape == y.shape, f"{na}[{i}] has shape {tuple(x.shape)} but {nb}[{i}] has shape "
+                                   f"{tuple(y.shape)}")
+
+
+def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],
+                           L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                           sigma: Sequence[torch.Tensor]) -> None:
+    """K <- unit(sigma L + K), M <- unit(sigma R + M) per matrix of [B, d, d] stacks; writes K, M."""
+    _stacks("dykaf_split_normalize_", sigma, K=K, M=M, L=L, R=R)
+    _same_shape(K, L, "K", "L")
+    _same_shape(M, R, "M", "R")
+    if K:
+        torch.ops.cafin.dykaf_split_normalize_(list(K), list(M), list(L), list(R), list(sigma))
+
+
+def dykaf_split_scale_(U: Sequence[torch.Tensor], V: Sequence[torch.Tensor],
+                       L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                       C: Sequence[torch.Tensor], sigma: Sequence[torch.Tensor]) -> None:
+    """S = sigma <L,U><R,V> + <U,C>, U, V <- sqrt(S) U, sqrt(S) V per matrix; writes U, V."""
+    _stacks("dykaf_split_scale_", sigma, U=U, V=V, L=L, R=R, C=C)
+    _same_shape(U, L, "U", "L")
+    _same_shape(U, C, "U", "C")
+    _same_shape(V, R, "V", "R")
+    if U:
+        torch.ops.cafin.dykaf_split_scale_(list(U), list(V), list(L), list(R), list(C), list(sigma))
+
+
+@torch.library.register_fake("cafin::dykaf_split_normalize_")
+def _(K, M, L, R, sigma):
+    return None
+
+
+@torch.library.register_fake("cafin::dykaf_split_scale_")
+def _(U, V, L, R, C, sigma):
     return None

@@ -208,7 +208,8 @@ class DyKAF(torch.optim.Optimizer):
         lr, beta1, beta2 = (_on(x, device) for x in (group["lr"], *group["betas"]))
         states = [self.state[p] for p in params]
         grads = [p.grad.to(st["exp_avg"].dtype).contiguous() for p, st in zip(params, states)]
-        # fused: matrices of one shape rotate (and split their factors) in batched GEMMs
+        # fused: matrices of one shape rotate (and split their factors) in batched GEMMs, with
+        # the split's elementwise work in two ops
         stacks = self._stacks(params, states) if self.backend == "fused" else []
         alone = sorted(set(range(len(params))) - {i for idx, _, _ in stacks for i in idx})
         rotated: list = [None] * len(params)
@@ -271,7 +272,7 @@ class DyKAF(torch.optim.Optimizer):
             U, V = math.proj_split_batched(
                 torch.stack([states[i]["factors"][0] for i in idx]),
                 torch.stack([states[i]["factors"][1] for i in idx]),
-                torch.stack([grads[i] for i in idx]), beta)
+                torch.stack([grads[i] for i in idx]), beta, self._impl)
             for i, u, v in zip(idx, U.unbind(0), V.unbind(0)):
                 states[i]["factors"] = [u, v]
         done = {i for idx, _, _ in stacks for i in idx}
@@ -291,8 +292,8 @@ class DyKAF(torch.optim.Optimizer):
         return x.contiguous()
 
     def _stacks(self, params, states) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-        """Matrices rotated on both sides, grouped by (shape, dtype, device, shampoo_beta) when a
-        group has two or more: (indices, stacked Q_L, stacked Q_R)."""
+        """Matrices rotated on both sides, grouped by (shape, dtype, device, shampoo_beta):
+        (indices, stacked Q_L, stacked Q_R); a group may hold one matrix."""
         groups: dict[tuple, list[int]] = {}
         for i, (p, st) in enumerate(zip(params, states)):
             if st["kind"] == "kron2d" and all(Q is not None for Q in st["bases"]):
@@ -300,7 +301,7 @@ class DyKAF(torch.optim.Optimizer):
                 groups.setdefault(key, []).append(i)
         return [(idx, torch.stack([states[i]["bases"][0] for i in idx]),
                  torch.stack([states[i]["bases"][1] for i in idx]))
-                for idx in groups.values() if len(idx) > 1]
+                for idx in groups.values()]
 
     def _update_factors(self, p, g, state, group, split: bool = True) -> None:
         beta, factors, kind = state["shampoo_beta"], state["factors"], state["kind"]

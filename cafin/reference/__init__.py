@@ -8,4 +8,5 @@ from .adafisher import (  # noqa: F401
 )
 from .dykaf import (  # noqa: F401
     dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
+    dykaf_split_normalize_, dykaf_split_scale_,
 )

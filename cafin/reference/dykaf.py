@@ -89,6 +89,34 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
             p.sub_((lr.to(work) * weight_decay * p.to(work)).to(p.dtype))
 
 
+def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],
+                           L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                           sigma: Sequence[torch.Tensor]) -> None:
+    """The basis step of the factor split, for stacks [B, m, m] / [B, n, n] (sigma [B]):
+    K <- unit(sigma L + K), M <- unit(sigma R + M), unit = divided by its Frobenius norm, per matrix.
+    K and M hold g R g^T and g^T L g on entry; L and R are the unit factors."""
+    for k, mm, l, r, s in zip(K, M, L, R, sigma):
+        s = s.reshape(-1, 1, 1)
+        for x, f in ((k, l), (mm, r)):
+            x.copy_(f * s + x)
+            x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))
+
+
+def dykaf_split_scale_(U: Sequence[torch.Tensor], V: Sequence[torch.Tensor],
+                       L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                       C: Sequence[torch.Tensor], sigma: Sequence[torch.Tensor]) -> None:
+    """The Galerkin step of the factor split, per matrix of the stacks:
+    S = sigma <L, U> <R, V> + <U, C> (C = g V g^T), then U, V <- sqrt(S) U, sqrt(S) V."""
+    for u, v, l, r, c, s in zip(U, V, L, R, C, sigma):
+        s = s.reshape(-1, 1, 1)
+        dims = (-2, -1)
+        S = (l * u).sum(dims, keepdim=True) * (r * v).sum(dims, keepdim=True) * s \
+            + (u * c).sum(dims, keepdim=True)
+        root = S.sqrt()
+        u.mul_(root)
+        v.mul_(root)
+
+
 # ----------------------------------------------------------------------------------- factor maths
 def start_vectors(sizes: Sequence[int], seed: int, dtype: torch.dtype,
                   device: torch.device) -> list[torch.Tensor]:
@@ -234,31 +262,27 @@ def project_back(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch
     return x
 
 
-def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
-                       beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: float,
+                       ops) -> tuple[torch.Tensor, torch.Tensor]:
     """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
-    one batched GEMM per product instead of one per parameter."""
+    one batched GEMM per product, the elementwise work around them in two ops of `ops`
+    (cafin.ops or cafin.reference)."""
     def fro(x):
         return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-
-    def inner(x, y):
-        return (x * y).sum(dim=(-2, -1), keepdim=True)
 
     if beta != 1:
         g = g * (1 - beta) ** 0.5
     L = L * beta ** 0.5
     R = R * beta ** 0.5
     left_norm, right_norm = fro(L), fro(R)
-    sigma = left_norm * right_norm
+    sigma = (left_norm * right_norm).reshape(-1)
     L, R = L / left_norm, R / right_norm
     gt = g.mT
-    K = L * sigma + g @ R @ gt
-    M = R * sigma + gt @ L @ g
-    U = K / fro(K)
-    V = M / fro(M)
-    S = inner(L, U) * inner(R, V) * sigma + inner(U, g @ V @ gt)
-    root = S ** 0.5
-    return U * root, V * root
+    U = g @ R @ gt
+    V = gt @ L @ g
+    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+    ops.dykaf_split_scale_([U], [V], [L], [R], [g @ V @ gt], [sigma])
+    return U, V
 
 
 def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "dykaf_checks.h"
@@ -157,9 +158,83 @@ void apply_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& 
   }
 }
 
+void split_normalize_cpu(at::TensorList K, at::TensorList M, at::TensorList L, at::TensorList R,
+                         at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_normalize_", {{"K", K}, {"M", M}, {"L", L}, {"R", R}}, sigma);
+  for (size_t i = 0; i < K.size(); ++i) {
+    check_dykaf_same_shape(K[i], L[i], "K", "L", i);
+    check_dykaf_same_shape(M[i], R[i], "M", "R", i);
+  }
+  for (size_t t = 0; t < K.size(); ++t) {
+    AT_DISPATCH_FLOATING_TYPES(K[t].scalar_type(), "dykaf_split_normalize_", [&] {
+      using T = scalar_t;
+      const T* s = sigma[t].data_ptr<T>();
+      const int64_t batch = K[t].size(0);
+      for (const auto& [x, f] : {std::pair<at::Tensor, at::Tensor>{K[t], L[t]}, {M[t], R[t]}}) {
+        T* xp = x.data_ptr<T>();
+        const T* fp = f.data_ptr<T>();
+        const int64_t d2 = x.size(1) * x.size(2);
+        at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; ++b) {
+            T* xb = xp + b * d2;
+            const T* fb = fp + b * d2;
+            double sq = 0;
+            for (int64_t k = 0; k < d2; ++k) {
+              xb[k] = dykaf_split_sum(fb[k], xb[k], s[b]);
+              sq += static_cast<double>(xb[k]) * static_cast<double>(xb[k]);
+            }
+            const T norm = static_cast<T>(std::sqrt(sq));
+            for (int64_t k = 0; k < d2; ++k) xb[k] = xb[k] / norm;
+          }
+        });
+      }
+    });
+  }
+}
+
+void split_scale_cpu(at::TensorList U, at::TensorList V, at::TensorList L, at::TensorList R,
+                     at::TensorList C, at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_scale_", {{"U", U}, {"V", V}, {"L", L}, {"R", R}, {"C", C}}, sigma);
+  for (size_t i = 0; i < U.size(); ++i) {
+    check_dykaf_same_shape(U[i], L[i], "U", "L", i);
+    check_dykaf_same_shape(U[i], C[i], "U", "C", i);
+    check_dykaf_same_shape(V[i], R[i], "V", "R", i);
+  }
+  for (size_t t = 0; t < U.size(); ++t) {
+    AT_DISPATCH_FLOATING_TYPES(U[t].scalar_type(), "dykaf_split_scale_", [&] {
+      using T = scalar_t;
+      T* u = U[t].data_ptr<T>();
+      T* v = V[t].data_ptr<T>();
+      const T* l = L[t].data_ptr<T>();
+      const T* r = R[t].data_ptr<T>();
+      const T* c = C[t].data_ptr<T>();
+      const T* s = sigma[t].data_ptr<T>();
+      const int64_t m2 = U[t].size(1) * U[t].size(2), n2 = V[t].size(1) * V[t].size(2);
+      at::parallel_for(0, U[t].size(0), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          T* ub = u + b * m2;
+          T* vb = v + b * n2;
+          double lu = 0, uc = 0, rv = 0;
+          for (int64_t k = 0; k < m2; ++k) {
+            lu += static_cast<double>(l[b * m2 + k]) * ub[k];
+            uc += static_cast<double>(ub[k]) * c[b * m2 + k];
+          }
+          for (int64_t k = 0; k < n2; ++k) rv += static_cast<double>(r[b * n2 + k]) * vb[k];
+          const T root = std::sqrt(dykaf_split_weight(static_cast<T>(lu), static_cast<T>(rv),
+                                                      static_cast<T>(uc), s[b]));
+          for (int64_t k = 0; k < m2; ++k) ub[k] *= root;
+          for (int64_t k = 0; k < n2; ++k) vb[k] *= root;
+        }
+      });
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cafin, CPU, m) {
+  m.impl("dykaf_split_normalize_", &split_normalize_cpu);
+  m.impl("dykaf_split_scale_", &split_scale_cpu);
   m.impl("dykaf_rank_one_", &rank_one_cpu);
   m.impl("dykaf_precondition_", &precondition_cpu);
   m.impl("dykaf_adam_precondition_", &adam_precondition_cpu);

@@ -291,9 +291,98 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
   }
 }
 
+// ---------------------------------------------------------------------------- factor split
+// One block per matrix of the stack: the per-matrix norms and inner products are block sums.
+template <typename T>
+__global__ void split_normalize_kernel(T* x, const T* f, const T* sigma, int64_t d2) {
+  const int64_t b = blockIdx.x;
+  T* xb = x + b * d2;
+  const T* fb = f + b * d2;
+  const T s = sigma[b];
+  double sq = 0;
+  for (int64_t k = threadIdx.x; k < d2; k += blockDim.x) {
+    const T v = dykaf_split_sum(fb[k], xb[k], s);
+    xb[k] = v;
+    sq += double(v) * double(v);
+  }
+  const T norm = T(sqrt(block_sum(sq)));
+  for (int64_t k = threadIdx.x; k < d2; k += blockDim.x) xb[k] = xb[k] / norm;
+}
+
+template <typename T>
+__global__ void split_scale_kernel(T* u, T* v, const T* l, const T* r, const T* c, const T* sigma,
+                                   int64_t m2, int64_t n2) {
+  const int64_t b = blockIdx.x;
+  T* ub = u + b * m2;
+  T* vb = v + b * n2;
+  double lu = 0, uc = 0, rv = 0;
+  for (int64_t k = threadIdx.x; k < m2; k += blockDim.x) {
+    lu += double(l[b * m2 + k]) * double(ub[k]);
+    uc += double(ub[k]) * double(c[b * m2 + k]);
+  }
+  for (int64_t k = threadIdx.x; k < n2; k += blockDim.x) rv += double(r[b * n2 + k]) * double(vb[k]);
+  lu = block_sum(lu);
+  uc = block_sum(uc);
+  rv = block_sum(rv);
+  const T root = sqrt(dykaf_split_weight(T(lu), T(rv), T(uc), sigma[b]));
+  for (int64_t k = threadIdx.x; k < m2; k += blockDim.x) ub[k] *= root;
+  for (int64_t k = threadIdx.x; k < n2; k += blockDim.x) vb[k] *= root;
+}
+
+void split_normalize_cuda(at::TensorList K, at::TensorList M, at::TensorList L, at::TensorList R,
+                          at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_normalize_", {{"K", K}, {"M", M}, {"L", L}, {"R", R}}, sigma);
+  for (size_t i = 0; i < K.size(); ++i) {
+    check_dykaf_same_shape(K[i], L[i], "K", "L", i);
+    check_dykaf_same_shape(M[i], R[i], "M", "R", i);
+  }
+  if (K.empty()) return;
+  const c10::cuda::CUDAGuard device_guard(K[0].device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  for (size_t t = 0; t < K.size(); ++t) {
+    const int blocks = static_cast<int>(K[t].size(0));
+    if (blocks == 0) continue;
+    AT_DISPATCH_FLOATING_TYPES(K[t].scalar_type(), "dykaf_split_normalize_cuda", [&] {
+      const scalar_t* s = sigma[t].data_ptr<scalar_t>();
+      split_normalize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+          K[t].data_ptr<scalar_t>(), L[t].data_ptr<scalar_t>(), s, K[t].size(1) * K[t].size(2));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      split_normalize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+          M[t].data_ptr<scalar_t>(), R[t].data_ptr<scalar_t>(), s, M[t].size(1) * M[t].size(2));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+}
+
+void split_scale_cuda(at::TensorList U, at::TensorList V, at::TensorList L, at::TensorList R,
+                      at::TensorList C, at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_scale_", {{"U", U}, {"V", V}, {"L", L}, {"R", R}, {"C", C}}, sigma);
+  for (size_t i = 0; i < U.size(); ++i) {
+    check_dykaf_same_shape(U[i], L[i], "U", "L", i);
+    check_dykaf_same_shape(U[i], C[i], "U", "C", i);
+    check_dykaf_same_shape(V[i], R[i], "V", "R", i);
+  }
+  if (U.empty()) return;
+  const c10::cuda::CUDAGuard device_guard(U[0].device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  for (size_t t = 0; t < U.size(); ++t) {
+    const int blocks = static_cast<int>(U[t].size(0));
+    if (blocks == 0) continue;
+    AT_DISPATCH_FLOATING_TYPES(U[t].scalar_type(), "dykaf_split_scale_cuda", [&] {
+      split_scale_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+          U[t].data_ptr<scalar_t>(), V[t].data_ptr<scalar_t>(), L[t].data_ptr<scalar_t>(),
+          R[t].data_ptr<scalar_t>(), C[t].data_ptr<scalar_t>(), sigma[t].data_ptr<scalar_t>(),
+          U[t].size(1) * U[t].size(2), V[t].size(1) * V[t].size(2));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cafin, CUDA, m) {
+  m.impl("dykaf_split_normalize_", &split_normalize_cuda);
+  m.impl("dykaf_split_scale_", &split_scale_cuda);
   m.impl("dykaf_rank_one_", &rank_one_cuda);
   m.impl("dykaf_precondition_", &precondition_cuda);
   m.impl("dykaf_adam_precondition_", &adam_precondition_cuda);
