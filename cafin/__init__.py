@@ -14,4 +14,5 @@ def cuda_kernels_built() -> bool:
 from .optim import AdaFisher, AdaFisherW, DyKAF  # noqa: E402
 from .layers import LayerType, register, supported_types  # noqa: E402
 
-__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "LayerType", "register", "supported_types", "cuda_kernels_built"]
+__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "LayerType", "register", "supported_types",
+           "cuda_kernels_built"]
