@@ -75,6 +75,35 @@ TORCH_LIBRARY(cafin, m) {
       "kfac_precondition_apply_(Tensor(a!)[] weight_grads, Tensor(b!)[] bias_grads, Tensor[] precond, "
       "Tensor lr, Tensor? kl_clip=None) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // DyKAF (semantics: cafin/reference/dykaf.py). The rank-one second moment l r^T of each rotated
+  // gradient gp (one projector-splitting step towards beta2 V + (1 - beta2) gp^2).
+  m.def(
+      "dykaf_rank_one_(Tensor(a!)[] l, Tensor(b!)[] r, Tensor[] gp, Tensor beta2, float guard) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // mp <- mp / (sqrt(l r^T) + guard), the denominator formed per element.
+  m.def("dykaf_precondition_(Tensor(a!)[] mp, Tensor[] l, Tensor[] r, float guard) -> ()",
+        {at::Tag::pt2_compliant_tag});
+  // v <- beta2 v + (1 - beta2) gp^2, mp <- mp / (sqrt(v) + eps).
+  m.def(
+      "dykaf_adam_precondition_(Tensor(a!)[] mp, Tensor(b!)[] v, Tensor[] gp, Tensor beta2, "
+      "float eps) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // theta <- theta - step_size * u (RMS-normalised when normalize), then theta <- theta - lr*wd*theta.
+  m.def(
+      "dykaf_apply_(Tensor(a!)[] params, Tensor[] updates, Tensor step_size, Tensor lr, "
+      "float weight_decay, bool normalize) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // The factor split around its GEMMs, per matrix of [B, d, d] stacks (sigma [B]):
+  // K <- unit(sigma L + K), M <- unit(sigma R + M); then S = sigma <L,U><R,V> + <U,C>,
+  // U, V <- sqrt(S) U, sqrt(S) V.
+  m.def(
+      "dykaf_split_normalize_(Tensor(a!)[] K, Tensor(b!)[] M, Tensor[] L, Tensor[] R, "
+      "Tensor[] sigma) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "dykaf_split_scale_(Tensor(a!)[] U, Tensor(b!)[] V, Tensor[] L, Tensor[] R, Tensor[] C, "
+      "Tensor[] sigma) -> ()",
+      {at::Tag::pt2_compliant_tag});
 }
 
 namespace {
@@ -110,7 +139,9 @@ TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
   for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
                            "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
                            "singd_diag_step_", "kfac_factor_ema_", "kfac_eigen_scale_",
-                           "kfac_precondition_apply_"}) {
+                           "kfac_precondition_apply_",
+                           "dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
+                           "dykaf_apply_", "dykaf_split_normalize_", "dykaf_split_scale_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

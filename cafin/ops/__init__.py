@@ -12,3 +12,7 @@ from .adafisher import (  # noqa: F401
 )
 from .singd import singd_diag_step_  # noqa: F401,E402
 from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401
+from .dykaf import (  # noqa: F401
+    dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
+    dykaf_split_normalize_, dykaf_split_scale_,
+)

@@ -2,3 +2,4 @@
 from .adafisher import AdaFisher, AdaFisherW  # noqa: F401
 from .singd import SINGD  # noqa: F401
 from .kfac import KFACPreconditioner  # noqa: F401
+from .dykaf import DyKAF  # noqa: F401

@@ -10,3 +10,7 @@ from . import singd  # noqa: F401,E402  (SINGD's per-layer maths: cafin.referenc
 from .kfac import (  # noqa: F401
     kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_,
 )
+from .dykaf import (  # noqa: F401
+    dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
+    dykaf_split_normalize_, dykaf_split_scale_,
+)

@@ -1,0 +1,182 @@
+"""The Python face of the DyKAF ops: typed wrappers with clear argument checks, and the fake
+implementations torch.compile traces. Schemas: csrc/ops.cpp. Semantics: the function of the same
+name in cafin/reference/dykaf.py. The kernels check their arguments again before writing anything.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_",
+           "dykaf_split_normalize_", "dykaf_split_scale_"]
+
+
+def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _lengths(first: str, n: int, **lists) -> None:
+    for name, values in lists.items():
+        _check(len(values) == n, f"{name} has {len(values)} entries but {first} has {n}")
+
+
+def _scalar(t, name: str, device: torch.device) -> None:
+    _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
+    _check(t.dim() == 0, f"{name} must be a 0-dim tensor, got shape {tuple(t.shape)}")
+    _check(t.dtype == torch.float64, f"{name} has dtype {t.dtype}, expected torch.float64", TypeError)
+    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
+
+
+def _work(t, name: str, like: torch.Tensor) -> None:
+    _check(t.dtype in (torch.float32, torch.float64), f"{name} must be float32 or float64, got {t.dtype}",
+           TypeError)
+    _check(t.dtype == like.dtype, f"{name} has dtype {t.dtype}, expected {like.dtype}", TypeError)
+    _check(t.device == like.device, f"{name} is on {t.device}, expected {like.device}")
+    _check(t.is_contiguous(), f"{name} must be contiguous")
+
+
+def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Sequence[torch.Tensor],
+                    beta2: torch.Tensor, guard: float = 0.0) -> None:
+    """One projector-splitting step of the rank-one second moment l r^T; writes l and r."""
+    _lengths("l", len(l), r=r, gp=gp)
+    _check(guard >= 0, f"guard must be >= 0, got {guard}")
+    for i, (li, ri, g) in enumerate(zip(l, r, gp)):
+        _check(g.dim() == 2, f"gp[{i}] must be 2-D, got shape {tuple(g.shape)}")
+        _work(g, f"gp[{i}]", g)
+        _work(li, f"l[{i}]", g)
+        _work(ri, f"r[{i}]", g)
+        _check(li.numel() == g.shape[0], f"l[{i}] has {li.numel()} entries, expected {g.shape[0]}")
+        _check(ri.numel() == g.shape[1], f"r[{i}] has {ri.numel()} entries, expected {g.shape[1]}")
+        _scalar(beta2, "beta2", g.device)
+    if l:
+        torch.ops.cafin.dykaf_rank_one_(list(l), list(r), list(gp), beta2, float(guard))
+
+
+def dykaf_precondition_(mp: Sequence[torch.Tensor], l: Sequence[torch.Tensor],
+                        r: Sequence[torch.Tensor], guard: float = 0.0) -> None:
+    """mp <- mp / (sqrt(l r^T) + guard); writes mp."""
+    _lengths("mp", len(mp), l=l, r=r)
+    _check(guard >= 0, f"guard must be >= 0, got {guard}")
+    for i, (x, li, ri) in enumerate(zip(mp, l, r)):
+        _check(x.dim() == 2, f"mp[{i}] must be 2-D, got shape {tuple(x.shape)}")
+        _work(x, f"mp[{i}]", x)
+        _work(li, f"l[{i}]", x)
+        _work(ri, f"r[{i}]", x)
+        _check(li.numel() == x.shape[0] and ri.numel() == x.shape[1],
+               f"l[{i}] and r[{i}] must have {x.shape[0]} and {x.shape[1]} entries, "
+               f"got {li.numel()} and {ri.numel()}")
+    if mp:
+        torch.ops.cafin.dykaf_precondition_(list(mp), list(l), list(r), float(guard))
+
+
+def dykaf_adam_precondition_(mp: Sequence[torch.Tensor], v: Sequence[torch.Tensor],
+                             gp: Sequence[torch.Tensor], beta2: torch.Tensor, eps: float) -> None:
+    """v <- beta2 v + (1-beta2) gp^2, mp <- mp / (sqrt(v) + eps); writes mp and v."""
+    _lengths("mp", len(mp), v=v, gp=gp)
+    for i, (x, vi, g) in enumerate(zip(mp, v, gp)):
+        _work(x, f"mp[{i}]", x)
+        _work(vi, f"v[{i}]", x)
+        _work(g, f"gp[{i}]", x)
+        _check(vi.shape == x.shape and g.shape == x.shape,
+               f"v[{i}] and gp[{i}] must have mp[{i}]'s shape {tuple(x.shape)}")
+        _scalar(beta2, "beta2", x.device)
+    if mp:
+        torch.ops.cafin.dykaf_adam_precondition_(list(mp), list(v), list(gp), beta2, float(eps))
+
+
+def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay: float,
+                 normalize: bool) -> None:
+    """theta <- theta - step_size * u (RMS-normalised when normalize), then decoupled decay."""
+    _lengths("params", len(params), updates=updates)
+    _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    for i, (p, u) in enumerate(zip(params, updates)):
+        _check(p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+               f"params[{i}] has dtype {p.dtype}", TypeError)
+        _check(p.is_contiguous(), f"params[{i}] must be contiguous")
+        want = torch.float64 if p.dtype == torch.float64 else torch.float32
+        _check(u.dtype == want, f"updates[{i}] has dtype {u.dtype}, expected {want}", TypeError)
+        _check(u.is_contiguous(), f"updates[{i}] must be contiguous")
+        _check(u.numel() == p.numel() and u.device == p.device,
+               f"updates[{i}] must have params[{i}]'s size and device")
+        _scalar(step_size, "step_size", p.device)
+        _scalar(lr, "lr", p.device)
+    if params:
+        torch.ops.cafin.dykaf_apply_(list(params), list(updates), step_size, lr,
+                                     float(weight_decay), bool(normalize))
+
+
+@torch.library.register_fake("cafin::dykaf_rank_one_")
+def _(l, r, gp, beta2, guard):
+    return None
+
+
+@torch.library.register_fake("cafin::dykaf_precondition_")
+def _(mp, l, r, guard):
+    return None
+
+
+@torch.library.register_fake("cafin::dykaf_adam_precondition_")
+def _(mp, v, gp, beta2, eps):
+    return None
+
+
+@torch.library.register_fake("cafin::dykaf_apply_")
+def _(params, updates, step_size, lr, weight_decay, normalize):
+    return None
+
+
+def _stacks(op: str, sigma, **lists) -> None:
+    names = list(lists)
+    first = lists[names[0]]
+    _lengths(names[0], len(first), **{k: v for k, v in lists.items() if k != names[0]}, sigma=sigma)
+    for i, x in enumerate(first):
+        for name in names:
+            t = lists[name][i]
+            _work(t, f"{name}[{i}]", x)
+            _check(t.dim() == 3 and t.shape[0] == x.shape[0] and t.shape[1] == t.shape[2],
+                   f"{op}: {name}[{i}] must be a [{x.shape[0]}, d, d] stack, got shape {tuple(t.shape)}")
+        _work(sigma[i], f"sigma[{i}]", x)
+        _check(sigma[i].numel() == x.shape[0],
+               f"sigma[{i}] has {sigma[i].numel()} entries, expected {x.shape[0]}")
+
+
+def _same_shape(a, b, na: str, nb: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        _check(x.shape == y.shape, f"{na}[{i}] has shape {tuple(x.shape)} but {nb}[{i}] has shape "
+                                   f"{tuple(y.shape)}")
+
+
+def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],
+                           L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                           sigma: Sequence[torch.Tensor]) -> None:
+    """K <- unit(sigma L + K), M <- unit(sigma R + M) per matrix of [B, d, d] stacks; writes K, M."""
+    _stacks("dykaf_split_normalize_", sigma, K=K, M=M, L=L, R=R)
+    _same_shape(K, L, "K", "L")
+    _same_shape(M, R, "M", "R")
+    if K:
+        torch.ops.cafin.dykaf_split_normalize_(list(K), list(M), list(L), list(R), list(sigma))
+
+
+def dykaf_split_scale_(U: Sequence[torch.Tensor], V: Sequence[torch.Tensor],
+                       L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                       C: Sequence[torch.Tensor], sigma: Sequence[torch.Tensor]) -> None:
+    """S = sigma <L,U><R,V> + <U,C>, U, V <- sqrt(S) U, sqrt(S) V per matrix; writes U, V."""
+    _stacks("dykaf_split_scale_", sigma, U=U, V=V, L=L, R=R, C=C)
+    _same_shape(U, L, "U", "L")
+    _same_shape(U, C, "U", "C")
+    _same_shape(V, R, "V", "R")
+    if U:
+        torch.ops.cafin.dykaf_split_scale_(list(U), list(V), list(L), list(R), list(C), list(sigma))
+
+
+@torch.library.register_fake("cafin::dykaf_split_normalize_")
+def _(K, M, L, R, sigma):
+    return None
+
+
+@torch.library.register_fake("cafin::dykaf_split_scale_")
+def _(U, V, L, R, C, sigma):
+    return None

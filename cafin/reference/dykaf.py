@@ -1,0 +1,341 @@
+"""DyKAF in plain PyTorch: the reference of the fused DyKAF ops, and the factor maths (projector
+splitting, starts, eigenbasis refresh) that both backends share because it is GEMMs and
+decompositions, which stay in torch.
+
+The elementwise ops (`dykaf_*_`) have the signature and in-place semantics of the op of the same
+name in `cafin.ops`; they read per-step scalars (beta2, step size, lr) from 0-dim tensors and never
+read a tensor value on the host. Each computes what the published TensorDyKAF computes
+(Vepricov/LIB, src/optimizers/tensor_dykaf.py), in the same order of operations.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+# The constant the published one-sided fallback divides by: a side that is kept while the other is
+# over max_precond_dim starts at I / (||I|| * 1e-3) = I * 1000 / sqrt(d).
+ONE_SIDED_START = 1e-3
+# The "eps" start: I / ||I|| * 1e-3.
+EPS_START = 1e-3
+POWER_ITERATIONS = 100
+
+
+# ----------------------------------------------------------------------------------- rank-one moment
+def _unit(x: torch.Tensor, norm: torch.Tensor, guard: float) -> torch.Tensor:
+    """x / ||x||; with the guard on, a collapsed (zero) vector becomes the uniform direction, so the
+    moment can grow back from later gradients instead of staying 0 (or turning NaN) for good."""
+    if guard <= 0.0:
+        return x / norm
+    uniform = torch.full_like(x, x.numel() ** -0.5)
+    return torch.where(norm > 0, x / torch.where(norm > 0, norm, torch.ones_like(norm)), uniform)
+
+
+def dykaf_rank_one_(ls: Sequence[torch.Tensor], rs: Sequence[torch.Tensor],
+                    gps: Sequence[torch.Tensor], beta2: torch.Tensor, guard: float = 0.0) -> None:
+    """One step of the rank-one second moment V = l r^T towards beta2*V + (1-beta2)*gp^2, by the
+    parallel projector-splitting step (l and r updated from the previous unit vectors):
+      l' = unit(beta2 |l||r| l^ + (1-beta2) gp^2 r^),  r' = unit(beta2 |l||r| r^ + (1-beta2) (gp^2)^T l^),
+      c = beta2 (l'.l^)(r'.r^) |l||r| + (1-beta2) l'^T gp^2 r',  l, r <- sqrt(c) l', sqrt(c) r'.
+    ls[i] has gps[i].shape[0] entries, rs[i] gps[i].shape[1]. guard > 0: see `_unit`."""
+    for l, r, gp in zip(ls, rs, gps):
+        b = beta2.to(l.dtype)
+        sq = gp.square()
+        l_norm, r_norm = l.norm(), r.norm()
+        l_hat, r_hat = _unit(l, l_norm, guard), _unit(r, r_norm, guard)
+        scale = b * l_norm * r_norm
+        l_new = scale * l_hat + (1 - b) * (sq @ r_hat)
+        l_new = _unit(l_new, l_new.norm(), guard)
+        r_new = scale * r_hat + (1 - b) * (sq.T @ l_hat)
+        r_new = _unit(r_new, r_new.norm(), guard)
+        c = (b * (l_new @ l_hat) * (r_new @ r_hat) * l_norm * r_norm
+             + (1 - b) * (l_new @ sq @ r_new))
+        root = c.sqrt()
+        l.copy_(l_new * root)
+        r.copy_(r_new * root)
+
+
+def dykaf_precondition_(mps: Sequence[torch.Tensor], ls: Sequence[torch.Tensor],
+                        rs: Sequence[torch.Tensor], guard: float = 0.0) -> None:
+    """mp <- mp / (sqrt(l r^T) + guard), the denominator formed per element, never stored.
+    guard = 0 is the published rule (no epsilon)."""
+    for mp, l, r in zip(mps, ls, rs):
+        denom = (l[:, None] * r[None, :]).sqrt()
+        if guard > 0.0:
+            denom = denom + guard
+        mp.div_(denom)
+
+
+def dykaf_adam_precondition_(mps: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
+                             gps: Sequence[torch.Tensor], beta2: torch.Tensor, eps: float) -> None:
+    """The full second moment: v <- beta2 v + (1-beta2) gp^2, then mp <- mp / (sqrt(v) + eps)."""
+    for mp, v, gp in zip(mps, vs, gps):
+        b = beta2.to(v.dtype)
+        v.mul_(b).add_(gp.square() * (1 - b))
+        mp.div_(v.sqrt().add_(eps))
+
+
+def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
+                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay: float,
+                 normalize: bool) -> None:
+    """theta <- theta - step_size * u (u / (1e-30 + rms(u)) when normalize), then decoupled decay
+    on the updated theta: theta <- theta - lr*weight_decay*theta (skipped when weight_decay is 0)."""
+    for p, u in zip(params, updates):
+        work = u.dtype
+        if normalize:
+            u = u / (1e-30 + u.square().mean().sqrt())
+        p.sub_((step_size.to(work) * u).to(p.dtype))
+        if weight_decay > 0.0:
+            p.sub_((lr.to(work) * weight_decay * p.to(work)).to(p.dtype))
+
+
+def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],
+                           L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                           sigma: Sequence[torch.Tensor]) -> None:
+    """The basis step of the factor split, for stacks [B, m, m] / [B, n, n] (sigma [B]):
+    K <- unit(sigma L + K), M <- unit(sigma R + M), unit = divided by its Frobenius norm, per matrix.
+    K and M hold g R g^T and g^T L g on entry; L and R are the unit factors."""
+    for k, mm, l, r, s in zip(K, M, L, R, sigma):
+        s = s.reshape(-1, 1, 1)
+        for x, f in ((k, l), (mm, r)):
+            x.copy_(f * s + x)
+            x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True))
+
+
+def dykaf_split_scale_(U: Sequence[torch.Tensor], V: Sequence[torch.Tensor],
+                       L: Sequence[torch.Tensor], R: Sequence[torch.Tensor],
+                       C: Sequence[torch.Tensor], sigma: Sequence[torch.Tensor]) -> None:
+    """The Galerkin step of the factor split, per matrix of the stacks:
+    S = sigma <L, U> <R, V> + <U, C> (C = g V g^T), then U, V <- sqrt(S) U, sqrt(S) V."""
+    for u, v, l, r, c, s in zip(U, V, L, R, C, sigma):
+        s = s.reshape(-1, 1, 1)
+        dims = (-2, -1)
+        S = (l * u).sum(dims, keepdim=True) * (r * v).sum(dims, keepdim=True) * s \
+            + (u * c).sum(dims, keepdim=True)
+        root = S.sqrt()
+        u.mul_(root)
+        v.mul_(root)
+
+
+# ----------------------------------------------------------------------------------- factor maths
+def start_vectors(sizes: Sequence[int], seed: int, dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor]:
+    """The deterministic starting vectors of the power iterations (the published code draws them
+    with torch.randn from the global generator): standard normal draws, in order, from a fresh CPU
+    generator seeded with `seed`, made in float64 and then cast."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+            for n in sizes]
+
+
+def kron_start(g: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published 2-D "kron" start: the top singular triplet (s, u, v) of g by 100 alternating
+    power steps, returned as L = sqrt(s) u u^T, R = sqrt(s) v v^T (a product scaling like s, where
+    the nearest Kronecker product of vec(g)vec(g)^T would scale like s^2: kept as published)."""
+    (right,) = start_vectors([g.shape[1]], seed, g.dtype, g.device)
+    for _ in range(POWER_ITERATIONS):
+        left = g @ right
+        left = left / left.norm()
+        right = left @ g
+        right = right / right.norm()
+    left = g @ right
+    s = left.norm()
+    left = left / s
+    root = s.sqrt()
+    return (left * root)[:, None] * left[None, :], (right * root)[:, None] * right[None, :]
+
+
+def eps_start(n: int, like: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)
+    return eye / eye.norm() * EPS_START
+
+
+_HOPM_RULES = ("ijkl,j,k,l->i", "ijkl,i,k,l->j", "ijkl,i,j,l->k", "ijkl,i,j,k->l")
+_TENSOR_SPLIT_RULES = ("ijkl,sabc,ja,kb,lc->is", "ijkl,asbc,ia,kb,lc->js",
+                       "ijkl,absc,ia,jb,lc->ks", "ijkl,abcs,ia,jb,kc->ls")
+
+
+def hopm_start(g: torch.Tensor, seed: int) -> list[torch.Tensor]:
+    """The published 4-D start: rank-1 higher-order power method, each factor v v^T with v scaled
+    so that the four factors' product scales like s (the rank-1 component's weight)."""
+    v = start_vectors(list(g.shape), seed, g.dtype, g.device)
+    for _ in range(POWER_ITERATIONS):
+        for k in range(4):
+            v[k] = torch.einsum(_HOPM_RULES[k], g, *[v[t] for t in range(4) if t != k])
+            v[k] = v[k] / v[k].norm()
+    s = (g * torch.einsum("i,j,k,l->ijkl", *v)).sum()
+    root = s ** 0.25
+    return [torch.outer(x * root, x * root) for x in v]
+
+
+def proj_split(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
+               beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank-1 projector-splitting step of the nearest Kronecker product L (x) R of
+    F <- beta F + (1-beta) vec(g)vec(g)^T (the published two-sided `proj_split`); g is not written."""
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    L = L * beta ** 0.5
+    R = R * beta ** 0.5
+    left_norm, right_norm = L.norm(), R.norm()
+    sigma = left_norm * right_norm
+    L, R = L / left_norm, R / right_norm
+    K = L * sigma + g @ R @ g.T
+    M = R * sigma + g.T @ L @ g
+    U = K / K.norm()
+    V = M / M.norm()
+    S = (L * U).sum() * (R * V).sum() * sigma + (U * (g @ V @ g.T)).sum()
+    root = S ** 0.5
+    return U * root, V * root
+
+
+def one_sided(L: torch.Tensor, g: torch.Tensor, left: bool) -> torch.Tensor:
+    """The published fallback when the other side is over max_precond_dim: an undecayed sum."""
+    return L + (g @ g.T if left else g.T @ g)
+
+
+def one_sided_start(n: int, like: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)
+    return eye / (eye.norm() * ONE_SIDED_START)
+
+
+def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float) -> list[torch.Tensor]:
+    """The published 4-D factor step: sequential per-mode updates (each sees the modes already
+    updated), the weight S carried as S_hat - ||L_i * C|| (the norm of an elementwise product, as
+    published), the four factors scaled by S^(1/4) at the end."""
+    L = list(factors)
+    S = L[0].norm() ** 4
+    L = [x * beta ** 0.25 for x in L]
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    for i in range(4):
+        C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[L[t] for t in range(4) if t != i])
+        L[i] = S * L[i] + C
+        s_hat = L[i].norm()
+        L[i] = L[i] / s_hat
+        S = s_hat - (L[i] * C).norm()
+    root = S ** 0.25
+    return [x * root for x in L]
+
+
+def mode_products(g: torch.Tensor) -> list[torch.Tensor]:
+    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path."""
+    dims = list(range(g.dim()))
+    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2) for k in dims]
+
+
+def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
+    """The first eigenbasis, with the published precision rule: eigh of factor.float() plus
+    1e-30*I made in the default dtype (so float64 under a float64 default), eigenvalues in
+    descending order, returned in the factor's dtype."""
+    n = factor.shape[0]
+    m = factor.float() + 1e-30 * torch.eye(n, device=factor.device)
+    try:
+        _, Q = torch.linalg.eigh(m)
+    except RuntimeError:  # as published: retry in float64 with a larger jitter
+        _, Q = torch.linalg.eigh(m.double() + 1e-10 * torch.eye(n, device=factor.device,
+                                                                 dtype=torch.float64))
+    return torch.flip(Q, [1]).to(factor.dtype)
+
+
+def refresh_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power step and QR in float32 (as published, whatever the dtype), after sorting the
+    basis by the estimated eigenvalues diag(Q^T L Q), descending. Returns the new basis (in the
+    factor's dtype) and the permutation, which the second moment must follow."""
+    m, o = factor.float(), basis.float()
+    estimate = torch.diag(o.T @ m @ o)
+    order = torch.argsort(estimate, descending=True)
+    o = o[:, order]
+    Q, _ = torch.linalg.qr(m @ o)
+    return Q.to(factor.dtype), order
+
+
+def project(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Rotate every mode of x into its basis (a mode without a basis is left as it is)."""
+    for Q in bases:
+        x = torch.tensordot(x, Q, dims=[[0], [0]]) if Q is not None else x.movedim(0, -1)
+    return x
+
+
+def project_back(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    for Q in bases:
+        x = torch.tensordot(x, Q, dims=[[0], [1]]) if Q is not None else x.movedim(0, -1)
+    return x
+
+
+def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: float,
+                       ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
+    one batched GEMM per product, the elementwise work around them in two ops of `ops`
+    (cafin.ops or cafin.reference)."""
+    def fro(x):
+        return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    L = L * beta ** 0.5
+    R = R * beta ** 0.5
+    left_norm, right_norm = fro(L), fro(R)
+    sigma = (left_norm * right_norm).reshape(-1)
+    L, R = L / left_norm, R / right_norm
+    gt = g.mT
+    U = g @ R @ gt
+    V = gt @ L @ g
+    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+    ops.dykaf_split_scale_([U], [V], [L], [R], [g @ V @ gt], [sigma])
+    return U, V
+
+
+def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj_split from zero factors (init="zeros"): with sigma = 0 only the unit directions
+    I/||I|| of the "eps" start matter, so this is that start's limit as its scale goes to 0."""
+    m, n = g.shape
+    L = torch.eye(m, dtype=g.dtype, device=g.device)
+    R = torch.eye(n, dtype=g.dtype, device=g.device)
+    L, R = L / L.norm(), R / R.norm()
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    U = g @ R @ g.T
+    V = g.T @ L @ g
+    U, V = U / U.norm(), V / V.norm()
+    root = (U * (g @ V @ g.T)).sum() ** 0.5
+    return U * root, V * root
+
+
+# ----------------------------------------------------------------------------------- merge_dims
+def merged_shape(shape, merge_dims: bool, limit: int, data_format: str) -> tuple[int, ...] | None:
+    """The shape merge_dims gives a tensor (the published rule: consecutive dims multiplied while
+    the product stays <= limit; a 4-D channels_last tensor read as (0, 3, 1, 2) first), or None
+    when the tensor keeps its own dims in their own order."""
+    if not merge_dims or len(shape) < 2:
+        return None
+    dims = list(shape)
+    if data_format == "channels_last" and len(dims) == 4:
+        dims = [dims[0], dims[3], dims[1], dims[2]]
+    merged, current = [], 1
+    for sh in dims:
+        if current * sh > limit:
+            if current > 1:
+                merged.append(current)
+                current = sh
+            else:
+                merged.append(sh)
+                current = 1
+        else:
+            current *= sh
+    if current > 1 or not merged:
+        merged.append(current)
+    if tuple(merged) == tuple(shape) and dims == list(shape):
+        return None
+    return tuple(merged)
+
+
+def to_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and x.dim() == 4:
+        x = x.permute(0, 3, 1, 2)
+    return x.reshape(shape)
+
+
+def from_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and len(shape) == 4:
+        return x.reshape(shape[0], shape[3], shape[1], shape[2]).permute(0, 2, 3, 1)
+    return x.reshape(shape)

@@ -1,0 +1,244 @@
+// CPU kernels of the DyKAF ops (schemas in csrc/ops.cpp, semantics in cafin/reference/dykaf.py).
+// The rotations around them are GEMMs and stay in torch; these are the elementwise and reduction
+// parts: the rank-one second moment, the rotated Adam update with its denominator formed per
+// element, and the parameter update with decoupled decay.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <utility>
+#include <vector>
+
+#include "dykaf_checks.h"
+#include "dykaf_math.h"
+
+namespace cafin {
+namespace {
+
+template <typename T>
+double norm_of(const T* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
+  return std::sqrt(s);
+}
+
+// x / |x|, or the uniform direction when |x| = 0 and the guard is on.
+template <typename T>
+void unit(std::vector<T>& out, const T* x, int64_t n, double norm, bool guard) {
+  out.resize(n);
+  const bool uniform = guard && !(norm > 0);
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = uniform ? static_cast<T>(1.0 / std::sqrt(static_cast<double>(n)))
+                     : static_cast<T>(x[i] / static_cast<T>(norm));
+  }
+}
+
+template <typename T>
+void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool guard) {
+  const double l_norm = norm_of(l, m), r_norm = norm_of(r, n);
+  std::vector<T> l_hat, r_hat;
+  unit(l_hat, l, m, l_norm, guard);
+  unit(r_hat, r, n, r_norm, guard);
+  // Row sums (gp^2) r_hat and column sums (gp^2)^T l_hat in one pass over gp.
+  std::vector<T> rows(m), cols(n, T(0));
+  for (int64_t i = 0; i < m; ++i) {
+    const T* row = gp + i * n;
+    T acc = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const T sq = row[j] * row[j];
+      acc += sq * r_hat[j];
+      cols[j] += sq * l_hat[i];
+    }
+    rows[i] = acc;
+  }
+  const T np = static_cast<T>(l_norm) * static_cast<T>(r_norm);
+  std::vector<T> l_new(m), r_new(n);
+  for (int64_t i = 0; i < m; ++i) l_new[i] = dykaf_rank_one_direction(l_hat[i], rows[i], beta2, np);
+  for (int64_t j = 0; j < n; ++j) r_new[j] = dykaf_rank_one_direction(r_hat[j], cols[j], beta2, np);
+  std::vector<T> lu, ru;
+  unit(lu, l_new.data(), m, norm_of(l_new.data(), m), guard);
+  unit(ru, r_new.data(), n, norm_of(r_new.data(), n), guard);
+  T ll = 0, rr = 0, quad = 0;
+  for (int64_t i = 0; i < m; ++i) ll += lu[i] * l_hat[i];
+  for (int64_t j = 0; j < n; ++j) rr += ru[j] * r_hat[j];
+  for (int64_t i = 0; i < m; ++i) {
+    const T* row = gp + i * n;
+    T acc = 0;
+    for (int64_t j = 0; j < n; ++j) acc += row[j] * row[j] * ru[j];
+    quad += lu[i] * acc;
+  }
+  const T c = beta2 * ll * rr * static_cast<T>(l_norm) * static_cast<T>(r_norm) + (T(1) - beta2) * quad;
+  const T root = std::sqrt(c);
+  for (int64_t i = 0; i < m; ++i) l[i] = lu[i] * root;
+  for (int64_t j = 0; j < n; ++j) r[j] = ru[j] * root;
+}
+
+void rank_one_cpu(at::TensorList ls, at::TensorList rs, at::TensorList gps, const at::Tensor& beta2,
+                  double guard) {
+  check_dykaf_rank_one(ls, rs, gps, beta2, guard);
+  const double b2 = beta2.item<double>();
+  at::parallel_for(0, static_cast<int64_t>(ls.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const at::Tensor& gp = gps[t];
+      AT_DISPATCH_FLOATING_TYPES(gp.scalar_type(), "dykaf_rank_one_", [&] {
+        rank_one_one<scalar_t>(ls[t].data_ptr<scalar_t>(), rs[t].data_ptr<scalar_t>(),
+                               gp.data_ptr<scalar_t>(), gp.size(0), gp.size(1),
+                               static_cast<scalar_t>(b2), guard > 0);
+      });
+    }
+  });
+}
+
+void precondition_cpu(at::TensorList mps, at::TensorList ls, at::TensorList rs, double guard) {
+  check_dykaf_precondition(mps, ls, rs, guard);
+  for (size_t t = 0; t < mps.size(); ++t) {
+    const at::Tensor& mp = mps[t];
+    const int64_t m = mp.size(0), n = mp.size(1);
+    AT_DISPATCH_FLOATING_TYPES(mp.scalar_type(), "dykaf_precondition_", [&] {
+      scalar_t* x = mp.data_ptr<scalar_t>();
+      const scalar_t* l = ls[t].data_ptr<scalar_t>();
+      const scalar_t* r = rs[t].data_ptr<scalar_t>();
+      const scalar_t g = static_cast<scalar_t>(guard);
+      at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          scalar_t* row = x + i * n;
+          for (int64_t j = 0; j < n; ++j) row[j] = dykaf_rank_one_precondition(row[j], l[i], r[j], g);
+        }
+      });
+    });
+  }
+}
+
+void adam_precondition_cpu(at::TensorList mps, at::TensorList vs, at::TensorList gps,
+                           const at::Tensor& beta2, double eps) {
+  check_dykaf_adam_precondition(mps, vs, gps, beta2, eps);
+  const double b2 = beta2.item<double>();
+  for (size_t t = 0; t < mps.size(); ++t) {
+    AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_adam_precondition_", [&] {
+      scalar_t* x = mps[t].data_ptr<scalar_t>();
+      scalar_t* v = vs[t].data_ptr<scalar_t>();
+      const scalar_t* g = gps[t].data_ptr<scalar_t>();
+      const scalar_t b = static_cast<scalar_t>(b2), e = static_cast<scalar_t>(eps);
+      at::parallel_for(0, mps[t].numel(), 2048, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) x[k] = dykaf_adam_precondition(x[k], v[k], g[k], b, e);
+      });
+    });
+  }
+}
+
+void apply_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& step_size,
+               const at::Tensor& lr, double weight_decay, bool normalize) {
+  check_dykaf_apply(params, updates, step_size, lr, weight_decay, normalize);
+  const double s = step_size.item<double>();
+  const double decay = weight_decay > 0 ? lr.item<double>() * weight_decay : 0.0;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const at::Tensor& u = updates[t];
+    AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "dykaf_apply_", [&] {
+      using T = scalar_t;
+      const T* x = u.data_ptr<T>();
+      const int64_t n = u.numel();
+      T scale = 1;
+      if (normalize) {
+        double sq = 0;
+        for (int64_t k = 0; k < n; ++k) sq += static_cast<double>(x[k]) * static_cast<double>(x[k]);
+        scale = T(1) / (static_cast<T>(1e-30) + static_cast<T>(std::sqrt(sq / static_cast<double>(n))));
+      }
+      const T ss = static_cast<T>(s), dd = static_cast<T>(decay);
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[t].scalar_type(), "dykaf_apply_p", [&] {
+        scalar_t* p = params[t].data_ptr<scalar_t>();
+        at::parallel_for(0, n, 2048, [&](int64_t begin, int64_t end) {
+          for (int64_t k = begin; k < end; ++k) {
+            p[k] = static_cast<scalar_t>(dykaf_apply(static_cast<T>(p[k]), x[k], scale, ss, dd));
+          }
+        });
+      });
+    });
+  }
+}
+
+void split_normalize_cpu(at::TensorList K, at::TensorList M, at::TensorList L, at::TensorList R,
+                         at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_normalize_", {{"K", K}, {"M", M}, {"L", L}, {"R", R}}, sigma);
+  for (size_t i = 0; i < K.size(); ++i) {
+    check_dykaf_same_shape(K[i], L[i], "K", "L", i);
+    check_dykaf_same_shape(M[i], R[i], "M", "R", i);
+  }
+  for (size_t t = 0; t < K.size(); ++t) {
+    AT_DISPATCH_FLOATING_TYPES(K[t].scalar_type(), "dykaf_split_normalize_", [&] {
+      using T = scalar_t;
+      const T* s = sigma[t].data_ptr<T>();
+      const int64_t batch = K[t].size(0);
+      for (const auto& [x, f] : {std::pair<at::Tensor, at::Tensor>{K[t], L[t]}, {M[t], R[t]}}) {
+        T* xp = x.data_ptr<T>();
+        const T* fp = f.data_ptr<T>();
+        const int64_t d2 = x.size(1) * x.size(2);
+        at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t b = begin; b < end; ++b) {
+            T* xb = xp + b * d2;
+            const T* fb = fp + b * d2;
+            double sq = 0;
+            for (int64_t k = 0; k < d2; ++k) {
+              xb[k] = dykaf_split_sum(fb[k], xb[k], s[b]);
+              sq += static_cast<double>(xb[k]) * static_cast<double>(xb[k]);
+            }
+            const T norm = static_cast<T>(std::sqrt(sq));
+            for (int64_t k = 0; k < d2; ++k) xb[k] = xb[k] / norm;
+          }
+        });
+      }
+    });
+  }
+}
+
+void split_scale_cpu(at::TensorList U, at::TensorList V, at::TensorList L, at::TensorList R,
+                     at::TensorList C, at::TensorList sigma) {
+  check_dykaf_split("dykaf_split_scale_", {{"U", U}, {"V", V}, {"L", L}, {"R", R}, {"C", C}}, sigma);
+  for (size_t i = 0; i < U.size(); ++i) {
+    check_dykaf_same_shape(U[i], L[i], "U", "L", i);
+    check_dykaf_same_shape(U[i], C[i], "U", "C", i);
+    check_dykaf_same_shape(V[i], R[i], "V", "R", i);
+  }
+  for (size_t t = 0; t < U.size(); ++t) {
+    AT_DISPATCH_FLOATING_TYPES(U[t].scalar_type(), "dykaf_split_scale_", [&] {
+      using T = scalar_t;
+      T* u = U[t].data_ptr<T>();
+      T* v = V[t].data_ptr<T>();
+      const T* l = L[t].data_ptr<T>();
+      const T* r = R[t].data_ptr<T>();
+      const T* c = C[t].data_ptr<T>();
+      const T* s = sigma[t].data_ptr<T>();
+      const int64_t m2 = U[t].size(1) * U[t].size(2), n2 = V[t].size(1) * V[t].size(2);
+      at::parallel_for(0, U[t].size(0), 1, [&](int64_t begin, int64_t end) {
+        for (int64_t b = begin; b < end; ++b) {
+          T* ub = u + b * m2;
+          T* vb = v + b * n2;
+          double lu = 0, uc = 0, rv = 0;
+          for (int64_t k = 0; k < m2; ++k) {
+            lu += static_cast<double>(l[b * m2 + k]) * ub[k];
+            uc += static_cast<double>(ub[k]) * c[b * m2 + k];
+          }
+          for (int64_t k = 0; k < n2; ++k) rv += static_cast<double>(r[b * n2 + k]) * vb[k];
+          const T root = std::sqrt(dykaf_split_weight(static_cast<T>(lu), static_cast<T>(rv),
+                                                      static_cast<T>(uc), s[b]));
+          for (int64_t k = 0; k < m2; ++k) ub[k] *= root;
+          for (int64_t k = 0; k < n2; ++k) vb[k] *= root;
+        }
+      });
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(cafin, CPU, m) {
+  m.impl("dykaf_split_normalize_", &split_normalize_cpu);
+  m.impl("dykaf_split_scale_", &split_scale_cpu);
+  m.impl("dykaf_rank_one_", &rank_one_cpu);
+  m.impl("dykaf_precondition_", &precondition_cpu);
+  m.impl("dykaf_adam_precondition_", &adam_precondition_cpu);
+  m.impl("dykaf_apply_", &apply_cpu);
+}
+
+}  // namespace cafin
