@@ -316,14 +316,16 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
         table.add_column("variant")
         table.add_column("why")
         for s in run.skipped:
-            table.add_row(names.get(s.optimizer, s.optimizer), s.phase, s.variant, Text(s.reason[:300], style="red" if s.error else "dim"))
+            table.add_row(names.get(s.optimizer, s.optimizer), s.phase, s.variant,
+                          Text(s.reason[:300], style="red" if s.error else "dim"))
         console.print(table)
     console.print(_targets_table(target_rows, run))
     loads = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
     if loads and max(loads) > env["threads"] + 0.5:
         console.print(f"[yellow]the machine was busy (1-minute load average {max(loads):.1f} on "
                       f"{env['threads']} threads): parallel kernels wait for descheduled threads, "
-                      "so these numbers mostly measure the other processes; rerun when idle[/yellow]")
+                      "so these numbers mostly measure the other processes; rerun when idle, or "
+                      "with --threads 1, which suffers far less from sharing[/yellow]")
     console.print(f"done in {elapsed_s:.0f} s")
 
 
