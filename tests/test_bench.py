@@ -141,10 +141,10 @@ def test_whole_step(quick_run):
     assert len(goals) == len(expected) and all(t["goal"] == "<= 3%" for t in goals)
     if _fused_on_cpu():
         [composed] = data["whole_step_from_phases"]
-        step = {(r["phase"], r["variant"]): r["median_ms"] for r in data["results"]}
+        step = {(r["optimizer"], r["phase"], r["variant"]): r["median_ms"] for r in data["results"]}
         assert composed["extra_ms"] == pytest.approx(
-            step["step", "fused"] - step["step", adamw[0]["variant"]]
-            + step["statistics", "fused"] / 100)
+            step["adafisher", "step", "fused"] - step["adamw", "step", adamw[0]["variant"]]
+            + step["adafisher", "statistics", "fused"] / 100)
         assert composed["overhead_vs_adamw"] == pytest.approx(
             composed["extra_ms"] / adamw[0]["plain_ms"])
 
