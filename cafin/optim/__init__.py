@@ -1,3 +1,4 @@
 """The optimizers of the family, one small file each, on the shared core (`cafin.curvature`)."""
 from .adafisher import AdaFisher, AdaFisherW  # noqa: F401
 from .kfac import KFACPreconditioner  # noqa: F401
+from .twolevel import TwoLevelKFAC  # noqa: F401
