@@ -114,13 +114,18 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         self._pending.setdefault(id(layer), {})["gy"] = g.detach() * g.shape[0]
 
     # ------------------------------------------------------------------ per-layer helpers
+    def _missing(self, layer, what: str) -> RuntimeError:
+        return RuntimeError(f"TwoLevelKFAC: no {what} for layer '{layer.name}' at step "
+                            f"{self._iteration_counter}: run forward and backward in train mode with "
+                            "update_stats = True before step() on the T_cov steps (step 0 first)")
+
     def _collect(self) -> None:
-        for layer, group in zip(self._layers, self.param_groups):
-            got = self._pending.pop(id(layer), {})
+        for layer in self._layers:  # all checked before any is stored: nothing half-updated
+            got = self._pending.get(id(layer), {})
             if "x" not in got or "gy" not in got:
-                raise RuntimeError(f"TwoLevelKFAC: no statistics for layer '{layer.name}' at step "
-                                   f"{self._iteration_counter}: run forward and backward in train mode "
-                                   "with update_stats = True before step() on T_cov steps")
+                raise self._missing(layer, "statistics")
+        for layer, group in zip(self._layers, self.param_groups):
+            got = self._pending.pop(id(layer))
             m, x, gy = layer.module, got["x"], got["gy"]
             if isinstance(m, nn.Conv2d):
                 rows = input_rows(m, x)[0]
@@ -296,6 +301,12 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
         k = self._iteration_counter
+        for layer, group in zip(self._layers, self.param_groups):
+            state = self.state[group["params"][0]]
+            if "xxt" not in state and not (self.update_stats and k % self.T_cov == 0):
+                raise self._missing(layer, "Kronecker factors")
+            if "Q_x" not in state and not (self.update_stats and k % self.T_inv == 0):
+                raise self._missing(layer, "eigendecomposition")
         if self.update_stats and k % self.T_cov == 0:
             self._collect()
         raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
