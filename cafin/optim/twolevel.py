@@ -364,7 +364,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             else:
                 rho = min(1 - 1 / k, self.alpha)
                 self.f_coarse = rho * self.f_coarse + (1 - rho) * f
-            self.f_coarse_inv = torch.inverse(self.f_coarse)
+            self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]  # torch.inverse without its sync
         y = self.f_coarse_inv @ rhs
         out, i = [], 0
         for p, vs in zip(pres, vectors):
