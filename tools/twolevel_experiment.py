@@ -85,7 +85,9 @@ def main():
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--out", default="docs/twolevel_autoencoder.png")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="tiny matrices: more threads only contend")
     args = ap.parse_args()
+    torch.set_num_threads(args.threads)
     from sklearn.datasets import load_digits
     data = torch.tensor(load_digits().data / 16.0, dtype=torch.float32)
     lr = {"SGD": 0.5, "Adam": 3e-3, "KFAC": 0.3}
