@@ -204,7 +204,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         return (state["gy"] * wl.unsqueeze(1)).t() @ state["x"] / self.batch_size
 
     # ------------------------------------------------------------------ coarse space
-    def _coarse_vectors(self, state, raw, pre, residual) -> list[torch.Tensor]:
+    def _coarse_vectors(self, state, raw, residual) -> list[torch.Tensor]:
         cs = self.coarse_space
         if self.krylov:
             r1 = torch.ones_like(raw) if cs == "nicolaides" else self._m_inv(state, residual)
@@ -354,7 +354,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             # r = g - F x - damping x, x the K-FAC direction, F x the exact empirical Fisher product
             w = sum(self._samples(s, self._locations(s, p), False) for s, p in zip(states, pres))
             residuals = [r - self._fvp(s, w) - self.damping * p for s, r, p in zip(states, raws, pres)]
-        vectors = [self._coarse_vectors(s, r, p, res) for s, r, p, res in zip(states, raws, pres, residuals)]
+        vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
         k = self._iteration_counter
         if k % self.T_cov == 0:
