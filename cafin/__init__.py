@@ -11,8 +11,8 @@ def cuda_kernels_built() -> bool:
     """Whether this build of cafin._C carries the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CUDA")
 
-from .optim import SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner  # noqa: E402
+from .optim import SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner, TwoLevelKFAC  # noqa: E402
 from .layers import LayerType, register, supported_types  # noqa: E402
 
-__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "SINGD", "LayerType",
-           "register", "supported_types", "cuda_kernels_built"]
+__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "SINGD", "TwoLevelKFAC",
+           "LayerType", "register", "supported_types", "cuda_kernels_built"]

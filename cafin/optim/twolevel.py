@@ -1,0 +1,398 @@
+"""Two-level K-FAC (Koroko et al., arXiv 2303.18083; `TwolevelKFAC` of Abdoulaye-Koroko/natural-gradients).
+
+K-FAC's block-diagonal direction plus a coarse-space correction that couples the layers:
+
+    v_l = F_l^{-1} g_l + y_l r_l,    y = F_c^{-1} (R g),    (R g)_l = <r_l, g_l>,
+
+with one coarse vector r_l per layer (two with `krylov=True`) and F_c the empirical Fisher restricted
+to the coarse space, (F_c)_ij = (1/B) sum_n <r_i, G_n,i> <r_j, G_n,j> + damping * |layer i| * [i == j].
+
+Used like the published code: set `update_stats`, call `step(update_params=True)` after backward
+(it rewrites every `.grad`), then step a torch optimizer (SGD with momentum). The published
+conventions, odd ones included, are kept (the README section "Two-level K-FAC" lists them). Four published bugs are
+fixed unless `published_bugs=True` (the README says why each is a bug).
+
+How F_c is assembled (`backend`):
+- "fused": the per-sample coarse projections of every layer at once, an N x L matrix U, then
+  F_c = U^T U / B; a projection <r, g_n x_n^T> is a row-wise bilinear form (never the N' x N'
+  matrix gy^T R x of the published code), and for the ones vector (nicolaides, tpselepedis) it is a
+  product of row sums.
+- "reference": pair by pair, each entry from a Fisher-vector product, as the published code does
+  (kept to test the cheap assembly against and to time it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..curvature import Hooks, check_int, check_range, discover, unwrap
+from ..factors import input_rows
+
+__all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
+
+COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")
+_ALIASES = {"tselepidis": "tpselepedis"}
+_EIG_FLOOR = 1e-12   # published: eigenvalues <= this are set to 0 (then divided by: inf)
+_NORM_EPS = 1e-8     # published: r / (||r||_inf + 1e-8)
+
+
+def _accept(module: nn.Module, kind) -> bool:
+    # The published code registers by exact class name, so subclasses are skipped.
+    return type(module).__name__ in ("Linear", "Conv2d")
+
+
+class TwoLevelKFAC(torch.optim.Optimizer):
+    def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
+                 constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
+                 krylov=False, *, backend="fused", published_bugs=False):
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
+        self.damping = check_range(damping, "damping", 0.0, math.inf)
+        self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
+        self.T_cov = check_int(T_cov, "T_cov", 1)
+        self.T_inv = check_int(T_inv, "T_inv", 1)
+        self.alpha = check_range(alpha, "alpha", 0.0, 1.0)
+        self.constraint_norm = bool(constraint_norm)
+        self.clipping = check_range(clipping, "clipping", 0.0, math.inf)
+        self.batch_size = check_int(batch_size, "batch_size", 1)
+        if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in COARSE_SPACES:
+            raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)} (or 'tselepidis'), "
+                             f"got {coarse_space!r}")
+        self.coarse_space = _ALIASES.get(coarse_space, coarse_space)
+        self.krylov = bool(krylov)
+        if self.krylov and self.coarse_space in ("spectral", "tpselepedis"):
+            raise ValueError(f"krylov=True is defined for coarse_space 'nicolaides' or 'residual' only, "
+                             f"got coarse_space={coarse_space!r}")
+        if backend not in ("fused", "reference"):
+            raise ValueError(f"backend must be 'fused' or 'reference', got {backend!r}")
+        self.backend = backend
+        self.published_bugs = bool(published_bugs)
+
+        model = unwrap(net)
+        self._layers = discover(model, [p for p in model.parameters()], _accept)
+        if not self._layers:
+            raise ValueError("net has no Linear or Conv2d layer with parameters")
+        groups = []
+        for layer in self._layers:
+            m = layer.module
+            if isinstance(m, nn.Conv2d) and m.groups != 1:
+                raise ValueError(f"layer '{layer.name}': Conv2d with groups={m.groups} is not supported "
+                                 "(the published code supports groups=1 only)")
+            if "weight" not in layer.params:
+                raise ValueError(f"layer '{layer.name}': its weight is not an optimised parameter")
+            params = [m.weight] + ([m.bias] if m.bias is not None else [])
+            groups.append({"params": params, "layer_type": type(m).__name__})
+        super().__init__(groups, {})
+        self.update_stats = False
+        self._iteration_counter = 0
+        self.f_coarse = None
+        self.f_coarse_inv = None
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        self._hooks = Hooks(self, self._layers)
+
+    @property
+    def num_layer(self) -> int:
+        return len(self._layers)
+
+    def remove_hooks(self) -> None:
+        self._hooks.remove()
+
+    # ------------------------------------------------------------------ hooks (core interface)
+    def _statistics_gate(self, layer, device):
+        ok = layer.module.training and self.update_stats and self._iteration_counter % self.T_cov == 0
+        return ok, None
+
+    def _input_statistics(self, layer, x, step) -> None:
+        self._pending.setdefault(id(layer), {})["x"] = x.detach()
+
+    def _grad_statistics(self, layer, g, step) -> None:
+        # published: grad_output * grad_output.size(0), the per-sample loss gradient for a mean loss
+        self._pending.setdefault(id(layer), {})["gy"] = g.detach() * g.shape[0]
+
+    # ------------------------------------------------------------------ per-layer helpers
+    def _missing(self, layer, what: str) -> RuntimeError:
+        return RuntimeError(f"TwoLevelKFAC: no {what} for layer '{layer.name}' at step "
+                            f"{self._iteration_counter}: run forward and backward in train mode with "
+                            "update_stats = True before step() on the T_cov steps (step 0 first)")
+
+    def _collect(self) -> None:
+        for layer in self._layers:  # all checked before any is stored: nothing half-updated
+            got = self._pending.get(id(layer), {})
+            if "x" not in got or "gy" not in got:
+                raise self._missing(layer, "statistics")
+        for layer, group in zip(self._layers, self.param_groups):
+            got = self._pending.pop(id(layer))
+            m, x, gy = layer.module, got["x"], got["gy"]
+            if isinstance(m, nn.Conv2d):
+                rows = input_rows(m, x)[0]
+                T = gy.shape[-1] * gy.shape[-2]
+                gy = gy.reshape(-1, gy.shape[-3], T).transpose(1, 2).reshape(-1, gy.shape[-3])
+            else:
+                if x.dim() != 2:
+                    raise ValueError(f"layer '{layer.name}': Linear input must be 2-D [batch, features] "
+                                     f"(as in the published code), got shape {tuple(x.shape)}")
+                rows, T = x, 1
+            if m.bias is not None:
+                rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
+            state = self.state[group["params"][0]]
+            state["x"], state["gy"], state["num_locations"] = rows, gy, T
+        self._pending.clear()
+
+    @staticmethod
+    def _grad_matrix(group) -> torch.Tensor:
+        w = group["params"][0].grad
+        m = w.reshape(w.shape[0], -1)
+        if len(group["params"]) == 2:
+            m = torch.cat([m, group["params"][1].grad.reshape(-1, 1)], dim=1)
+        return m
+
+    @staticmethod
+    def _write(group, m: torch.Tensor) -> None:
+        w = group["params"][0]
+        d = w.numel() // w.shape[0]
+        w.grad.copy_(m[:, :d].reshape(w.shape))
+        if len(group["params"]) == 2:
+            group["params"][1].grad.copy_(m[:, d])
+
+    def _covs(self, state) -> None:
+        x, gy = state["x"], state["gy"]
+        n = float(x.shape[0])
+        k = self._iteration_counter
+        self.batch_size = int(x.shape[0] / state["num_locations"])
+        if k == 0:
+            state["xxt"] = x.t() @ x / n
+            state["ggt"] = gy.t() @ gy / n
+        else:
+            rho = min(1 - 1 / k, self.alpha)
+            state["ggt"].mul_(rho).add_(gy.t() @ gy, alpha=(1 - rho) / n)
+            state["xxt"].mul_(rho).add_(x.t() @ x, alpha=(1 - rho) / n)
+
+    def _decompose(self, state) -> None:
+        # published: damping inside the eigendecomposition, tiny eigenvalues zeroed
+        for f, L, Q in (("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g")):
+            a = state[f]
+            lam, vec = torch.linalg.eigh(a + self.damping * torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
+            state[L], state[Q] = lam * (lam > _EIG_FLOOR), vec
+
+    @staticmethod
+    def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
+        qg, qx = state["Q_g"], state["Q_x"]
+        s = (qg.t() @ v @ qx) / ((state["L_g"] + extra).unsqueeze(1) * (state["L_x"] + extra).unsqueeze(0))
+        return qg @ s @ qx.t()
+
+    # ------------------------------------------------------------------ per-sample projections
+    def _locations(self, state, R: torch.Tensor) -> torch.Tensor:
+        """p[..., m] = gy_m^T R x_m for R [..., d_out, d_in'] (row-wise bilinear form)."""
+        return ((state["gy"] @ R) * state["x"]).sum(-1)
+
+    def _samples(self, state, p: torch.Tensor, tiled: bool) -> torch.Tensor:
+        """Per-sample sums of per-location values p [..., B*T]: contiguous blocks of T (the
+        per-sample gradient), or, `tiled`, every B-th location (the published Conv2d pairing)."""
+        T, B = state["num_locations"], self.batch_size
+        if tiled:
+            return p.reshape(*p.shape[:-1], T, B).sum(-2)
+        return p.reshape(*p.shape[:-1], B, T).sum(-1)
+
+    def _fvp(self, state, w: torch.Tensor) -> torch.Tensor:
+        """Layer block of the empirical Fisher times a vector whose per-sample projections are w [B]."""
+        T = state["num_locations"]
+        wl = w.repeat(T) if self.published_bugs else w.repeat_interleave(T)
+        return (state["gy"] * wl.unsqueeze(1)).t() @ state["x"] / self.batch_size
+
+    # ------------------------------------------------------------------ coarse space
+    def _coarse_vectors(self, state, raw, residual) -> list[torch.Tensor]:
+        cs = self.coarse_space
+        if self.krylov:
+            r1 = torch.ones_like(raw) if cs == "nicolaides" else self._m_inv(state, residual)
+            rs = [r1, self._m_inv(state, r1)]
+        elif cs in ("nicolaides", "tpselepedis"):
+            rs = [torch.ones_like(raw)]
+        elif cs == "residual":
+            rs = [self._m_inv(state, residual)]
+        else:
+            qx, qg = state["Q_x"][:, 0], state["Q_g"][:, 0]
+            r = torch.kron(qx, qg) if self.published_bugs else torch.outer(qg, qx)
+            rs = [r.reshape(raw.shape)]
+        return [r / (r.abs().max() + _NORM_EPS) for r in rs]
+
+    def _m_inv(self, state, v):
+        # published: damping added again to eigenvalues that already hold it
+        return self._kfac_inverse(state, v, self.damping if self.published_bugs else 0.0)
+
+    def _assemble(self, vectors) -> torch.Tensor:
+        if self.coarse_space == "tpselepedis":
+            f = self._assemble_tselepidis(vectors)
+        elif self.backend == "fused":
+            f = self._assemble_fused(vectors)
+        else:
+            f = self._assemble_pairs(vectors)
+        sizes = torch.tensor([float(r[0].numel()) for r in vectors for _ in r], dtype=f.dtype, device=f.device)
+        return f + torch.diag(self.damping * sizes)
+
+    def _assemble_fused(self, vectors) -> torch.Tensor:
+        tiled = self.published_bugs
+        U, V = [], []  # U: per-sample projections; V: the same with the published Conv2d pairing
+        for group, rs in zip(self.param_groups, vectors):
+            state = self.state[group["params"][0]]
+            if self.coarse_space == "nicolaides" and not self.krylov:
+                c = rs[0].reshape(-1)[0]
+                p = (c * state["gy"].sum(1) * state["x"].sum(1)).unsqueeze(0)
+            else:
+                p = self._locations(state, torch.stack(rs))
+            U.append(self._samples(state, p, False))
+            V.append(self._samples(state, p, True) if tiled and state["num_locations"] > 1 else U[-1])
+        U, V = torch.cat(U).t(), torch.cat(V).t()  # [B, n_c]
+        f = V.t() @ U / self.batch_size
+        if not self.krylov:  # published: lower triangle computed, then mirrored
+            low = torch.tril(f)
+            f = low + low.t() - torch.diag(torch.diagonal(f))
+        return f
+
+    def _assemble_pairs(self, vectors) -> torch.Tensor:
+        states = [self.state[g["params"][0]] for g in self.param_groups]
+        items = [(s, r) for s, rs in zip(states, vectors) for r in rs]
+        n = len(items)
+        f = items[0][1].new_zeros(n, n)
+        for i, (si, ri) in enumerate(items):
+            for j, (sj, rj) in enumerate(items):
+                if not self.krylov and j > i:
+                    continue
+                v = self._samples(sj, self._locations(sj, rj), False)
+                f[i, j] = (ri * self._fvp(si, v)).sum()
+        if not self.krylov:
+            f = f + f.t() - torch.diag(torch.diagonal(f))
+        return f
+
+    def _assemble_tselepidis(self, vectors) -> torch.Tensor:
+        """(F_c)_ij = <r_i, G_ij r_j A_ij^T> = c_i c_j sum(A_ij) sum(G_ij) for constant r, from the
+        per-location row sums; layers of different location counts are brought to the smaller by
+        nearest interpolation over the flattened locations of each sample (published)."""
+        B = self.batch_size
+        sums, Ts, cs = [], [], []
+        for group, rs in zip(self.param_groups, vectors):
+            state = self.state[group["params"][0]]
+            sums.append(torch.stack([state["x"].sum(1), state["gy"].sum(1)]))
+            Ts.append(state["num_locations"])
+            cs.append(rs[0].reshape(-1)[0])
+        n = len(sums)
+        f = sums[0].new_zeros(n, n)
+        for i in range(n):
+            for j in range(i + 1):
+                T = min(Ts[i], Ts[j])
+                a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
+                N = float(B * T)
+                f[i, j] = cs[i] * cs[j] * ((a[0] @ b[0]) / N) * ((a[1] @ b[1]) / N)
+        return f + f.t() - torch.diag(torch.diagonal(f))
+
+    def _shrink(self, s: torch.Tensor, T: int, to: int) -> torch.Tensor:
+        if T == to:
+            return s
+        B = self.batch_size
+        return F.interpolate(s.reshape(2 * B, 1, T), to, mode="nearest").reshape(2, B * to)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, update_params: bool = True, closure=None) -> None:
+        if closure is not None:
+            raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
+                             "rewrites the gradients (step a torch optimizer after it)")
+        k = self._iteration_counter
+        for layer, group in zip(self._layers, self.param_groups):
+            state = self.state[group["params"][0]]
+            if "xxt" not in state and not (self.update_stats and k % self.T_cov == 0):
+                raise self._missing(layer, "Kronecker factors")
+            if "Q_x" not in state and not (self.update_stats and k % self.T_inv == 0):
+                raise self._missing(layer, "eigendecomposition")
+        if self.update_stats and k % self.T_cov == 0:
+            self._collect()
+        raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
+        pres = []
+        for i, group in enumerate(self.param_groups):
+            state = self.state[group["params"][0]]
+            if self.update_stats:
+                if k % self.T_cov == 0:
+                    self._covs(state)
+                if k % self.T_inv == 0:
+                    self._decompose(state)
+            if update_params:
+                p = self._kfac_inverse(state, raws[i])
+                if group["layer_type"] == "Conv2d":
+                    p = p / state["num_locations"]
+                pres.append(p)
+        if not update_params:
+            return
+        final = self._two_level(raws, pres)
+        if self.constraint_norm:
+            # published: sum over tensors of |<final, raw>|, weight and bias apart; the min(., 1)
+            # is taken on the host (float(...)), the one host read of the method
+            norm = self._fisher_norm(final, raws)
+            scale = min(float((self.clipping / norm) ** 0.5), 1.0)
+            final = [f * scale for f in final]
+        for group, f in zip(self.param_groups, final):
+            self._write(group, f)
+        self._iteration_counter += 1
+
+    def _fisher_norm(self, final, raws) -> torch.Tensor:
+        total = final[0].new_zeros(())
+        for group, f, r in zip(self.param_groups, final, raws):
+            if len(group["params"]) == 2:
+                total = total + (f[:, :-1] * r[:, :-1]).sum().abs() + (f[:, -1] * r[:, -1]).sum().abs()
+            else:
+                total = total + (f * r).sum().abs()
+        return total
+
+    def _two_level(self, raws, pres) -> list[torch.Tensor]:
+        states = [self.state[g["params"][0]] for g in self.param_groups]
+        if self.published_bugs:
+            raws = [self._published_layout(g, r) for g, r in zip(self.param_groups, raws)]
+        residuals = [None] * len(states)
+        if self.coarse_space == "residual":
+            # r = g - F x - damping x, x the K-FAC direction, F x the exact empirical Fisher product
+            w = sum(self._samples(s, self._locations(s, p), False) for s, p in zip(states, pres))
+            residuals = [r - self._fvp(s, w) - self.damping * p for s, r, p in zip(states, raws, pres)]
+        vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
+        rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
+        k = self._iteration_counter
+        if k % self.T_cov == 0:
+            f = self._assemble(vectors)
+            if k == 0:
+                self.f_coarse = f
+            else:
+                rho = min(1 - 1 / k, self.alpha)
+                self.f_coarse = rho * self.f_coarse + (1 - rho) * f
+            self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]  # torch.inverse without its sync
+        y = self.f_coarse_inv @ rhs
+        out, i = [], 0
+        for p, vs in zip(pres, vectors):
+            for v in vs:
+                p = p + y[i] * v
+                i += 1
+            out.append(p)
+        return out
+
+    @staticmethod
+    def _published_layout(group, r: torch.Tensor) -> torch.Tensor:
+        """The published right-hand side reads the flat [weight, bias] gradient as a
+        [d_out, d_in + 1] matrix, which puts bias entries and weights in the wrong places."""
+        if len(group["params"]) == 1:
+            return r
+        return torch.cat([r[:, :-1].reshape(-1), r[:, -1]]).reshape(r.shape)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        sd["twolevel"] = {"iteration_counter": self._iteration_counter, "batch_size": self.batch_size,
+                          "f_coarse": self.f_coarse, "f_coarse_inv": self.f_coarse_inv}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("twolevel")
+        super().load_state_dict(state_dict)
+        self._iteration_counter = extra["iteration_counter"]
+        self.batch_size = extra["batch_size"]
+        self.f_coarse, self.f_coarse_inv = extra["f_coarse"], extra["f_coarse_inv"]
