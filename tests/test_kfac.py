@@ -814,17 +814,20 @@ def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
            "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # Output goes to files, not pipes: a rank blocked on a full pipe while the test waits on the
+    # other rank would stall both in their next collective.
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
     procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
-                              cwd=str(Path(__file__).parents[1]), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                              cwd=str(Path(__file__).parents[1]), stdout=open(logs[r], "wb"),
+                              stderr=subprocess.STDOUT)
              for r in range(2)]
-    outs = []
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=240)[0].decode())
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    outs = [log.read_text() for log in logs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert torch.equal(r0["params"], r1["params"])

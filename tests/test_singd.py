@@ -656,12 +656,19 @@ def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     script.write_text(_WORKER)
     root = str(Path(__file__).resolve().parent.parent)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # Output to files, not pipes: a rank blocked on a full pipe would stall the other rank.
+    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"),
                                str(tmp_path / "out.pt")], env=env, cwd=root,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in (0, 1)]
-    for p in procs:
-        out, _ = p.communicate(timeout=240)
-        assert p.returncode == 0, out.decode()[-3000:]
+                              stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT) for r in (0, 1)]
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log.read_text()[-3000:]
     results = torch.load(tmp_path / "out.pt")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
