@@ -413,7 +413,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
     try:
-        args.members = members_pkg.select(args.optimizers)
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        args.members = members_pkg.select(args.optimizers, args.model, torch.device(device).type)
+        args.left_out = [m for m in members_pkg.registry().values()
+                         if not args.optimizers and m not in args.members]
         args.published = published_mod.parse(args.published, members_pkg.registry())
     except ValueError as exc:
         parser.error(f"--optimizers: {exc}" if "unknown optimizer" in str(exc) else str(exc))
@@ -488,6 +491,13 @@ def main(argv: list[str] | None = None) -> int:
               published={k: os.path.abspath(v) for k, v in args.published.items()})
     env = environment(device, threads)
     console.print(report.header(env, run))
+    if args.left_out:
+        names = ",".join(m.name for m in args.left_out)
+        console.print(f"not in the default {args.model} run on the CPU: "
+                      f"{', '.join(m.label for m in args.left_out)} (their decompositions of this "
+                      f"model's large factors take minutes here); run them with "
+                      f"`python -m bench --model gpt --optimizers {names}` (or name them with "
+                      f"--optimizers on this model)")
     bench(run, dict(members=args.members, published=loaded, chosen=chosen, baselines=baselines,
                     phases=args.phases), console)
     elapsed = time.perf_counter() - began

@@ -55,6 +55,14 @@ class Member:
     details: Callable[[Any], None] | None = None
     overhead_goal: float | None = None  # the target for the whole-step overhead over AdamW
     order: int = 100  # table order; AdaFisher first
+    # The models a plain `python -m bench` (no --optimizers) runs this member on when the device
+    # is the CPU (None: every model). K-FAC and DyKAF decompose ResNet-18's 4609 x 4609 factors,
+    # minutes of LAPACK on two cores: their CPU headline rows come from the smaller models.
+    cpu_default_models: tuple[str, ...] | None = None
+
+    def runs_by_default(self, model: str | None, device: str | None) -> bool:
+        return (self.cpu_default_models is None or device != "cpu" or model is None
+                or model in self.cpu_default_models)
 
     def variants(self) -> tuple[str, ...]:
         """Every variant this member can run (on a CUDA device; the bench drops what a device
@@ -91,12 +99,13 @@ def registry() -> dict[str, Member]:
     return {m.name: m for m in found}
 
 
-def select(spec: str | None) -> list[Member]:
-    """The members a comma list names (None or empty: all of them), in table order; an unknown
-    name raises ValueError naming it and the known ones."""
+def select(spec: str | None, model: str | None = None, device: str | None = None) -> list[Member]:
+    """The members a comma list names (None or empty: the default selection, every member that
+    runs by default on `model` and `device`), in table order; an unknown name raises ValueError
+    naming it and the known ones."""
     members = registry()
     if not spec:
-        return list(members.values())
+        return [m for m in members.values() if m.runs_by_default(model, device)]
     names = [s.strip().lower() for s in spec.split(",") if s.strip()]
     unknown = [n for n in names if n not in members]
     if unknown:

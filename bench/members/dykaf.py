@@ -14,4 +14,5 @@ def build(model, backend: str, curvature_every: int):
 
 MEMBER = Member(
     name="dykaf", label="DyKAF", build=build, backends=("fused", "reference"),
-    compiles=False, captures=False, default_variants=("fused",), order=30)
+    compiles=False, captures=False, default_variants=("fused",),
+    cpu_default_models=("mlp", "gpt"), order=30)

@@ -36,4 +36,4 @@ MEMBER = Member(
     name="kfac", label="K-FAC + SGD",
     build=lambda model, backend, every: KFACWithSGD(model, backend, every),
     backends=("fused", "reference"), compiles=False, captures=False,
-    default_variants=("fused",), order=10)
+    default_variants=("fused",), cpu_default_models=("mlp", "gpt"), order=10)
