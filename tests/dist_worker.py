@@ -232,6 +232,7 @@ def main() -> None:
     _count_collectives()
     try:
         {"train": scenario_train, "mismatch": scenario_mismatch}[scenario](rank, backend, outdir)
+        dist.barrier()  # tear gloo down together: a rank leaving early can abort the other's exit
     finally:
         dist.destroy_process_group()
 

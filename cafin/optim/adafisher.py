@@ -178,22 +178,20 @@ class AdaFisher(CurvatureOptimizer):
         return self._steps.due(self.TCov, device)
 
     def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
-        state = self.state[layer.anchor]
-        stat = state["stat_H"]
-        if state_dtype(x.dtype) != stat.dtype:
-            x = x.to(stat.dtype)
-        layer.kind.input_stats(self._impl, stat, layer.module, x, step, self.TCov)
-        if self.statistics == "per_pass":
-            self._fold([state["fisher_H"]], [stat], [False], None, None)
+        self._statistics(layer, x, step, layer.kind.input_stats, "H", grad_side=False)
 
     def _grad_statistics(self, layer: Layer, grad: torch.Tensor, step) -> None:
+        self._statistics(layer, grad, step, layer.kind.grad_stats, "S", grad_side=True)
+
+    def _statistics(self, layer: Layer, t: torch.Tensor, step, op, side: str, grad_side: bool) -> None:
+        """Accumulate one side's raw statistic (in the factor's dtype); per pass, fold it now."""
         state = self.state[layer.anchor]
-        stat = state["stat_S"]
-        if state_dtype(grad.dtype) != stat.dtype:
-            grad = grad.to(stat.dtype)
-        layer.kind.grad_stats(self._impl, stat, layer.module, grad, step, self.TCov)
+        stat = state["stat_" + side]
+        if state_dtype(t.dtype) != stat.dtype:
+            t = t.to(stat.dtype)
+        op(self._impl, stat, layer.module, t, step, self.TCov)
         if self.statistics == "per_pass":
-            self._fold([state["fisher_S"]], [stat], [True], None, None)
+            self._fold([state["fisher_" + side]], [stat], [grad_side], None, None)
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
