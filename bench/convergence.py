@@ -13,6 +13,28 @@ never changes), with a constant learning rate:
   AdamW                          lr 1e-3, betas (0.9, 0.999), eps 1e-8, decoupled wd 1e-2
   SGD                            lr 0.05, momentum 0.9, wd 0
 
+The rest of the family, each with its published recommended usage (bench/family_optimizers.py):
+
+  K-FAC + SGD       kfac-pytorch's CIFAR-10 example: factor_update_steps 1, inv_update_steps 10,
+                    damping 3e-3, kl_clip 1e-3, SGD momentum 0.9, wd 5e-4, lr 0.1 at batch 128
+                    scaled linearly to this batch (0.025 at 32; the kl_clip uses the same lr);
+                    the example's warm-up and step decays (100+ epochs) are dropped: constant lr
+  two-level K-FAC   the autoencoder task's settings (damping 0.1, T_cov = T_inv = 10, alpha 0.95,
+                    constraint_norm with clipping 1e-2), SGD momentum 0.9 at K-FAC's lr; rows:
+                    the same K-FAC with the coarse correction off, and nicolaides (default), and
+                    spectral, residual, tselepidis, nicolaides/residual + krylov (--optimizers
+                    two-level)
+  SINGD             singd's defaults (lr 1e-3, momentum 0.9, damping 1e-3, alpha1 0.5, T 10,
+                    lr_cov 1e-2): dense, diagonal, IKFAC (kfac_like=True), dense with bf16 K, C
+  DyKAF             the published usage: lr 3e-3, betas (0.95, 0.95), init "eps", wd 0.01,
+                    precondition_frequency 10
+  SOAP (heavyball)  heavyball.SOAP's defaults, eager (heavyball's compile switched off: inductor
+                    would compile for minutes on 2 cores); only when heavyball imports
+
+A run whose loss turns NaN stops there and is reported as diverged (DyKAF's published usage
+does on this CNN at batch 32, after its first refresh; the published TensorDyKAF computes the same
+numbers and diverges at the same step; at batch 64 both train).
+
 AdaFisher and Adam use their published defaults (AdaFisher's lr 1e-3 with Lambda 1e-3 behaves like
 SGD-momentum with an effective step lr/Lambda = 1 on the (1-beta)-EMA momentum, i.e. PyTorch SGD at
 lr 0.1, momentum 0.9, once the factors settle); SGD uses a common value for a small BN network.
@@ -33,11 +55,13 @@ Fused vs reference (AdaFisher, same seed and batches), three numbers:
 - independent runs, float64 (seed 0): no near-ties flip at 1e-16, so the runs stay together.
 
 Flags: --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
---threads, --optimizers NAME,..., --plot PATH (PNG), --json PATH.
+--threads, --optimizers NAME,... (name prefixes or families: adafisher, kfac, singd, dykaf,
+baselines), --plot PATH (PNG, one column per family), --json PATH.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -52,6 +76,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cafin
+
+from . import family_optimizers as fam
 
 TARGET_ACCURACY = 0.95
 DEFAULT_EPOCHS = 10
@@ -121,12 +147,19 @@ def make_model(seed: int) -> DigitsCNN:
 
 
 # ----------------------------------------------------------------------------------- optimizers
+FAMILIES = {  # family key (also an --optimizers name) -> plot panel title
+    "adafisher": "AdaFisher", "kfac": "K-FAC and two-level K-FAC", "singd": "SINGD and IKFAC",
+    "dykaf": "DyKAF and SOAP", "baselines": "baselines"}
+
+
 @dataclass(frozen=True)
 class OptimizerSpec:
     name: str
     hyperparameters: str
     build: Callable[[nn.Module], torch.optim.Optimizer] = field(repr=False)
     backend: str | None = None  # for the cafin optimizers
+    family: str = "baselines"  # a key of FAMILIES
+    default: bool = True  # in a run without --optimizers
 
 
 def fused_available() -> bool:
@@ -150,13 +183,19 @@ def adafisher_spec(backend: str, tcov: int = DEFAULT_TCOV, decoupled: bool = Fal
                          lambda m: cls(m, backend=backend, **kwargs), backend)
 
 
-def optimizer_specs(tcov: int = DEFAULT_TCOV) -> list[OptimizerSpec]:
+def optimizer_specs(tcov: int = DEFAULT_TCOV,
+                    batch_size: int = DEFAULT_BATCH_SIZE) -> list[OptimizerSpec]:
     """Every optimizer of the comparison, with the hyperparameters stated in the module docstring.
-    AdaFisherW runs on the fused backend when it is built, otherwise on the reference one."""
-    return [
-        adafisher_spec("fused", tcov),
-        adafisher_spec("reference", tcov),
-        adafisher_spec("fused" if fused_available() else "reference", tcov, decoupled=True),
+    AdaFisherW runs on the fused backend when it is built, otherwise on the reference one; so do
+    the other cafin members. SOAP is listed only when heavyball imports."""
+    backend = "fused" if fused_available() else "reference"
+    specs = [
+        dataclasses.replace(adafisher_spec("fused", tcov), family="adafisher"),
+        dataclasses.replace(adafisher_spec("reference", tcov), family="adafisher"),
+        dataclasses.replace(adafisher_spec(backend, tcov, decoupled=True), family="adafisher"),
+    ]
+    specs += family_specs(backend, batch_size)
+    specs += [
         OptimizerSpec("Adam", "lr 1e-3, β (0.9, 0.999), eps 1e-8",
                       lambda m: torch.optim.Adam(m.parameters(), lr=1e-3)),
         OptimizerSpec("AdamW", "lr 1e-3, β (0.9, 0.999), eps 1e-8, wd 1e-2",
@@ -164,17 +203,84 @@ def optimizer_specs(tcov: int = DEFAULT_TCOV) -> list[OptimizerSpec]:
         OptimizerSpec("SGD", "lr 0.05, momentum 0.9",
                       lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)),
     ]
+    return specs
+
+
+# Two-level K-FAC on the CNN: the settings of the autoencoder task (bench/autoencoder.py),
+# whose damping 0.1 and clipping keep it stable; SGD momentum 0.9 at the K-FAC row's lr.
+TWOLEVEL_CNN = dict(damping=0.1, T_cov=10, T_inv=10, alpha=0.95, constraint_norm=True,
+                    clipping=1e-2)
+
+
+def family_specs(backend: str, batch_size: int = DEFAULT_BATCH_SIZE) -> list[OptimizerSpec]:
+    """K-FAC, two-level K-FAC, SINGD, IKFAC, DyKAF and heavyball's SOAP, each with its published
+    recommended usage (see the module docstring). Non-default rows (the other coarse spaces)
+    run when --optimizers names them ('two-level' picks every two-level row)."""
+    kfac_lr = fam.kfac_lr(batch_size)
+    specs = [OptimizerSpec(
+        f"K-FAC + SGD ({backend})",
+        f"kfac-pytorch CIFAR example: factor/inv update 1/10 steps, damping 3e-3, kl_clip 1e-3; "
+        f"SGD lr {kfac_lr:g} (0.1 at batch 128, scaled to batch {batch_size}), momentum 0.9, "
+        f"wd 5e-4", lambda m: fam.kfac_sgd(m, batch_size, backend), backend, "kfac")]
+    tl_text = (f"damping 0.1, T_cov = T_inv = 10, alpha 0.95, constraint_norm, clipping 1e-2; "
+               f"SGD lr {kfac_lr:g}, momentum 0.9")
+    spaces: list[tuple[str | None, bool]] = []
+    if fam.coarse_off_supported():
+        spaces.append((None, False))
+    spaces += [(c, False) for c in fam.COARSE_SPACES] + [(c, True) for c in fam.KRYLOV_SPACES]
+    for coarse, krylov in spaces:
+        specs.append(OptimizerSpec(
+            fam.twolevel_label(coarse, krylov), tl_text,
+            lambda m, c=coarse, k=krylov: fam.twolevel_sgd(m, kfac_lr, c, k, backend=backend,
+                                                           **TWOLEVEL_CNN),
+            backend, "kfac", default=(coarse in (None, "nicolaides") and not krylov)))
+    singd_text = ("singd defaults: lr 1e-3, momentum 0.9, damping 1e-3, alpha1 0.5, T 10, "
+                  "lr_cov 1e-2")
+    for label, kwargs, text in (
+            ("SINGD dense", {}, ""),
+            ("SINGD diagonal", dict(structures=("diagonal", "diagonal")), ", diagonal K and C"),
+            ("IKFAC", dict(kfac_like=True), ", kfac_like (alpha1 0)"),
+            ("SINGD dense, bf16 factors",
+             dict(preconditioner_dtype=(torch.bfloat16, torch.bfloat16)), ", K and C in bf16")):
+        specs.append(OptimizerSpec(
+            f"{label} ({backend})", singd_text + text,
+            lambda m, kw=kwargs: _singd(m, backend, kw), backend, "singd"))
+    specs.append(OptimizerSpec(
+        f"DyKAF ({backend})", "lr 3e-3, betas (0.95, 0.95), init eps, wd 0.01, "
+        "precondition_frequency 10 (the published usage)",
+        lambda m: cafin.DyKAF(m.parameters(), lr=3e-3, betas=(0.95, 0.95), init="eps",
+                              backend=backend), backend, "dykaf"))
+    if fam.soap_available()[0]:
+        specs.append(OptimizerSpec(
+            "SOAP (heavyball)", "heavyball defaults: lr 3e-3, betas (0.9, 0.95), shampoo_beta "
+            "0.95, wd 0.01, precondition_frequency 2; eager (heavyball's compile off)",
+            lambda m: fam.soap(m.parameters(), eager=True), None, "dykaf"))
+    return specs
+
+
+def _singd(model: nn.Module, backend: str, kwargs: dict):
+    import warnings
+    with warnings.catch_warnings():  # kfac_like=True warns that it sets alpha1 to 0, as singd does
+        warnings.simplefilter("ignore")
+        return cafin.SINGD(model, warn_unsupported=False, backend=backend, **kwargs)
 
 
 def select(specs: Sequence[OptimizerSpec], names: str | None) -> list[OptimizerSpec]:
-    """Filter by comma-separated, case-insensitive prefixes of the names ('adafisher (f', 'sgd')."""
+    """Filter by comma-separated, case-insensitive prefixes of the names ('adafisher (f', 'sgd',
+    'two-level') or family keys ('kfac', 'singd', 'dykaf', 'adafisher', 'baselines'). No names:
+    the default rows."""
     if not names:
-        return list(specs)
+        return [s for s in specs if s.default]
     wanted = [n.strip().lower() for n in names.split(",") if n.strip()]
-    chosen = [s for s in specs if any(s.name.lower().startswith(w) for w in wanted)]
-    unknown = [w for w in wanted if not any(s.name.lower().startswith(w) for s in specs)]
+
+    def matches(spec: OptimizerSpec, w: str) -> bool:
+        return spec.name.lower().startswith(w) or spec.family == w
+
+    chosen = [s for s in specs if any(matches(s, w) for w in wanted)]
+    unknown = [w for w in wanted if not any(matches(s, w) for s in specs)]
     if unknown:
-        raise SystemExit(f"unknown optimizer(s) {unknown}; choose from {[s.name for s in specs]}")
+        raise SystemExit(f"unknown optimizer(s) {unknown}; choose from "
+                         f"{[s.name for s in specs]} or a family {list(FAMILIES)}")
     return chosen
 
 
@@ -193,6 +299,7 @@ class RunResult:
     cpu_ms: list[float]  # CPU time of this thread for the training step (robust to a busy machine)
     steps_to_target: int | None  # first evaluated step with test accuracy >= TARGET_ACCURACY
     final_parameters: dict[str, torch.Tensor] = field(repr=False)
+    diverged_at: int | None = None  # the first step whose loss was not finite (training stopped)
 
     @property
     def median_step_ms(self) -> float:
@@ -240,7 +347,19 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
     eval_steps, eval_accuracy = [0], [evaluate(model, x_test, data.y_test)]
     epoch_accuracy, train_loss, step_ms, opt_ms, cpu_ms = [], [], [], [], []
     model.train()
+    diverged_at = None
     for _, b, idx in batches(len(data.y_train), batch_size, seed, epochs):
+        step += 1
+        last_in_epoch = b == steps_per_epoch - 1
+        due = (eval_every and step % eval_every == 0) or last_in_epoch
+        if diverged_at is not None:  # the curves keep their length; the model stays where it broke
+            train_loss.append(math.nan)
+            if due:
+                eval_steps.append(step)
+                eval_accuracy.append(eval_accuracy[-1])
+            if last_in_epoch:
+                epoch_accuracy.append(eval_accuracy[-1])
+            continue
         xb, yb = x_train[idx], data.y_train[idx]
         start, start_cpu = time.perf_counter(), time.thread_time()
         optimizer.zero_grad(set_to_none=True)
@@ -253,9 +372,9 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
         cpu_ms.append((end_cpu - start_cpu) * 1e3)
         opt_ms.append((end - before_step) * 1e3)
         train_loss.append(loss.item())
-        step += 1
-        last_in_epoch = b == steps_per_epoch - 1
-        if (eval_every and step % eval_every == 0) or last_in_epoch:
+        if not math.isfinite(train_loss[-1]):
+            diverged_at = step
+        if due:
             eval_steps.append(step)
             eval_accuracy.append(evaluate(model, x_test, data.y_test))
         if last_in_epoch:
@@ -265,7 +384,8 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
     reached = [s for s, a in zip(eval_steps, eval_accuracy) if a >= TARGET_ACCURACY]
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     return RunResult(spec.name, seed, steps_per_epoch, epoch_accuracy, eval_steps, eval_accuracy,
-                     train_loss, step_ms, opt_ms, cpu_ms, reached[0] if reached else None, params)
+                     train_loss, step_ms, opt_ms, cpu_ms, reached[0] if reached else None, params,
+                     diverged_at)
 
 
 def parameter_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict:
@@ -364,6 +484,8 @@ def summarise(spec: OptimizerSpec, runs: list[RunResult], epochs: int) -> dict:
         "steps_to_target": {"mean": m if reached else None, "std": s if reached else None,
                             "reached": len(reached), "runs": len(runs),
                             "per_seed": [r.steps_to_target for r in runs]},
+        "diverged_at": [r.diverged_at for r in runs],
+        "family": spec.family,
         "step_ms_median": statistics.median(r.median_step_ms for r in runs),
         "opt_step_ms_median": statistics.median(r.median_opt_ms for r in runs),
         "cpu_step_ms_median": statistics.median(r.median_cpu_ms for r in runs),
@@ -383,8 +505,15 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
     data = load_data()
     if not 1 <= batch_size <= len(data.y_train):
         raise SystemExit(f"batch size must be in [1, {len(data.y_train)}], got {batch_size}")
-    specs = select(optimizer_specs(tcov), optimizers)
+    specs = select(optimizer_specs(tcov, batch_size), optimizers)
     notes = []
+    soap_ok, why_no_soap = fam.soap_available()
+    if not soap_ok and (not optimizers or any(w.strip().lower() in ("dykaf", "soap")
+                                              for w in optimizers.split(","))):
+        notes.append(f"no SOAP rows: {why_no_soap}")
+    if not fam.coarse_off_supported():
+        notes.append("no 'K-FAC (two-level's, coarse off)' row: cafin.TwoLevelKFAC no longer "
+                     "has the method the bench replaces to switch the coarse correction off")
     if not fused_available():
         dropped = [s.name for s in specs if s.backend == "fused"]
         specs = [s for s in specs if s.backend != "fused"]
@@ -501,12 +630,20 @@ def render(results: dict):
     table.add_column("ms / step", justify="right")
     table.add_column("of which step()", justify="right")
     table.add_column("CPU ms / step", justify="right")
+    family = None
     for row in results["optimizers"]:
+        if family is not None and row.get("family") != family:
+            table.add_section()
+        family = row.get("family")
         cells = [row["optimizer"]]
         cells += [_pct(row["accuracy_after_epoch"][str(e)]["mean"],
                        row["accuracy_after_epoch"][str(e)]["std"]) for e in epochs]
         st = row["steps_to_target"]
-        if st["reached"] == 0:
+        diverged = [d for d in row.get("diverged_at", []) if d is not None]
+        if st["reached"] == 0 and diverged:
+            cells.append(f"diverged ({len(diverged)}/{st['runs']}, NaN loss at step "
+                         f"{min(diverged)}{'' if len(diverged) == 1 else '+'})")
+        elif st["reached"] == 0:
             cells.append(f"not reached (0/{st['runs']})")
         else:
             text = f"{st['mean']:.0f} ± {st['std']:.0f}"
@@ -554,7 +691,8 @@ def agreement_text(results: dict) -> str:
 
 
 def plot(results: dict, path: str) -> None:
-    """Test accuracy and train loss against step, mean over seeds (shaded: min-max over seeds)."""
+    """Test accuracy (top) and train loss (bottom) against step, mean over seeds (shaded: min-max
+    over seeds), one column per family; the baselines (Adam, AdamW, SGD) in grey in every column."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -563,45 +701,62 @@ def plot(results: dict, path: str) -> None:
         raise SystemExit("--plot needs matplotlib: pip install -e .[bench]") from e
     import numpy as np
     cfg = results["config"]
-    fig, (ax_acc, ax_loss) = plt.subplots(1, 2, figsize=(14, 5.5))
+    rows = results["optimizers"]
+    families = [f for f in FAMILIES if f != "baselines" and any(r["family"] == f for r in rows)]
+    baselines = [r["optimizer"] for r in rows if r["family"] == "baselines"]
+    if not families:
+        families = ["baselines"]
+        baselines = []
+    ncol = len(families)
+    fig, axes = plt.subplots(2, ncol, figsize=(4.6 * ncol + 1, 8.5), squeeze=False, sharex=True)
     window = 10
+    kernel = np.ones(window) / window
     colors = plt.get_cmap("tab10")
-    for i, (name, curves) in enumerate(results["curves"].items()):
-        # dashed: the lines that would hide another (reference under fused, AdamW over Adam)
-        dashed = "reference" in name or name.split(" ")[0].endswith("W")
-        style = dict(color=colors(i), lw=1.5, ls=(0, (4, 3)) if dashed else "-")
+    greys = ["0.35", "0.6", "0.8"]
+    spe = cfg["steps_per_epoch"]
+
+    def draw(ax_acc, ax_loss, name, style, band_color):
+        curves = results["curves"][name]
         steps = np.array(curves[0]["eval_steps"])
         acc = 100 * np.array([c["test_accuracy"] for c in curves])
         ax_acc.plot(steps, acc.mean(0), label=name, **style)
         loss = np.array([c["train_loss"] for c in curves])
-        kernel = np.ones(window) / window
         smooth = np.array([np.convolve(row, kernel, mode="valid") for row in loss])
         x = np.arange(window, loss.shape[1] + 1)
         ax_loss.plot(x, smooth.mean(0), label=name, **style)
-        if len(curves) > 1:
-            ax_acc.fill_between(steps, acc.min(0), acc.max(0), color=colors(i), alpha=0.1, lw=0)
-            ax_loss.fill_between(x, smooth.min(0), smooth.max(0), color=colors(i), alpha=0.1, lw=0)
-    spe = cfg["steps_per_epoch"]
-    for ax in (ax_acc, ax_loss):
-        for e in range(1, cfg["epochs"] + 1):
-            ax.axvline(e * spe, color="0.88", lw=0.6, zorder=0)
-        ax.set_xlabel(f"step ({spe} steps per epoch; grey lines: epoch ends)")
-        ax.set_xlim(0, cfg["total_steps"])
-        ax.grid(alpha=0.25)
-    ax_acc.axhline(100 * cfg["target_accuracy"], color="k", lw=0.8, ls=":")
-    ax_acc.set_ylim(80, 100)
-    ax_acc.set_ylabel(f"test accuracy % (every {cfg['eval_every_steps']} steps; axis from 80 %)")
-    ax_acc.set_title("test accuracy")
-    ax_loss.set_yscale("log")
-    ax_loss.set_ylabel(f"train loss (mini-batch, moving average over {window} steps)")
-    ax_loss.set_title("train loss")
-    ax_acc.legend(loc="lower right")
+        if len(curves) > 1 and band_color is not None:
+            ax_acc.fill_between(steps, acc.min(0), acc.max(0), color=band_color, alpha=0.1, lw=0)
+            ax_loss.fill_between(x, smooth.min(0), smooth.max(0), color=band_color, alpha=0.1,
+                                 lw=0)
+
+    for col, family in enumerate(families):
+        ax_acc, ax_loss = axes[0][col], axes[1][col]
+        for j, name in enumerate(baselines):
+            draw(ax_acc, ax_loss, name, dict(color=greys[j % 3], lw=1.0, ls=(0, (2, 2))), None)
+        members = [r["optimizer"] for r in rows if r["family"] == family]
+        for i, name in enumerate(members):
+            dashed = "reference" in name or "bf16" in name or name.startswith("AdaFisherW")
+            style = dict(color=colors(i), lw=1.6, ls=(0, (5, 3)) if dashed else "-")
+            draw(ax_acc, ax_loss, name, style, colors(i))
+        for ax in (ax_acc, ax_loss):
+            for e in range(1, cfg["epochs"] + 1):
+                ax.axvline(e * spe, color="0.9", lw=0.6, zorder=0)
+            ax.set_xlim(0, cfg["total_steps"])
+            ax.grid(alpha=0.25)
+        ax_acc.axhline(100 * cfg["target_accuracy"], color="k", lw=0.8, ls=":")
+        ax_acc.set_ylim(80, 100)
+        ax_acc.set_title(FAMILIES[family])
+        ax_acc.legend(loc="lower right", fontsize=7.5)
+        ax_loss.set_yscale("log")
+        ax_loss.set_xlabel(f"step ({spe} per epoch)")
+    axes[0][0].set_ylabel(f"test accuracy % (every {cfg['eval_every_steps']} steps; from 80 %)")
+    axes[1][0].set_ylabel(f"train loss (mini-batch, moving average of {window})")
     band = ", band = min-max over seeds" if len(cfg["seeds"]) > 1 else ""
     fig.suptitle(f"DigitsCNN ({cfg['parameters']} params) on sklearn digits: mean over "
-                 f"{_plural(len(cfg['seeds']), 'seed')}{band}; batch {cfg['batch_size']}, constant lr, "
-                 f"AdaFisher TCov {cfg['tcov']}")
+                 f"{_plural(len(cfg['seeds']), 'seed')}{band}; batch {cfg['batch_size']}, "
+                 f"constant lr; grey dashed: {', '.join(baselines) or 'none'}")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
