@@ -54,7 +54,8 @@ Fused vs reference (AdaFisher, same seed and batches), three numbers:
   and optimizer-state tensor is compared after the step, then re-synced: the kernels' own error;
 - independent runs, float64 (seed 0): no near-ties flip at 1e-16, so the runs stay together.
 
-Flags: --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
+`--task autoencoder` runs the two-level K-FAC paper's autoencoder experiment instead
+(bench/autoencoder.py). Flags of this task (cnn, the default): --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
 --threads, --optimizers NAME,... (name prefixes or families: adafisher, kfac, singd, dykaf,
 baselines), --plot PATH (PNG, one column per family), --json PATH.
 """
@@ -761,11 +762,23 @@ def plot(results: dict, path: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    task = argparse.ArgumentParser(add_help=False)
+    task.add_argument("--task", choices=("cnn", "autoencoder"), default="cnn")
+    known, rest = task.parse_known_args(argv)
+    if known.task == "autoencoder":
+        from .autoencoder import main as autoencoder_main
+        return autoencoder_main(rest)
+    argv = rest
     parser = argparse.ArgumentParser(
         prog="python -m bench convergence",
-        description="Train a small CNN on scikit-learn's digits with AdaFisher (fused and "
-                    "reference), AdaFisherW, Adam, AdamW and SGD; report test accuracy, steps to "
-                    "95 %, step time and the fused-vs-reference parameter difference.")
+        description="Train a small CNN on scikit-learn's digits with the family (AdaFisher fused "
+                    "and reference, AdaFisherW, K-FAC, two-level K-FAC, SINGD, IKFAC, DyKAF), "
+                    "heavyball's SOAP when installed, Adam, AdamW and SGD; report test accuracy, "
+                    "steps to 95 %, step time and AdaFisher's fused-vs-reference difference. "
+                    "--task autoencoder: the two-level K-FAC paper's autoencoder experiment "
+                    "(its own flags: --task autoencoder --help).")
+    parser.add_argument("--task", choices=("cnn", "autoencoder"), default="cnn",
+                        help="cnn (default): this task; autoencoder: bench/autoencoder.py")
     parser.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULT_EPOCHS}")
     parser.add_argument("--seeds", type=int, default=None,
                         help=f"number of seeds, 0..N-1 (default {DEFAULT_SEEDS})")

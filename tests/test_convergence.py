@@ -151,3 +151,18 @@ def test_a_diverging_run_is_marked_and_keeps_its_curves(data):
     assert run.diverged_at == 8  # the first step whose loss is NaN
     assert len(run.train_loss) == 84 and len(run.epoch_accuracy) == 2
     assert run.steps_to_target is None
+
+
+def test_autoencoder_task_runs_kfac_and_two_level(tmp_path):
+    """--task autoencoder: the two-level paper's experiment; K-FAC and two-level K-FAC lower the
+    full-data loss, and the two-level row is a different optimizer (its loss is not K-FAC's)."""
+    out = tmp_path / "ae.json"
+    rc = main(["--task", "autoencoder", "--steps", "25", "--seeds", "1",
+               "--optimizers", "k-fac,two-level nicolaides,sgd", "--json", str(out)])
+    assert rc == 0
+    methods = json.loads(out.read_text())["methods"]
+    assert list(methods) == ["SGD", "K-FAC", "two-level nicolaides", "two-level nicolaides + krylov"]
+    for name in ("K-FAC", "two-level nicolaides"):
+        loss = methods[name]["runs"][0]["loss"]
+        assert len(loss) == 25 and loss[-1] < 0.8 * loss[0], name
+    assert methods["K-FAC"]["runs"][0]["loss"] != methods["two-level nicolaides"]["runs"][0]["loss"]
