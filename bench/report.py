@@ -56,6 +56,18 @@ LABELS = {
 }
 
 
+EXTRA_NAMES = {"adamw": "AdamW", "soap": "SOAP (heavyball)"}  # rows that are no member of cafin
+
+
+def extra_phases(run: "Run") -> list[str]:
+    """Phases that members' own details added (DyKAF's refresh step, ...), in order of appearance."""
+    out = []
+    for r in run.results:
+        if r.phase not in ("step", "statistics") and r.phase not in out:
+            out.append(r.phase)
+    return out
+
+
 def label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
@@ -225,6 +237,9 @@ def targets(run: "Run", members=()) -> list[dict]:
         f"{agree:.2e}" if agree is not None else "-", "<= 1e-5",
         (agree <= 1e-5) if agree is not None else None)
     for member in members:
+        if member.targets is not None:
+            out += member.targets(run)
+    for member in members:
         if member.overhead_goal is None:
             continue
         for variant in ("fused", "fused-compiled", "cuda-graph"):
@@ -262,7 +277,7 @@ def _targets_table(rows: list[dict], run: "Run") -> Table:
 
 def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
               elapsed_s: float, members=()) -> None:
-    names = {m.name: m.label for m in members} | {"adamw": "AdamW"}
+    names = {m.name: m.label for m in members} | EXTRA_NAMES
     floor = run.floor
     if floor:
         console.print(f"copy bandwidth {floor['copy_bandwidth_gb_s']:.1f} GB/s "
@@ -274,6 +289,8 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
     if any(r.phase == "statistics" for r in run.results):
         console.print(_phase_table(run, "statistics", floor.get("statistics_floor_ms"),
                                    "floor (read x, g once)", names))
+    for phase in extra_phases(run):
+        console.print(_phase_table(run, phase, None, "", names))
     if run.breakdown:
         bandwidth = floor["copy_bandwidth_gb_s"] * 1e9
         table = Table(title="fused statistics by op (summed over calls; median of passes)",
@@ -331,7 +348,7 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
 
 def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
     """The run as Markdown tables, for the README's bench section (`--markdown PATH`)."""
-    names = {m.name: m.label for m in members} | {"adamw": "AdamW"}
+    names = {m.name: m.label for m in members} | EXTRA_NAMES
     load = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
     out = [f"`python -m bench{_flags(run)}`: {run.model}, batch {run.batch_size}, "
            f"{env['device']} ({env['device_name']}), {env['threads']} threads, torch "
@@ -346,11 +363,11 @@ def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, m
             ("step", "step_floor_ms", "floor: 20 B/param at the measured copy bandwidth "
              f"({floor.get('copy_bandwidth_gb_s', math.nan):.1f} GB/s)"),
             ("statistics", "statistics_floor_ms", "floor: read every activation and output "
-             "gradient once")):
+             "gradient once"), *((p, "", "") for p in extra_phases(run))):
         rows = [r for r in run.results if r.phase == phase]
         if not rows:
             continue
-        title = "step" if phase == "step" else "statistics of one curvature step"
+        title = {"step": "step", "statistics": "statistics of one curvature step"}.get(phase, phase)
         out += [f"| {title} | median ms | speed-up | x floor | allocated |",
                 "|---|---|---|---|---|"]
         if floor.get(floor_key):

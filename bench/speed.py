@@ -163,6 +163,7 @@ class Context:
     fused_ok: bool
     why_not_fused: str
     bandwidth: float = math.nan
+    requested: set[str] = field(default_factory=set)  # --variants as given (members' own phases)
 
     def selected(self, member: Member) -> set[str]:
         return self.chosen.get(member.name, set())
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"`python -m bench --model gpt --optimizers {names}` (or name them with "
                       f"--optimizers on this model)")
     bench(run, dict(members=args.members, published=loaded, chosen=chosen, baselines=baselines,
-                    phases=args.phases), console)
+                    phases=args.phases, requested=set(args.variants or ())), console)
     elapsed = time.perf_counter() - began
     if hasattr(os, "getloadavg"):
         env["load_average_1m_end"] = os.getloadavg()[0]

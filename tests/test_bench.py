@@ -101,7 +101,7 @@ def test_results(quick_run):
     for r in results:
         assert set(r) >= {"model", "phase", "optimizer", "variant", "median_ms", "allocated_bytes"}
         assert r["model"] == "mlp"
-        assert r["phase"] in ("step", "statistics")
+        assert r["phase"] in ("step", "statistics", "refresh step", "amortised, refresh every 10")
         assert _finite(r["median_ms"]) and r["median_ms"] > 0
         assert isinstance(r["allocated_bytes"], int) and r["allocated_bytes"] >= 0
     measured = {(r["phase"], r["optimizer"], r["variant"]) for r in results}
@@ -117,6 +117,28 @@ def test_results(quick_run):
     assert len(measured) == len(results), "a variant was measured twice"
     why = {(s["phase"], s["variant"]): s["reason"] for s in data["skipped"]}
     assert "--published" in why[("step", "published")]
+
+
+def test_dykaf_refresh_and_soap_peer(quick_run):
+    """DyKAF's own phases: the refresh step and the amortised step, which is composed from the
+    plain and refresh medians; heavyball's SOAP in the same run when it imports."""
+    data, *_ = quick_run
+    rows = {(r["phase"], r["optimizer"], r["variant"]): r["median_ms"] for r in data["results"]}
+    variants = ["reference"] + (["fused"] if _fused_on_cpu() else [])
+    try:
+        import heavyball  # noqa: F401
+        peers = [("soap", "heavyball (eager)")]
+    except ImportError:
+        peers = []
+        assert any(s["optimizer"] == "soap" for s in data["skipped"])
+    for optimizer, variant in [("dykaf", v) for v in variants] + peers:
+        plain = rows[("step", optimizer, variant)]
+        refresh = rows[("refresh step", optimizer, variant)]
+        amortised = rows[("amortised, refresh every 10", optimizer, variant)]
+        assert amortised == pytest.approx((refresh + 9 * plain) / 10)
+    if peers and _fused_on_cpu():
+        target = [t for t in data["targets"] if t["target"].startswith("DyKAF fused amortised")]
+        assert len(target) == 1 and target[0]["verdict"] in ("met", "missed")
 
 
 def test_whole_step(quick_run):

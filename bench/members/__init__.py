@@ -24,7 +24,9 @@ What a member supplies (see `Member`):
 - `overhead_goal`: optional; the target for the whole training step's time over AdamW's at the
   curvature interval of 100 (AdaFisher: 0.03, i.e. at most 3 % slower).
 - `details(context)`: optional member-specific phases (AdaFisher: the statistics of one curvature
-  step on captured activations, and fused-vs-reference agreement).
+  step on captured activations, and fused-vs-reference agreement; DyKAF: its refresh step and
+  heavyball's SOAP as a peer). Results of a phase other than step/statistics get their own table.
+- `targets(run)`: optional; the member's own target rows (dicts: target, measured, goal, verdict).
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Member:
     published_class: str = ""  # the class that file must define
     details: Callable[[Any], None] | None = None
     overhead_goal: float | None = None  # the target for the whole-step overhead over AdamW
+    targets: Callable[[Any], list[dict]] | None = None  # its own target rows, from the run
     order: int = 100  # table order; AdaFisher first
     # The models a plain `python -m bench` (no --optimizers) runs this member on when the device
     # is the CPU (None: every model). K-FAC and DyKAF decompose ResNet-18's 4609 x 4609 factors,
