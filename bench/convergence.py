@@ -709,7 +709,8 @@ def plot(results: dict, path: str) -> None:
         families = ["baselines"]
         baselines = []
     ncol = len(families)
-    fig, axes = plt.subplots(2, ncol, figsize=(4.6 * ncol + 1, 8.5), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(2, ncol, figsize=(max(4.6 * ncol + 1, 11), 8.5), squeeze=False,
+                             sharex=True)
     window = 10
     kernel = np.ones(window) / window
     colors = plt.get_cmap("tab10")
@@ -753,9 +754,10 @@ def plot(results: dict, path: str) -> None:
     axes[0][0].set_ylabel(f"test accuracy % (every {cfg['eval_every_steps']} steps; from 80 %)")
     axes[1][0].set_ylabel(f"train loss (mini-batch, moving average of {window})")
     band = ", band = min-max over seeds" if len(cfg["seeds"]) > 1 else ""
-    fig.suptitle(f"DigitsCNN ({cfg['parameters']} params) on sklearn digits: mean over "
-                 f"{_plural(len(cfg['seeds']), 'seed')}{band}; batch {cfg['batch_size']}, "
-                 f"constant lr; grey dashed: {', '.join(baselines) or 'none'}")
+    grey = f"; grey dashed: {', '.join(baselines)}" if baselines else ""
+    fig.suptitle(f"DigitsCNN ({cfg['parameters']} params) on sklearn digits, batch "
+                 f"{cfg['batch_size']}, constant lr\nmean over "
+                 f"{_plural(len(cfg['seeds']), 'seed')}{band}{grey}", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
