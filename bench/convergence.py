@@ -348,7 +348,7 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
     eval_steps, eval_accuracy = [0], [evaluate(model, x_test, data.y_test)]
     epoch_accuracy, train_loss, step_ms, opt_ms, cpu_ms = [], [], [], [], []
     model.train()
-    diverged_at = None
+    diverged_at, broken_accuracy = None, math.nan
     for _, b, idx in batches(len(data.y_train), batch_size, seed, epochs):
         step += 1
         last_in_epoch = b == steps_per_epoch - 1
@@ -357,7 +357,7 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
             train_loss.append(math.nan)
             if due:
                 eval_steps.append(step)
-                eval_accuracy.append(eval_accuracy[-1])
+                eval_accuracy.append(broken_accuracy)
             if last_in_epoch:
                 epoch_accuracy.append(eval_accuracy[-1])
             continue
@@ -375,6 +375,7 @@ def train(spec: OptimizerSpec, data: Digits, seed: int, epochs: int,
         train_loss.append(loss.item())
         if not math.isfinite(train_loss[-1]):
             diverged_at = step
+            broken_accuracy = evaluate(model, x_test, data.y_test)  # what it scores from here on
         if due:
             eval_steps.append(step)
             eval_accuracy.append(evaluate(model, x_test, data.y_test))
@@ -649,7 +650,8 @@ def render(results: dict):
         else:
             text = f"{st['mean']:.0f} ± {st['std']:.0f}"
             if st["reached"] < st["runs"]:
-                text += f" ({st['reached']}/{st['runs']} seeds)"
+                text += f" ({st['reached']}/{st['runs']} seeds"
+                text += f"; {len(diverged)} diverged)" if diverged else ")"
             cells.append(text)
         cells += [f"{row['step_ms_median']:.2f}", f"{row['opt_step_ms_median']:.2f}",
                   f"{row['cpu_step_ms_median']:.2f}"]

@@ -149,6 +149,8 @@ def test_a_diverging_run_is_marked_and_keeps_its_curves(data):
     spec = OptimizerSpec("poison", "", lambda m: Poison(m.parameters(), lr=0.05))
     run = train(spec, data, seed=0, epochs=2, eval_every=5)
     assert run.diverged_at == 8  # the first step whose loss is NaN
+    # from then on the curves show what the broken model scores (chance), not its last accuracy
+    assert run.eval_steps[2] == 10 and run.eval_accuracy[1] > 0.3 and run.eval_accuracy[2] < 0.2
     assert len(run.train_loss) == 84 and len(run.epoch_accuracy) == 2
     assert run.steps_to_target is None
 
