@@ -128,11 +128,14 @@ def run_experiment(steps: int = DEFAULT_STEPS, seeds: int = DEFAULT_SEEDS,
     torch.set_num_threads(threads)
     try:
         run("SGD", None, 0, data, 5, batch, backend)  # warm-up: first calls pay allocation
+        all_runs: dict[str, list[dict]] = {m: [] for m in table}
+        for seed in range(seeds):  # seed-major, so that load drift spreads over all methods
+            for method, spec in table.items():
+                if progress:
+                    progress(f"{method}, seed {seed}")
+                all_runs[method].append(run(method, spec, seed, data, steps, batch, backend))
         results = {}
-        for method, spec in table.items():
-            if progress:
-                progress(method)
-            runs = [run(method, spec, seed, data, steps, batch, backend) for seed in range(seeds)]
+        for method, runs in all_runs.items():
             mid = max(steps // 3, 1)
             at_mid = _mean_std(r["loss"][mid - 1] for r in runs)
             at_end = _mean_std(r["loss"][-1] for r in runs)

@@ -721,6 +721,12 @@ def plot(results: dict, path: str) -> None:
 
     def draw(ax_acc, ax_loss, name, style, band_color):
         curves = results["curves"][name]
+        # a diverged seed would drag the mean to chance and the loss to NaN: the curves average
+        # the seeds that did not diverge, and the label counts the others
+        ok = [c for c in curves if all(math.isfinite(v) for v in c["train_loss"])]
+        if ok and len(ok) < len(curves):
+            name = f"{name} ({len(curves) - len(ok)}/{len(curves)} diverged)"
+            curves = ok
         steps = np.array(curves[0]["eval_steps"])
         acc = 100 * np.array([c["test_accuracy"] for c in curves])
         ax_acc.plot(steps, acc.mean(0), label=name, **style)
