@@ -129,3 +129,43 @@ def kfac_checkpoint_template(preconditioner) -> dict:
             if entry[key] is None:
                 entry[key] = (own[0] if own.shape[0] == 1 else own).detach().clone()
     return sd
+
+
+class full_parameters:
+    """For a torch optimizer whose update multiplies whole gradient matrices (DyKAF): while the
+    context is open, each sharded parameter with a gradient is replaced in the param groups by a
+    full-size stand-in whose `.grad` is the full gradient (one all_gather per dtype for all of
+    them) and whose own rows are the local shard (the other rows are zeros: the members' final
+    apply is row-wise, so they never reach the kept rows); the parameter's state dict is shared
+    with its stand-in. On exit the stand-ins' own rows are written back into the local shards.
+    The state the optimizer creates is full-size and the same on every rank (replicated)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.swaps: list[tuple[dict, int, torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self):
+        opt = self.optimizer
+        where = [(group, i, p) for group in opt.param_groups for i, p in enumerate(group["params"])
+                 if isinstance(p, DTensor) and p.grad is not None]
+        if not where:
+            return self
+        grads = gather_rows([p.grad for _, _, p in where])
+        for (group, i, p), grad in zip(where, grads):
+            with torch.no_grad():
+                standin = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                own_rows(standin, p).copy_(p.to_local())
+            standin.grad = grad
+            opt.state[standin] = opt.state[p]
+            group["params"][i] = standin
+            self.swaps.append((group, i, p, standin))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        opt = self.optimizer
+        for group, i, p, standin in self.swaps:
+            group["params"][i] = p
+            opt.state[p] = opt.state.pop(standin)
+            with torch.no_grad():
+                p.to_local().copy_(own_rows(standin, p))
+        self.swaps.clear()

@@ -55,9 +55,13 @@ class Member:
     """How one member is built and stepped: `make(model, net)` returns the objects whose
     `step()` runs after backward, in order (a preconditioner, then its torch optimizer)."""
 
-    def __init__(self, name, make, optimizer_index=0):
+    def __init__(self, name, make, optimizer_index=0, lazy_state=False):
         self.name, self.make = name, make
         self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
+        # State created by the first step from the first gradient (DyKAF): a fresh optimizer's
+        # state dict is no template to load into, so the saved one is read whole (it is
+        # replicated: the same on every rank).
+        self.lazy_state = lazy_state
 
 
 def _adafisher(cls_name):
@@ -75,11 +79,26 @@ def _kfac(model, net):
     return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
 
 
+def _dykaf(model, net):
+    import cafin
+    return [cafin.DyKAF(model.parameters(), lr=1e-2, precondition_frequency=2, weight_decay=0.01)]
+
+
 MEMBERS = {
     "AdaFisher": Member("AdaFisher", _adafisher("AdaFisher")),
     "AdaFisherW": Member("AdaFisherW", _adafisher("AdaFisherW")),
     "KFAC": Member("KFAC", _kfac, optimizer_index=1),
+    "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
 }
+
+
+def _twolevel(model):
+    import cafin
+    return cafin.TwoLevelKFAC(model)
+
+
+# Members (or structures) that cannot train a sharded model: constructing them must fail clearly.
+REFUSED = {"TwoLevelKFAC": _twolevel}
 
 
 # ------------------------------------------------------------------------------ counting collectives
@@ -163,6 +182,10 @@ def dcp_load(model, objs, member, path):
     if member.optimizer_index:
         from cafin.sharding import kfac_checkpoint_template
         sd["preconditioner"] = kfac_checkpoint_template(objs[0])
+    if member.lazy_state:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        del sd["optim"]
+        sd["optim"] = _load_state_dict_from_keys({"optim"}, checkpoint_id=path)["optim"]
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
@@ -227,6 +250,14 @@ def main() -> None:
                     sys.stderr.flush()
                     os._exit(3)
                 torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+        refused = {}
+        for name, make in REFUSED.items():
+            try:
+                make(shard(make_model(torch.float64)))
+                refused[name] = None
+            except Exception as e:
+                refused[name] = (type(e).__name__, str(e))
+        torch.save(refused, os.path.join(outdir, f"refused_rank{rank}.pt"))
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -40,6 +40,10 @@ GATHER = {}
 # Linear(3, 1) (4^2, 1^2); padded gradient shards: 2*(18+1) + 4*(48+1) + 2*(7+1) + 1*(3+1).
 FACTORS["KFAC"] = 19**2 + 3**2 + 49**2 + 7**2 + 8**2 + 3**2 + 4**2 + 1
 GATHER["KFAC"] = 2 * 19 + 4 * 49 + 2 * 8 + 1 * 4
+# DyKAF: no factor average (every rank computes the same factors from the same full gradients);
+# the gather holds every parameter's gradient, BatchNorm2d's and LayerNorm's too.
+GATHER["DyKAF"] = GATHER["KFAC"] + 2 * 2 + 2 * 4
+TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 
 
 _LAUNCH: dict = {}
@@ -116,12 +120,12 @@ def test_fully_shard_trains_as_ddp(member, dtype, tmp_path_factory):
 @pytest.mark.parametrize("member, dtype", CASES)
 def test_communication_per_step(member, dtype, tmp_path_factory):
     """Inside step(): the factor average on curvature steps, the gradient gather every step."""
-    tcov = 1 if member in GATHER else W.TCOV
+    tcov = TCOV.get(member, W.TCOV)
     for r in results(member, dtype, tmp_path_factory):
         assert len(r["calls"]) == W.STEPS
         for k, calls in enumerate(r["calls"]):
             expected = []
-            if k % tcov == 0:
+            if member in FACTORS and k % tcov == 0:
                 expected.append(("all_reduce", FACTORS[member], dtype))
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype))
@@ -135,3 +139,13 @@ def test_dcp_checkpoint_resumes_bit_identically(member, dtype, tmp_path_factory)
             assert torch.equal(a, b), f"rank {rank}, parameter {i} (local shard)"
         if rank == 1:  # the empty shard of Linear(3, 1) is on rank 1
             assert r["fsdp_local"][-2].numel() == 0
+
+
+@pytest.mark.parametrize("member", list(W.REFUSED))
+def test_members_that_cannot_shard_refuse_at_construction(member, tmp_path_factory):
+    results(next(iter(W.MEMBERS)), "float64", tmp_path_factory)  # the launch
+    for rank in range(W.WORLD):
+        refused = torch.load(_LAUNCH["out"] / f"refused_rank{rank}.pt", weights_only=False)
+        assert refused[member] is not None, f"{member} was constructed on a sharded model"
+        kind, message = refused[member]
+        assert kind == "ValueError" and "FSDP2" in message, refused[member]
