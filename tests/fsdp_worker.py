@@ -84,11 +84,23 @@ def _dykaf(model, net):
     return [cafin.DyKAF(model.parameters(), lr=1e-2, precondition_frequency=2, weight_decay=0.01)]
 
 
+def _singd(structures):
+    def make(model, net):
+        import cafin
+        return [cafin.SINGD(net, params=model.parameters(), lr=1e-2, T=TCOV, structures=structures,
+                            weight_decay=0.01,
+                            warn_unsupported=False)]
+    return make
+
+
 MEMBERS = {
     "AdaFisher": Member("AdaFisher", _adafisher("AdaFisher")),
     "AdaFisherW": Member("AdaFisherW", _adafisher("AdaFisherW")),
     "KFAC": Member("KFAC", _kfac, optimizer_index=1),
     "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
+    "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),
+    "SINGD-diagonal": Member("SINGD-diagonal", _singd(("diagonal", "diagonal"))),
+    "SINGD-toeplitz": Member("SINGD-toeplitz", _singd(("triltoeplitz", "diagonal"))),
 }
 
 

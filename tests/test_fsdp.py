@@ -43,6 +43,14 @@ GATHER["KFAC"] = 2 * 19 + 4 * 49 + 2 * 8 + 1 * 4
 # DyKAF: no factor average (every rank computes the same factors from the same full gradients);
 # the gather holds every parameter's gradient, BatchNorm2d's and LayerNorm's too.
 GATHER["DyKAF"] = GATHER["KFAC"] + 2 * 2 + 2 * 4
+# SINGD: the H terms are averaged on its T steps (dense: d_K^2 + d_C^2 per layer, as K-FAC's
+# factors; diagonal and Toeplitz: d_K + d_C); the structures that multiply whole gradient
+# matrices gather them every step as K-FAC does, the diagonal one reads its own rows and gathers
+# nothing.
+FACTORS["SINGD-dense"] = FACTORS["KFAC"]
+GATHER["SINGD-dense"] = GATHER["KFAC"]
+FACTORS["SINGD-diagonal"] = FACTORS["SINGD-toeplitz"] = (19 + 3) + (49 + 7) + (8 + 3) + (4 + 1)
+GATHER["SINGD-toeplitz"] = GATHER["KFAC"]
 TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 
 

@@ -27,6 +27,7 @@ from ..curvature import (Hooks, average_over_ranks, Layer, StepCounter, check_in
                          distributed, on, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
+from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
@@ -121,6 +122,13 @@ class SINGD(torch.optim.Optimizer):
         if params is None:
             params = self._trainable(model, warn_unsupported)
         super().__init__(params, defaults)
+        # FSDP2: gradients arrive averaged over the mesh, as under DDP; the H terms are averaged
+        # over it, and the natural gradient of a whole layer is taken from its gathered gradient.
+        mesh_group = check_sharded([p for g in self.param_groups for p in g["params"]], "SINGD")
+        self._sharded = mesh_group is not None
+        if self._sharded:
+            self._ddp = True
+            self.process_group = process_group if process_group is not None else mesh_group
         self._attach()
 
     # ------------------------------------------------------------------ groups and state
@@ -223,7 +231,7 @@ class SINGD(torch.optim.Optimizer):
     def dims(module: nn.Module) -> tuple[int, int]:
         """(d_K, d_C) of a Linear or Conv2d."""
         w = module.weight
-        return w[0].numel() + (module.bias is not None), w.shape[0]
+        return w.shape[1:].numel() + (module.bias is not None), w.shape[0]
 
     def _kinds(self, layer: Layer) -> tuple[type[Structure], type[Structure]]:
         group = self._group(layer)
@@ -439,6 +447,7 @@ class SINGD(torch.optim.Optimizer):
         if distributed():
             self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
+        full = self._gather_sharded([layer for layer, _ in dues]) if self._sharded else {}
         per_group: dict[int, tuple[list, list, list]] = {}
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
         for layer, due in dues:
@@ -463,8 +472,17 @@ class SINGD(torch.optim.Optimizer):
                                                C[0], 0 if pname == "weight" else d_k - 1)):
                         lst.append(v)
                 continue
+            local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
+            if local_rows:
+                C = self._own_rows(layer, C, sc)
+                grads = {n: local(g) for n, g in grads.items()}
+            grads = full.get(id(layer), grads)
             like = next(g for g in grads.values() if g is not None)
-            gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
+            if local_rows:
+                gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
+                gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
+            else:
+                gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
             state = self.state[layer.anchor]
@@ -482,22 +500,49 @@ class SINGD(torch.optim.Optimizer):
             for pname, p in layer.params.items():
                 if p.grad is None:
                     continue
-                params.append(p)
-                updates.append(pieces[pname].reshape(p.shape))
-                bufs.append(self.state[p].get("momentum_buffer"))
+                piece = pieces[pname]
+                if self._sharded and not local_rows:  # each rank keeps its rows
+                    piece = own_rows(piece, p)
+                params.append(local(p))
+                updates.append(piece.reshape(local(p).shape))
+                bufs.append(local(self.state[p].get("momentum_buffer")))
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
             for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
                 if p not in owned and p.grad is not None:
-                    params.append(p)
-                    updates.append(p.grad / grad_scale if grad_scale != 1.0 else p.grad)
-                    bufs.append(self.state[p].get("momentum_buffer"))
+                    grad = local(p.grad)
+                    params.append(local(p))
+                    updates.append(grad / grad_scale if grad_scale != 1.0 else grad)
+                    bufs.append(local(self.state[p].get("momentum_buffer")))
             if params:
                 self._apply(params, updates, bufs, group)
             for ps, gs, bs, ks, cs, offs in per_diag.get(index, {}).values():
                 ops.singd_diag_step_(ps, gs, bs if group["momentum"] != 0.0 else [], ks, cs, offs,
                                      on(group["lr"], ps[0].device), group["momentum"],
                                      group["weight_decay"], grad_scale)
+
+    def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor]]:
+        """FSDP2: the full gradients of the sharded layers whose structures multiply the whole
+        gradient matrix (not diagonal K and C: elementwise, they need only the local rows), in
+        one all_gather per dtype."""
+        wanted, tensors = [], []
+        for layer in layers:
+            sk, sc = self._kinds(layer)
+            grads = {n: getattr(layer.module, n).grad for n in ("weight", "bias")
+                     if getattr(layer.module, n, None) is not None}
+            if (sk is Diagonal and sc is Diagonal) or any(
+                    g is None or not is_sharded(g) for g in grads.values()):
+                continue
+            wanted.append((layer, list(grads)))
+            tensors += list(grads.values())
+        gathered = iter(gather_rows(tensors) if tensors else [])
+        return {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+
+    @staticmethod
+    def _own_rows(layer: Layer, C: tuple, sc) -> tuple:
+        """A diagonal C's entries for the local shard's rows (an empty shard: none)."""
+        start, stop = rows(layer.module.weight)
+        return (C[0][start:stop],)
 
     def _caches(self, sk, sc) -> bool:
         return self.cache_preconditioner and not (sk is Diagonal and sc is Diagonal)
@@ -556,20 +601,24 @@ class SINGD(torch.optim.Optimizer):
         sd = super().state_dict()
         sd["singd"] = {"k": self._steps.value(), "grad_scale_prev": self._grad_scale_prev,
                        "layout": self._layout()}
+        # Also in every group: torch.distributed.checkpoint keeps only `state` and `param_groups`.
+        sd["param_groups"] = [{**g, "singd": copy.deepcopy(sd["singd"])} for g in sd["param_groups"]]
         return sd
 
     def _layout(self) -> list:
-        return [[layer.name, type(layer.module).__name__, *self.dims(layer.module)]
+        return [[layer.name, module_class(layer.module).__name__, *self.dims(layer.module)]
                 for layer in self._layers]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "singd" not in state_dict:
+        groups = state_dict.get("param_groups") or [{}]
+        if "singd" not in state_dict and "singd" not in groups[0]:
             raise ValueError("not a cafin SINGD checkpoint: missing 'singd'")
-        extra = state_dict["singd"]
+        extra = state_dict["singd"] if "singd" in state_dict else groups[0]["singd"]
         if extra.get("layout") != self._layout():
             raise ValueError(f"checkpoint was saved for a different model: layers {extra.get('layout')} "
                              f"do not match this model's {self._layout()}")
         sd = {k: v for k, v in state_dict.items() if k != "singd"}
+        sd["param_groups"] = [{k: v for k, v in g.items() if k != "singd"} for g in sd["param_groups"]]
         super().load_state_dict(sd)
         # torch casts every state tensor to its parameter's dtype and may alias the argument's
         # tensors: factors keep their own (preconditioner) dtype, and nothing is shared.
