@@ -109,8 +109,36 @@ def _twolevel(model):
     return cafin.TwoLevelKFAC(model)
 
 
-# Members (or structures) that cannot train a sharded model: constructing them must fail clearly.
-REFUSED = {"TwoLevelKFAC": _twolevel}
+def _hsdp(model):
+    """AdaFisher on a 2-D (replicate x shard) mesh: HSDP, not supported."""
+    import cafin
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    model = make_model(torch.float64)
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return cafin.AdaFisher(model)
+
+
+# Members (or layouts) that cannot train a sharded model: constructing them must fail clearly.
+REFUSED = {"TwoLevelKFAC": _twolevel, "AdaFisher-HSDP": _hsdp}
+
+
+def factors(objs) -> list[torch.Tensor]:
+    """The curvature factors of a hook-based member (replicated: every rank holds them whole)."""
+    import cafin
+    o = objs[0]
+    if isinstance(o, cafin.AdaFisher):
+        return [o.state[l.anchor][k].clone() for l in o._curvature for k in ("fisher_S", "fisher_H")]
+    if isinstance(o, cafin.KFACPreconditioner):
+        return [t.clone() for st in o._state.values() for t in (st.A, st.G)]
+    if isinstance(o, cafin.SINGD):
+        return [v.clone() for l in o._layers for k, v in o.state[l.anchor].items()
+                if k.startswith(("K.", "C."))]
+    return []
 
 
 # ------------------------------------------------------------------------------ counting collectives
@@ -215,6 +243,7 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     objs = member.make(model, net)
     train(net, objs, range(STEPS), rank, dtype)
     result["ddp"] = full_params(model)
+    result["ddp_factors"] = factors(objs)
     # FSDP2 from the start to the end, counting the collectives of every step.
     model = shard(make_model(dtype))
     objs = member.make(model, model)
@@ -226,6 +255,7 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     dcp_save(model, objs, member, box[0])
     train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls)
     result["fsdp"] = full_params(model)
+    result["fsdp_factors"] = factors(objs)
     result["fsdp_local"] = local_params(model)
     result["calls"] = calls
     # A fresh model and optimizer resume from the checkpoint.
