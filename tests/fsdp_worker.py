@@ -64,10 +64,10 @@ class Member:
         self.lazy_state = lazy_state
 
 
-def _adafisher(cls_name):
+def _adafisher(cls_name, backend="fused"):
     def make(model, net):
         import cafin
-        return [getattr(cafin, cls_name)(net, lr=1e-2, TCov=TCOV, weight_decay=0.01, backend="fused")]
+        return [getattr(cafin, cls_name)(net, lr=1e-2, TCov=TCOV, weight_decay=0.01, backend=backend)]
     return make
 
 
@@ -96,6 +96,7 @@ def _singd(structures):
 MEMBERS = {
     "AdaFisher": Member("AdaFisher", _adafisher("AdaFisher")),
     "AdaFisherW": Member("AdaFisherW", _adafisher("AdaFisherW")),
+    "AdaFisher-reference": Member("AdaFisher-reference", _adafisher("AdaFisher", "reference")),
     "KFAC": Member("KFAC", _kfac, optimizer_index=1),
     "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
     "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),

@@ -34,7 +34,10 @@ CASES = [pytest.param(m, d, id=f"{m}-{d}") for m in W.MEMBERS for d in W.DTYPES]
 # Elements each rank sends per step under FSDP2 (the test model, 2 ranks): the factor average
 # (all_reduce of every factor, on curvature updates) and the gradient gather (all_gather of each
 # rank's padded shard of every preconditioned layer's gradient, every step).
-FACTORS = {"AdaFisher": 108, "AdaFisherW": 108}
+# AdaFisher: len(S) + len(H) per layer: Conv2d 3 + 19, BatchNorm2d 3 + 2, Linear(48, 7) 7 + 49,
+# LayerNorm 7 + 2, Linear(7, 3) 3 + 8, Linear(3, 1) 1 + 4.
+ADAFISHER = (3 + 19) + (3 + 2) + (7 + 49) + (7 + 2) + (3 + 8) + (1 + 4)
+FACTORS = {"AdaFisher": ADAFISHER, "AdaFisherW": ADAFISHER, "AdaFisher-reference": ADAFISHER}
 GATHER = {}
 # K-FAC, factors A and G of conv (19^2, 3^2), Linear(48, 7) (49^2, 7^2), Linear(7, 3) (8^2, 3^2),
 # Linear(3, 1) (4^2, 1^2); padded gradient shards: 2*(18+1) + 4*(48+1) + 2*(7+1) + 1*(3+1).
