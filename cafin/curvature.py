@@ -8,7 +8,8 @@
   device as a tensor that device-gated ops read after a compile or a CUDA-graph capture.
 - `Hooks`: forward hooks and output-gradient tensor hooks that feed a member's statistics, holding
   the member weakly, safe with in-place activations, activation checkpointing and model copies.
-- `average_over_ranks`: one collective over one flat buffer.
+- `average_over_ranks`: one collective over one flat buffer (over the parameters' FSDP2 mesh when
+  they are sharded: `cafin.sharding` holds what the members share for `fully_shard`).
 - Argument checks shared by the members.
 """
 from __future__ import annotations
