@@ -53,10 +53,13 @@ TORCH_LIBRARY(cafin, m) {
       {at::Tag::pt2_compliant_tag});
   // SINGD step of a bucket of parameters whose layers have diagonal K and C: the natural gradient
   // C^2 G K^2 (K read from k_offsets[i] on, one entry per column of the parameter viewed as
-  // [C.numel(), -1]), weight decay, momentum (momentum_buffers empty when momentum == 0), update.
+  // [C.numel(), -1]; K and C both empty: no factors, g itself), weight decay, momentum (none when
+  // momentum_buffers is empty), update.
+  // lr, momentum and weight_decay are 0-dim tensors of the op-math dtype read on the device, so
+  // schedules of any of them do not recompile.
   m.def(
       "singd_diag_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-      "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, float momentum, float weight_decay, "
+      "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, Tensor momentum, Tensor weight_decay, "
       "float grad_scale=1.0) -> ()",
       {at::Tag::pt2_compliant_tag});
   // K-FAC (semantics: cafin/reference/kfac.py). Fold summed covariances into [groups, d, d]

@@ -10,19 +10,22 @@ namespace cafin {
 
 inline void check_singd_diag_step(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                            at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
-                           const at::Tensor& lr, double momentum) {
+                           const at::Tensor& lr, const at::Tensor& momentum,
+                           const at::Tensor& weight_decay) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && K.size() == n && C.size() == n && k_offsets.size() == n,
                     "grads, K, C and k_offsets must have as many entries as params (", n, ")");
-  TORCH_CHECK_VALUE(bufs.size() == (momentum != 0.0 ? n : 0),
-                    "momentum_buffers must have one entry per parameter when momentum != 0, none "
-                    "otherwise; got ", bufs.size());
+  TORCH_CHECK_VALUE(bufs.size() == n || bufs.empty(),
+                    "momentum_buffers must have one entry per parameter (or none: no momentum); got ",
+                    bufs.size(), " for ", n, " parameters");
   if (n == 0) return;
   const auto dtype = params[0].scalar_type();
   const auto device = params[0].device();
   TORCH_CHECK_TYPE(is_supported_float(dtype), "params have unsupported dtype ", dtype_name(dtype));
   const auto factor = state_dtype(dtype);
   check_scalar_tensor(lr, "lr", device, factor);
+  check_scalar_tensor(momentum, "momentum", device, factor);
+  check_scalar_tensor(weight_decay, "weight_decay", device, factor);
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK_TYPE(params[i].scalar_type() == dtype && grads[i].scalar_type() == dtype &&
                          (bufs.empty() || bufs[i].scalar_type() == dtype),
@@ -40,8 +43,12 @@ inline void check_singd_diag_step(at::TensorList params, at::TensorList grads, a
     TORCH_CHECK_VALUE(grads[i].numel() == params[i].numel() &&
                           (bufs.empty() || bufs[i].numel() == params[i].numel()),
                       "entry ", i, ": grad and momentum buffer must match the parameter's size");
-    TORCH_CHECK_VALUE(K[i].dim() == 1 && C[i].dim() == 1 && C[i].numel() > 0 &&
-                          params[i].numel() % C[i].numel() == 0,
+    TORCH_CHECK_VALUE(K[i].dim() == 1 && C[i].dim() == 1, "entry ", i, ": K and C must be vectors");
+    if (K[i].numel() == 0 && C[i].numel() == 0) {  // no preconditioning: the update is g itself
+      TORCH_CHECK_VALUE(k_offsets[i] == 0, "entry ", i, ": k_offset must be 0 when K and C are empty");
+      continue;
+    }
+    TORCH_CHECK_VALUE(C[i].numel() > 0 && params[i].numel() % C[i].numel() == 0,
                       "entry ", i, ": C must be a vector whose length divides the parameter's size");
     const int64_t cols = params[i].numel() / C[i].numel();
     TORCH_CHECK_VALUE(k_offsets[i] >= 0 && k_offsets[i] + cols <= K[i].numel(), "entry ", i,

@@ -403,6 +403,50 @@ def test_state_dict_round_trip():
         assert torch.equal(p, q)
 
 
+def test_core_validation_leaves_nothing_half_done():
+    """The family core's contract: a bad hyperparameter set between steps is rejected before the
+    step writes anything; a rejected param group or checkpoint leaves the optimizer as it was;
+    hyperparameters are 0-dim tensors; the checkpoint carries the curvature entry."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2), nn.Linear(2, 2)).double()
+    o = cafin.SINGD(m, [{"params": list(m[0].parameters()) + list(m[2].parameters())}], T=1,
+                    structures=("dense", "diagonal"), lr=0.05, lr_cov=0.1)
+    group = o.param_groups[0]
+    assert all(isinstance(group[k], torch.Tensor) and group[k].dim() == 0
+               for k in ("lr", "momentum", "damping", "weight_decay", "lr_cov"))
+    x = torch.randn(3, 4, dtype=torch.float64)
+    m(x).square().sum().backward()
+    o.step()
+    snapshot = copy.deepcopy(o.state_dict())
+    params = [p.detach().clone() for p in m.parameters()]
+    group["momentum"] = -0.5
+    with pytest.raises(ValueError, match="momentum"):
+        o.step()
+    group["momentum"] = 0.9
+    group["structures"] = ("dense", "lowrank")
+    with pytest.raises(ValueError, match="structure"):
+        o.step()
+    group["structures"] = ("dense", "diagonal")
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+    assert str(o.state_dict()["state"]) == str(snapshot["state"])
+    with pytest.raises(ValueError, match="weight_decay"):
+        o.add_param_group({"params": list(m[3].parameters()), "weight_decay": -1.0})
+    with pytest.raises(ValueError, match="T"):
+        o.add_param_group({"params": list(m[3].parameters()), "T": 0})
+    assert len(o.param_groups) == 1 and m[3].weight not in o.state
+    bad = copy.deepcopy(snapshot)
+    key = next(k for k, v in bad["state"].items() if "K.0" in v)
+    bad["state"][key]["K.0"] = torch.zeros(3, 3, dtype=torch.float64)  # the wrong shape
+    with pytest.raises(ValueError, match="K.0"):
+        o.load_state_dict(bad)
+    assert str(o.state_dict()["state"]) == str(snapshot["state"])
+    assert snapshot["curvature"]["k"] == 1 and snapshot["curvature"]["grad_scale_prev"] == 1.0
+    o.add_param_group({"params": list(m[3].parameters()), "structures": ("diagonal", "dense")})
+    assert o.state[m[3].weight]["K.0"].shape == (3,)
+    m(x).square().sum().backward()
+    o.step()
+
+
 def test_bad_arguments():
     m = nn.Linear(3, 2)
     for kw, match in [(dict(lr=-1.0), "lr"), (dict(T=0), "T"), (dict(loss_average="mean"), "loss_average"),
@@ -446,6 +490,7 @@ def test_ddp_wrapped_model(tmp_path):
 # ------------------------------------------------------------------------------ compile
 @pytest.mark.parametrize("structures", [("hierarchical15_15", "diagonal"), ("diagonal", "diagonal")])
 def test_compiled_step_equals_eager_without_recompiles(structures):
+    """lr (StepLR), lr_cov, momentum, weight_decay and damping change every step: one graph."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(6, 17), nn.ReLU(), nn.Linear(17, 3))
     m2 = copy.deepcopy(m)
@@ -464,7 +509,11 @@ def test_compiled_step_equals_eager_without_recompiles(structures):
             F.mse_loss(model(x), y).backward()
             st()
             sch.step()
-            opt.param_groups[0]["lr_cov"].fill_(0.05 * (i + 2) / 5)
+            group = opt.param_groups[0]
+            group["lr_cov"].fill_(0.05 * (i + 2) / 5)
+            group["momentum"].fill_(0.9 - 0.1 * i)  # schedules of the tensor hyperparameters
+            group["weight_decay"].fill_(0.01 * i)
+            group["damping"].fill_(1e-3 * (i + 1))
     assert counter.frame_count == 1  # one graph for every step: T gating and schedules on the device
     assert o2._steps.device_gated
     for p, q in zip(m.parameters(), m2.parameters()):
@@ -478,17 +527,21 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def diag_case(device, dtype, momentum, seed=0):
-    """Three parameters of two layers: a conv weight [6, 2, 3, 3] and its bias (K offset 18), and
-    a Linear weight [4, 5] without bias; factor entries away from 1."""
+    """Four parameters: a conv weight [6, 2, 3, 3] and its bias (K offset 18), a Linear weight
+    [4, 5] without bias (factor entries away from 1), and a [3, 7] parameter without factors
+    (empty K and C: the plain SGD epilogue the other structures' steps use)."""
     g = torch.Generator().manual_seed(seed)
     work = torch.float64 if dtype == torch.float64 else torch.float32
     r = lambda *s, dt=dtype: torch.randn(*s, generator=g, dtype=torch.float64).to(dt).to(device)  # noqa: E731
-    params = [r(6, 2, 3, 3), r(6), r(4, 5)]
+    params = [r(6, 2, 3, 3), r(6), r(4, 5), r(3, 7)]
     K1, C1, K2, C2 = r(19, dt=work) * 0.5 + 1, r(6, dt=work) * 0.5 + 1, r(5, dt=work) + 1, r(4, dt=work) + 1
+    none = torch.empty(0, dtype=work, device=device)  # the last parameter has no factors
     return dict(params=params, grads=[r(*p.shape) for p in params],
                 momentum_buffers=[r(*p.shape) for p in params] if momentum else [],
-                K=[K1, K1, K2], C=[C1, C1, C2], k_offsets=[0, 18, 0],
-                lr=torch.tensor(0.1, dtype=work, device=device), momentum=momentum, weight_decay=0.01)
+                K=[K1, K1, K2, none], C=[C1, C1, C2, none], k_offsets=[0, 18, 0, 0],
+                lr=torch.tensor(0.1, dtype=work, device=device),
+                momentum=torch.tensor(momentum, dtype=work, device=device),
+                weight_decay=torch.tensor(0.01, dtype=work, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -513,6 +566,10 @@ def test_diag_step_op_matches_reference_and_oracle(device, dtype, momentum, grad
         if momentum:
             u = 0.9 * a["momentum_buffers"][0] + u
         torch.testing.assert_close(args["params"][0], a["params"][0] - 0.1 * u, rtol=1e-12, atol=1e-12)
+        u = a["grads"][3] / grad_scale + 0.01 * a["params"][3]  # no factors: plain SGD
+        if momentum:
+            u = 0.9 * a["momentum_buffers"][3] + u
+        torch.testing.assert_close(args["params"][3], a["params"][3] - 0.1 * u, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -527,7 +584,11 @@ def test_diag_step_op_opcheck_and_errors(device):
     with pytest.raises(ValueError, match="k_offset"):
         cafin.ops.singd_diag_step_(**bad)
     with pytest.raises(ValueError, match="momentum_buffers"):
-        cafin.ops.singd_diag_step_(**dict(args, momentum_buffers=[]))
+        cafin.ops.singd_diag_step_(**dict(args, momentum_buffers=args["momentum_buffers"][:1]))
+    with pytest.raises(TypeError, match="momentum"):  # a float would recompile under a schedule
+        cafin.ops.singd_diag_step_(**dict(args, momentum=0.9))
+    with pytest.raises(TypeError, match="weight_decay"):
+        cafin.ops.singd_diag_step_(**dict(args, weight_decay=args["weight_decay"].double()))
     with pytest.raises(TypeError, match="dtype"):
         cafin.ops.singd_diag_step_(**dict(args, K=[k.double() for k in args["K"]]))
     for p, q in zip(args["params"], before):

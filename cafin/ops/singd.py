@@ -14,18 +14,22 @@ __all__ = ["singd_diag_step_"]
 def singd_diag_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                      momentum_buffers: Sequence[torch.Tensor], K: Sequence[torch.Tensor],
                      C: Sequence[torch.Tensor], k_offsets: Sequence[int], lr: torch.Tensor,
-                     momentum: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+                     momentum: torch.Tensor, weight_decay: torch.Tensor,
+                     grad_scale: float = 1.0) -> None:
     """The SINGD step of parameters whose layers have diagonal K and C, in place (params and
     momentum_buffers written): nat = C^2 * G * K^2 (K from k_offsets[i], one entry per column of
-    the parameter viewed as [C.numel(), -1]), u = nat + weight_decay*theta, buf = momentum*buf + u,
-    theta -= lr*buf. momentum_buffers is empty when momentum == 0."""
+    the parameter viewed as [C.numel(), -1]; K and C both empty: nat = G, the SGD epilogue of any
+    update), u = nat + weight_decay*theta, buf = momentum*buf + u,
+    theta -= lr*buf; without momentum (momentum_buffers empty) theta -= lr*u. lr, momentum and
+    weight_decay are 0-dim tensors of the op-math dtype on the parameters' device."""
     if len(params) == 0:
         return
-    if not isinstance(lr, torch.Tensor):
-        raise TypeError(f"lr must be a 0-dim Tensor, got {type(lr).__name__}")
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a 0-dim Tensor, got {type(value).__name__}")
     torch.ops.cafin.singd_diag_step_(list(params), list(grads), list(momentum_buffers), list(K),
-                                     list(C), [int(o) for o in k_offsets], lr, float(momentum),
-                                     float(weight_decay), float(grad_scale))
+                                     list(C), [int(o) for o in k_offsets], lr, momentum,
+                                     weight_decay, float(grad_scale))
 
 
 @torch.library.register_fake("cafin::singd_diag_step_")

@@ -21,7 +21,10 @@ void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opm
       const int64_t row = e / cols;
       opmath_t th = static_cast<opmath_t>(theta[e]);
       opmath_t b = kMomentum ? static_cast<opmath_t>(buf[e]) : opmath_t(0);
-      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), K[e - row * cols], C[row], s);
+      // No factors (C null): K = C = 1, which leaves the gradient exactly as it is.
+      const opmath_t k = C != nullptr ? K[e - row * cols] : opmath_t(1);
+      const opmath_t c = C != nullptr ? C[row] : opmath_t(1);
+      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), k, c, s);
       theta[e] = static_cast<scalar_t>(th);
       if (kMomentum) buf[e] = static_cast<scalar_t>(b);
     }
@@ -30,25 +33,27 @@ void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opm
 
 void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                          at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
-                         const at::Tensor& lr, double momentum, double weight_decay,
-                         double grad_scale) {
-  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum);
+                         const at::Tensor& lr, const at::Tensor& momentum,
+                         const at::Tensor& weight_decay, double grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay);
   if (params.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), static_cast<opmath_t>(momentum),
-                                  static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(grad_scale),
-                                  grad_scale != 1.0};
+    const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), *momentum.const_data_ptr<opmath_t>(),
+                                  *weight_decay.const_data_ptr<opmath_t>(),
+                                  static_cast<opmath_t>(grad_scale), grad_scale != 1.0};
     for (size_t i = 0; i < params.size(); ++i) {
-      const int64_t cols = params[i].numel() / C[i].numel();
+      const bool plain = C[i].numel() == 0;
+      const int64_t cols = plain ? params[i].numel() : params[i].numel() / C[i].numel();
       scalar_t* buf = bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>();
-      const opmath_t* k = K[i].const_data_ptr<opmath_t>() + k_offsets[i];
+      const opmath_t* k = plain ? nullptr : K[i].const_data_ptr<opmath_t>() + k_offsets[i];
+      const opmath_t* c = plain ? nullptr : C[i].const_data_ptr<opmath_t>();
       if (buf != nullptr) {
         diag_tensor<true>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
-                          k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+                          k, c, params[i].numel(), cols, s);
       } else {
         diag_tensor<false>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
-                           k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+                           k, c, params[i].numel(), cols, s);
       }
     }
   });

@@ -25,15 +25,15 @@ struct DiagMeta {
   const scalar_t* grad;
   scalar_t* buf;       // nullptr: no momentum
   const opmath_t* K;   // already advanced by the parameter's k_offset
-  const opmath_t* C;
+  const opmath_t* C;   // nullptr (and K too): no factors, the update is the gradient
   int64_t cols;
 };
 
 template <typename opmath_t>
 struct DiagArgs {
   const opmath_t* lr;
-  double momentum;
-  double weight_decay;
+  const opmath_t* momentum;
+  const opmath_t* weight_decay;
   double grad_scale;
 };
 
@@ -52,15 +52,16 @@ __global__ void __launch_bounds__(kBlockSize)
   const DiagMeta<scalar_t, opmath_t>& t = table.meta[slot];
   const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = min(table.numel[slot], begin + kChunkSize);
-  const SingdCoeffs<opmath_t> s{*args.lr, static_cast<opmath_t>(args.momentum),
-                                static_cast<opmath_t>(args.weight_decay),
+  const SingdCoeffs<opmath_t> s{*args.lr, *args.momentum, *args.weight_decay,
                                 static_cast<opmath_t>(args.grad_scale), args.grad_scale != 1.0};
   for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
     const int64_t row = i / t.cols;
     opmath_t th = static_cast<opmath_t>(t.theta[i]);
     opmath_t b = kMomentum ? static_cast<opmath_t>(t.buf[i]) : opmath_t(0);
-    singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(t.grad[i]), __ldg(t.K + (i - row * t.cols)),
-                                  __ldg(t.C + row), s);
+    // No factors (C null): K = C = 1, which leaves the gradient exactly as it is.
+    const opmath_t k = t.C != nullptr ? __ldg(t.K + (i - row * t.cols)) : opmath_t(1);
+    const opmath_t c = t.C != nullptr ? __ldg(t.C + row) : opmath_t(1);
+    singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(t.grad[i]), k, c, s);
     t.theta[i] = static_cast<scalar_t>(th);
     if (kMomentum) t.buf[i] = static_cast<scalar_t>(b);
   }
@@ -68,9 +69,9 @@ __global__ void __launch_bounds__(kBlockSize)
 
 void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                           at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
-                          const at::Tensor& lr, double momentum, double weight_decay,
-                          double grad_scale) {
-  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum);
+                          const at::Tensor& lr, const at::Tensor& momentum,
+                          const at::Tensor& weight_decay, double grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -81,11 +82,13 @@ void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
     for (size_t i = 0; i < params.size(); ++i) {
       metas.push_back({params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(),
                        bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>(),
-                       K[i].const_data_ptr<opmath_t>() + k_offsets[i], C[i].const_data_ptr<opmath_t>(),
-                       params[i].numel() / C[i].numel()});
+                       C[i].numel() == 0 ? nullptr : K[i].const_data_ptr<opmath_t>() + k_offsets[i],
+                       C[i].numel() == 0 ? nullptr : C[i].const_data_ptr<opmath_t>(),
+                       C[i].numel() == 0 ? params[i].numel() : params[i].numel() / C[i].numel()});
       numels.push_back(params[i].numel());
     }
-    const DiagArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(), momentum, weight_decay, grad_scale};
+    const DiagArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(), momentum.const_data_ptr<opmath_t>(),
+                                  weight_decay.const_data_ptr<opmath_t>(), grad_scale};
     multi_tensor_apply<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>(
         metas, numels, [&](const DiagTable<scalar_t, opmath_t>& table, int blocks) {
           if (bufs.empty()) {
