@@ -340,6 +340,94 @@ class SINGD(CurvatureOptimizer):
             lr_cov = lr_cov(self._steps.host if k is not None else self._steps.tensor(device))
         return _scalar_tensor(lr_cov, device, dtype)
 
+    @staticmethod
+    def _layer_params(layer: Layer) -> list[Tensor]:
+        """The module's weight and bias (optimised or not: singd's natural gradient uses both)."""
+        return [t for t in (getattr(layer.module, n, None) for n in ("weight", "bias")) if t is not None]
+
+    def _go(self, layer: Layer, due_host: bool | None) -> Tensor:
+        """Whether this layer's preconditioner update commits: it saw statistics (singd raises
+        KeyError when a layer took none; this leaves its factors as they are) and, once the
+        device decides, this is a step k with k % T == 0."""
+        count = self.state[layer.anchor]["H_count"]
+        go = count > 0
+        if due_host is None:
+            go = go & (torch.remainder(self._steps.tensor(count.device), self._group(layer)["T"]) == 0)
+        return go
+
+    def _update_preconditioners_fused(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
+        """Every due layer's preconditioner update: the products in torch (per layer), the
+        momentum/trace combination with the projection's folds and the truncated-exponential step
+        as two elementwise ops over every part of every factor of a (device, dtype) bucket."""
+        if not items:
+            return
+        momentum: dict[tuple, tuple[list, ...]] = {}
+        steps: dict[tuple, tuple[list, ...]] = {}
+        later = []
+        for layer, due in items:
+            group = self._group(layer)
+            state = self.state[layer.anchor]
+            (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
+            d_k, d_c = self.dims(layer.module)
+            device = layer.anchor.device
+            K, C = self._parts(layer, "K"), self._parts(layer, "C")
+            H_K, H_C = self._parts(layer, "H_K"), self._parts(layer, "H_C")
+            alpha1 = group["alpha1"]
+            if alpha1 != 0.0:
+                m_K, m_C = self._parts(layer, "m_K"), self._parts(layer, "m_C")
+            else:  # m is not kept: the op writes the new one into scratch
+                m_K = tuple(torch.empty_like(h) for h in H_K)
+                m_C = tuple(torch.empty_like(h) for h in H_C)
+            scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
+            (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
+            wk, wc = _work_dtype(dk), _work_dtype(dc)
+            damping_k = self._hyperparameter(group, "damping", device, wk)
+            damping_c = self._hyperparameter(group, "damping", device, wc)
+            if group["kfac_like"]:
+                ck, dmp_k = self._one(device, wk), damping_k
+                cc, dmp_c = self._one(device, wc) * c_g, damping_c
+            else:  # (the diagonal-carrying parts of Pi(K^T K) are unfolded: pi = 1 there)
+                ck = (c_g * sc.average_trace(H_C)).to(wk)
+                dmp_k = damping_k * sc.average_trace(C_tC)
+                cc = (c_g * sk.average_trace(H_K)).to(wc)
+                dmp_c = damping_c * sk.average_trace(K_tK)
+            go = self._go(layer, due)
+            for kind, d, dtype, m, h, ktk, pi, c_h, c_d in (
+                    (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk)),
+                    (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc))):
+                lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
+                n = len(m)
+                for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [go] * n,
+                                               kind.eye_kinds(d), pi, [scale] * n, [alpha1] * n)):
+                    lst.extend(values)
+            later.append((layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device))
+        for lists in momentum.values():
+            ops.singd_momentum_(*lists)
+        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
+            beta_k, beta_c = self._lr_cov(group, device, wk), self._lr_cov(group, device, wc)
+            if group["normalize_lr_cov"]:
+                beta_k = beta_k / torch.clamp(sk.inf_norm(m_K), min=1.0)
+                beta_c = beta_c / torch.clamp(sc.inf_norm(m_C), min=1.0)
+            for kind, parts, m, beta in ((sk, K, m_K, beta_k), (sc, C, m_C, beta_c)):
+                km, elementwise = kind.product_parts(parts, m)
+                lists = steps.setdefault((device, parts[0].dtype), ([], [], [], [], []))
+                n = len(parts)
+                for lst, values in zip(lists, (parts, km, [beta] * n, [go] * n, elementwise)):
+                    lst.extend(values)
+        for lists in steps.values():
+            ops.singd_factor_step_(*lists)
+        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
+            count = state["H_count"]
+            count.copy_(torch.where(go, torch.zeros_like(count), count))
+            self._refresh_cache(layer, sk, sc, K, C)
+
+    def _refresh_cache(self, layer: Layer, sk, sc, K, C) -> None:
+        state = self.state[layer.anchor]
+        if "P_K" in state:  # the cached products follow the factors
+            for key, kind, parts in (("P_K", sk, K), ("P_C", sc, C)):
+                eye = torch.eye(state[key].shape[0], device=state[key].device, dtype=state[key].dtype)
+                state[key].copy_(kind.matmul(parts, kind.rmatmat(parts, eye)))
+
     def _update_preconditioner(self, layer: Layer, due_host: bool | None, c_g) -> None:
         group = self._group(layer)
         state = self.state[layer.anchor]
@@ -390,10 +478,7 @@ class SINGD(CurvatureOptimizer):
         else:
             torch._foreach_zero_(list(H_K + H_C))
             count.zero_()
-        if "P_K" in state:  # the cached products follow the factors
-            for key, kind, parts, d in (("P_K", sk, K, d_k), ("P_C", sc, C, d_c)):
-                eye = torch.eye(d, device=device, dtype=state[key].dtype)
-                state[key].copy_(kind.matmul(parts, kind.rmatmat(parts, eye)))
+        self._refresh_cache(layer, sk, sc, K, C)
 
     def _average_curvature(self, due: list[Layer]) -> None:
         """Distributed without a DDP wrapper's gradient averaging too: H terms averaged (summed for
@@ -463,14 +548,19 @@ class SINGD(CurvatureOptimizer):
         owned = set()
         per_group: dict[int, tuple[list, list, list]] = {}
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
+        updating = [(layer, due) for layer, due in dues
+                    if due is not False and any(p.grad is not None for p in self._layer_params(layer))]
+        if self.backend == "fused":
+            self._update_preconditioners_fused(updating, c_g)
+        else:
+            for layer, due in updating:
+                self._update_preconditioner(layer, due, c_g)
         for layer, due in dues:
             module = layer.module
             owned.update(layer.params.values())
             grads = {n: getattr(module, n).grad for n in ("weight", "bias") if getattr(module, n, None) is not None}
             if all(g is None for g in grads.values()):
                 continue
-            if due is not False:
-                self._update_preconditioner(layer, due, c_g)
             sk, sc = self._kinds(layer)
             K, C = self._parts(layer, "K"), self._parts(layer, "C")
             if self._fused_diagonal(layer, sk, sc, K, C):

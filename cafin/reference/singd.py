@@ -159,3 +159,35 @@ def cached_natural_gradient(p_k: Tensor, p_c: Tensor, gmat: Tensor) -> Tensor:
     """The natural gradient from cached P_K = K K^T and P_C = C C^T: (P_K Gmat^T)^T, then P_C ."""
     nat = (p_k @ gmat.mT.to(p_k.dtype)).mT
     return (p_c @ nat.to(p_c.dtype)).to(gmat.dtype)
+
+
+def _eye_mask(t: Tensor, kind: int) -> Tensor:
+    """The identity's ones in a part's storage (see cafin.structures.Structure.eye_kinds)."""
+    if kind == 2:
+        return torch.ones_like(t)
+    out = torch.zeros_like(t)
+    if kind == 1:
+        torch.diagonal(out, dim1=-2, dim2=-1).fill_(1.0)
+    elif kind == 3 and t.numel() > 0:
+        out.view(-1)[0] = 1.0
+    return out
+
+
+def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: list[Tensor],
+                    c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[float],
+                    scale: list[float], alpha1: list[float]) -> None:
+    """The op of the same name in plain PyTorch (`new_momentum` part by part, gated by go)."""
+    for i in range(len(m)):
+        new = (c_h[i] * H[i] + c_damp[i] * (pi[i] * KtK[i]) - _eye_mask(m[i], eye[i])) * scale[i]
+        if alpha1[i] != 0.0:
+            new = new + alpha1[i] * m[i]
+        m[i].copy_(torch.where(go[i], new.to(m[i].dtype), m[i]))
+        H[i].copy_(torch.where(go[i], torch.zeros_like(H[i]), H[i]))
+
+
+def singd_factor_step_(K: list[Tensor], KM: list[Tensor], beta: list[Tensor], go: list[Tensor],
+                       elementwise: list[bool]) -> None:
+    """The op of the same name in plain PyTorch (`factor_step` part by part, gated by go)."""
+    for k, km, b, g, ew in zip(K, KM, beta, go, elementwise):
+        new = k - b * (k * km if ew else km)
+        k.copy_(torch.where(g, new.to(k.dtype), k))

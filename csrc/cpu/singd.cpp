@@ -59,10 +59,67 @@ void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   });
 }
 
+void singd_momentum_cpu(at::TensorList m, at::TensorList H, at::TensorList KtK, at::TensorList c_h,
+                        at::TensorList c_damp, at::TensorList go, at::IntArrayRef eye,
+                        c10::ArrayRef<double> pi, c10::ArrayRef<double> scale,
+                        c10::ArrayRef<double> alpha1) {
+  check_singd_momentum(m, H, KtK, c_h, c_damp, go, eye, pi, scale, alpha1);
+  if (m.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, m[0].scalar_type(), "singd_momentum_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (!*go[i].const_data_ptr<bool>()) continue;
+      scalar_t* mp = m[i].mutable_data_ptr<scalar_t>();
+      scalar_t* hp = H[i].mutable_data_ptr<scalar_t>();
+      const scalar_t* kp = KtK[i].const_data_ptr<scalar_t>();
+      const opmath_t ch = *c_h[i].const_data_ptr<opmath_t>(), cd = *c_damp[i].const_data_ptr<opmath_t>();
+      const opmath_t p = static_cast<opmath_t>(pi[i]), sc = static_cast<opmath_t>(scale[i]);
+      const opmath_t a1 = static_cast<opmath_t>(alpha1[i]);
+      const bool with_old = alpha1[i] != 0.0;
+      const int64_t kind = eye[i];
+      const int64_t cols = m[i].dim() >= 1 ? m[i].size(-1) : 1;
+      const int64_t rows = m[i].dim() >= 2 ? m[i].size(-2) : 1;
+      at::parallel_for(0, m[i].numel(), 16384, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          const opmath_t old = with_old ? static_cast<opmath_t>(mp[e]) : opmath_t(0);
+          mp[e] = static_cast<scalar_t>(singd_momentum_element<opmath_t>(
+              static_cast<opmath_t>(hp[e]), static_cast<opmath_t>(kp[e]), old,
+              singd_is_eye(kind, e, rows, cols), ch, cd, p, sc, a1, with_old));
+          hp[e] = scalar_t(0);
+        }
+      });
+    }
+  });
+}
+
+void singd_factor_step_cpu(at::TensorList K, at::TensorList KM, at::TensorList beta, at::TensorList go,
+                           const c10::List<bool>& elementwise) {
+  check_singd_factor_step(K, KM, beta, go, elementwise);
+  if (K.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, K[0].scalar_type(), "singd_factor_step_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    for (size_t i = 0; i < K.size(); ++i) {
+      if (!*go[i].const_data_ptr<bool>()) continue;
+      scalar_t* kp = K[i].mutable_data_ptr<scalar_t>();
+      const scalar_t* km = KM[i].const_data_ptr<scalar_t>();
+      const opmath_t b = *beta[i].const_data_ptr<opmath_t>();
+      const bool ew = elementwise[i];
+      at::parallel_for(0, K[i].numel(), 16384, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          kp[e] = static_cast<scalar_t>(singd_factor_element<opmath_t>(
+              static_cast<opmath_t>(kp[e]), static_cast<opmath_t>(km[e]), b, ew));
+        }
+      });
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(cafin, CPU, m) {
   m.impl("singd_diag_step_", &singd_diag_step_cpu);
+  m.impl("singd_momentum_", &singd_momentum_cpu);
+  m.impl("singd_factor_step_", &singd_factor_step_cpu);
 }
 
 }  // namespace cafin
