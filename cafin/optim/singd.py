@@ -28,6 +28,7 @@ from ..curvature import (CurvatureOptimizer, Hooks, Layer, average_over_ranks, c
                          discover, distributed, hyperparameter_tensor, on, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
+from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
@@ -127,7 +128,14 @@ class SINGD(CurvatureOptimizer):
                         exact_block_transposes=exact_block_transposes)
         if params is None:
             params = self._trainable(unwrap(model), warn_unsupported)
+        self._sharded = False
         super().__init__(model, params, defaults, process_group)
+        # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
+        # DDP, and the natural gradient of a whole layer is taken from its gathered gradient.
+        self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
+                                      "SINGD") is not None
+        if self._sharded:
+            self._ddp = True
 
     # ------------------------------------------------------------------ groups and state
     @staticmethod
@@ -252,7 +260,7 @@ class SINGD(CurvatureOptimizer):
     def dims(module: nn.Module) -> tuple[int, int]:
         """(d_K, d_C) of a Linear or Conv2d."""
         w = module.weight
-        return w[0].numel() + (module.bias is not None), w.shape[0]
+        return w.shape[1:].numel() + (module.bias is not None), w.shape[0]
 
     def _kinds(self, layer: Layer) -> tuple[type[Structure], type[Structure]]:
         group = self._group(layer)
@@ -546,6 +554,7 @@ class SINGD(CurvatureOptimizer):
         if distributed():
             self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
+        full = self._gather_sharded([layer for layer, _ in dues]) if self._sharded else {}
         per_group: dict[int, tuple[list, list, list]] = {}
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
         updating = [(layer, due) for layer, due in dues
@@ -575,8 +584,17 @@ class SINGD(CurvatureOptimizer):
                                                C[0], 0 if pname == "weight" else d_k - 1)):
                         lst.append(v)
                 continue
+            local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
+            if local_rows:
+                C = self._own_rows(layer, C, sc)
+                grads = {n: local(g) for n, g in grads.items()}
+            grads = full.get(id(layer), grads)
             like = next(g for g in grads.values() if g is not None)
-            gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
+            if local_rows:
+                gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
+                gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
+            else:
+                gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
             state = self.state[layer.anchor]
@@ -594,22 +612,49 @@ class SINGD(CurvatureOptimizer):
             for pname, p in layer.params.items():
                 if p.grad is None:
                     continue
-                params.append(p)
-                updates.append(pieces[pname].reshape(p.shape))
-                bufs.append(self.state[p]["momentum_buffer"])
+                piece = pieces[pname]
+                if self._sharded and not local_rows:  # each rank keeps its rows
+                    piece = own_rows(piece, p)
+                params.append(local(p))
+                updates.append(piece.reshape(local(p).shape))
+                bufs.append(local(self.state[p]["momentum_buffer"]))
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
             for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
                 if p not in owned and p.grad is not None:
-                    params.append(p)
-                    updates.append(p.grad / grad_scale if grad_scale != 1.0 else p.grad)
-                    bufs.append(self.state[p]["momentum_buffer"])
+                    grad = local(p.grad)
+                    params.append(local(p))
+                    updates.append(grad / grad_scale if grad_scale != 1.0 else grad)
+                    bufs.append(local(self.state[p]["momentum_buffer"]))
             if params:
                 self._apply(params, updates, bufs, group)
             for (device, dtype), (ps, gs, bs, ks, cs, offs) in per_diag.get(index, {}).items():
                 lr, momentum, wd = (self._hyperparameter(group, name, device, _work_dtype(dtype))
                                     for name in ("lr", "momentum", "weight_decay"))
                 ops.singd_diag_step_(ps, gs, bs, ks, cs, offs, lr, momentum, wd, grad_scale)
+
+    def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor]]:
+        """FSDP2: the full gradients of the sharded layers whose structures multiply the whole
+        gradient matrix (not diagonal K and C: elementwise, they need only the local rows), in
+        one all_gather per dtype."""
+        wanted, tensors = [], []
+        for layer in layers:
+            sk, sc = self._kinds(layer)
+            grads = {n: getattr(layer.module, n).grad for n in ("weight", "bias")
+                     if getattr(layer.module, n, None) is not None}
+            if (sk is Diagonal and sc is Diagonal) or any(
+                    g is None or not is_sharded(g) for g in grads.values()):
+                continue
+            wanted.append((layer, list(grads)))
+            tensors += list(grads.values())
+        gathered = iter(gather_rows(tensors) if tensors else [])
+        return {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+
+    @staticmethod
+    def _own_rows(layer: Layer, C: tuple, sc) -> tuple:
+        """A diagonal C's entries for the local shard's rows (an empty shard: none)."""
+        start, stop = rows(layer.module.weight)
+        return (C[0][start:stop],)
 
     def _caches(self, sk, sc) -> bool:
         return self.cache_preconditioner and not (sk is Diagonal and sc is Diagonal)
@@ -665,18 +710,24 @@ class SINGD(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> list:
-        return [[layer.name, type(layer.module).__name__, *self.dims(layer.module)]
+        return [[layer.name, module_class(layer.module).__name__, *self.dims(layer.module)]
                 for layer in self._curvature]
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["curvature"]["grad_scale_prev"] = self._grad_scale_prev
+        for group in sd["param_groups"]:
+            group["curvature"]["grad_scale_prev"] = self._grad_scale_prev
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The core's validated load (nothing replaced unless everything checks), plus H_C's
         previous gradient scale; a numeric lr_cov comes back as a tensor on the group's device."""
-        curvature = state_dict.get("curvature") if isinstance(state_dict, dict) else None
+        curvature = None
+        if isinstance(state_dict, dict):
+            groups = state_dict.get("param_groups")
+            curvature = state_dict.get("curvature")
+            if curvature is None and isinstance(groups, list) and groups and isinstance(groups[0], dict):
+                curvature = groups[0].get("curvature")
         prev = curvature.get("grad_scale_prev", self._init_scale) if isinstance(curvature, dict) else None
         prev = real_number(prev, "checkpoint curvature['grad_scale_prev']") if prev is not None else None
         if prev is not None and not (math.isfinite(prev) and prev > 0.0):

@@ -31,6 +31,7 @@ from torch import nn
 
 from ..curvature import Hooks, check_int, check_range, discover, unwrap
 from ..factors import input_rows
+from ..sharding import check_sharded
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
 
@@ -73,6 +74,12 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         self.published_bugs = bool(published_bugs)
 
         model = unwrap(net)
+        if check_sharded(model.parameters(), "TwoLevelKFAC") is not None:
+            # Its factors, per-sample coarse projections and coarse matrix are this rank's own
+            # (no average over ranks), so ranks would precondition the same shard differently.
+            raise ValueError("TwoLevelKFAC cannot train an FSDP2 (fully_shard) model: it takes its "
+                             "curvature from each rank's own batch and averages nothing over ranks; "
+                             "use KFACPreconditioner (which gathers each layer's gradient) instead")
         self._layers = discover(model, [p for p in model.parameters()], _accept)
         if not self._layers:
             raise ValueError("net has no Linear or Conv2d layer with parameters")
