@@ -21,7 +21,10 @@ void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opm
       const int64_t row = e / cols;
       opmath_t th = static_cast<opmath_t>(theta[e]);
       opmath_t b = kMomentum ? static_cast<opmath_t>(buf[e]) : opmath_t(0);
-      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), K[e - row * cols], C[row], s);
+      // No factors (C null): K = C = 1, which leaves the gradient exactly as it is.
+      const opmath_t k = C != nullptr ? K[e - row * cols] : opmath_t(1);
+      const opmath_t c = C != nullptr ? C[row] : opmath_t(1);
+      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), k, c, s);
       theta[e] = static_cast<scalar_t>(th);
       if (kMomentum) buf[e] = static_cast<scalar_t>(b);
     }
@@ -30,26 +33,83 @@ void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opm
 
 void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                          at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
-                         const at::Tensor& lr, double momentum, double weight_decay,
-                         double grad_scale) {
-  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum);
+                         const at::Tensor& lr, const at::Tensor& momentum,
+                         const at::Tensor& weight_decay, double grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay);
   if (params.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), static_cast<opmath_t>(momentum),
-                                  static_cast<opmath_t>(weight_decay), static_cast<opmath_t>(grad_scale),
-                                  grad_scale != 1.0};
+    const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), *momentum.const_data_ptr<opmath_t>(),
+                                  *weight_decay.const_data_ptr<opmath_t>(),
+                                  static_cast<opmath_t>(grad_scale), grad_scale != 1.0};
     for (size_t i = 0; i < params.size(); ++i) {
-      const int64_t cols = params[i].numel() / C[i].numel();
+      const bool plain = C[i].numel() == 0;
+      const int64_t cols = plain ? params[i].numel() : params[i].numel() / C[i].numel();
       scalar_t* buf = bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>();
-      const opmath_t* k = K[i].const_data_ptr<opmath_t>() + k_offsets[i];
+      const opmath_t* k = plain ? nullptr : K[i].const_data_ptr<opmath_t>() + k_offsets[i];
+      const opmath_t* c = plain ? nullptr : C[i].const_data_ptr<opmath_t>();
       if (buf != nullptr) {
         diag_tensor<true>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
-                          k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+                          k, c, params[i].numel(), cols, s);
       } else {
         diag_tensor<false>(params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(), buf,
-                           k, C[i].const_data_ptr<opmath_t>(), params[i].numel(), cols, s);
+                           k, c, params[i].numel(), cols, s);
       }
+    }
+  });
+}
+
+void singd_momentum_cpu(at::TensorList m, at::TensorList H, at::TensorList KtK, at::TensorList c_h,
+                        at::TensorList c_damp, at::TensorList go, at::IntArrayRef eye,
+                        c10::ArrayRef<double> pi, c10::ArrayRef<double> scale,
+                        c10::ArrayRef<double> alpha1) {
+  check_singd_momentum(m, H, KtK, c_h, c_damp, go, eye, pi, scale, alpha1);
+  if (m.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, m[0].scalar_type(), "singd_momentum_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    for (size_t i = 0; i < m.size(); ++i) {
+      if (!*go[i].const_data_ptr<bool>()) continue;
+      scalar_t* mp = m[i].mutable_data_ptr<scalar_t>();
+      scalar_t* hp = H[i].mutable_data_ptr<scalar_t>();
+      const scalar_t* kp = KtK[i].const_data_ptr<scalar_t>();
+      const opmath_t ch = *c_h[i].const_data_ptr<opmath_t>(), cd = *c_damp[i].const_data_ptr<opmath_t>();
+      const opmath_t p = static_cast<opmath_t>(pi[i]), sc = static_cast<opmath_t>(scale[i]);
+      const opmath_t a1 = static_cast<opmath_t>(alpha1[i]);
+      const bool with_old = alpha1[i] != 0.0;
+      const int64_t kind = eye[i];
+      const int64_t cols = m[i].dim() >= 1 ? m[i].size(-1) : 1;
+      const int64_t rows = m[i].dim() >= 2 ? m[i].size(-2) : 1;
+      at::parallel_for(0, m[i].numel(), 16384, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          const opmath_t old = with_old ? static_cast<opmath_t>(mp[e]) : opmath_t(0);
+          mp[e] = static_cast<scalar_t>(singd_momentum_element<opmath_t>(
+              static_cast<opmath_t>(hp[e]), static_cast<opmath_t>(kp[e]), old,
+              singd_is_eye(kind, e, rows, cols), ch, cd, p, sc, a1, with_old));
+          hp[e] = scalar_t(0);
+        }
+      });
+    }
+  });
+}
+
+void singd_factor_step_cpu(at::TensorList K, at::TensorList KM, at::TensorList beta, at::TensorList go,
+                           const c10::List<bool>& elementwise) {
+  check_singd_factor_step(K, KM, beta, go, elementwise);
+  if (K.empty()) return;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, K[0].scalar_type(), "singd_factor_step_", [&] {
+    using opmath_t = at::opmath_type<scalar_t>;
+    for (size_t i = 0; i < K.size(); ++i) {
+      if (!*go[i].const_data_ptr<bool>()) continue;
+      scalar_t* kp = K[i].mutable_data_ptr<scalar_t>();
+      const scalar_t* km = KM[i].const_data_ptr<scalar_t>();
+      const opmath_t b = *beta[i].const_data_ptr<opmath_t>();
+      const bool ew = elementwise[i];
+      at::parallel_for(0, K[i].numel(), 16384, [&](int64_t begin, int64_t end) {
+        for (int64_t e = begin; e < end; ++e) {
+          kp[e] = static_cast<scalar_t>(singd_factor_element<opmath_t>(
+              static_cast<opmath_t>(kp[e]), static_cast<opmath_t>(km[e]), b, ew));
+        }
+      });
     }
   });
 }
@@ -58,6 +118,8 @@ void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
 
 TORCH_LIBRARY_IMPL(cafin, CPU, m) {
   m.impl("singd_diag_step_", &singd_diag_step_cpu);
+  m.impl("singd_momentum_", &singd_momentum_cpu);
+  m.impl("singd_factor_step_", &singd_factor_step_cpu);
 }
 
 }  // namespace cafin
