@@ -137,8 +137,7 @@ def factors(objs) -> list[torch.Tensor]:
     if isinstance(o, cafin.KFACPreconditioner):
         return [t.clone() for st in o._state.values() for t in (st.A, st.G)]
     if isinstance(o, cafin.SINGD):
-        layers = o._curvature if hasattr(o, "_curvature") else o._layers  # on the core or not
-        return [v.clone() for l in layers for k, v in o.state[l.anchor].items()
+        return [v.clone() for l in o._curvature for k, v in o.state[l.anchor].items()
                 if k.startswith(("K.", "C."))]
     return []
 
