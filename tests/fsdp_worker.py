@@ -136,7 +136,7 @@ def factors(objs) -> list[torch.Tensor]:
     if isinstance(o, cafin.KFACPreconditioner):
         return [t.clone() for st in o._state.values() for t in (st.A, st.G)]
     if isinstance(o, cafin.SINGD):
-        return [v.clone() for l in o._layers for k, v in o.state[l.anchor].items()
+        return [v.clone() for l in o._curvature for k, v in o.state[l.anchor].items()
                 if k.startswith(("K.", "C."))]
     return []
 
