@@ -313,3 +313,60 @@ def test_arguments():
         pass
     sub = nn.Sequential(MyLinear(3, 3), nn.Linear(3, 2))
     assert cafin.TwoLevelKFAC(sub).num_layer == 1
+
+
+# ------------------------------------------------------------------ compile
+def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
+    """torch.compile(step, fullgraph=True) after one eager step: T_cov/T_inv decided on the
+    device (eigh and the coarse assembly in torch.cond branches), damping and clipping changed
+    every step (0-dim tensors: no recompile), the following SGD step compiled too with a tensor lr
+    (torch.optim breaks its own graph around the step body on purpose, so not fullgraph)."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        net = mlp(True)
+        opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=2, T_inv=3, alpha=ALPHA, coarse_space="residual",
+                                 constraint_norm=True, clipping=1e-3)
+        sgd = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05, dtype=torch.float64), momentum=0.9)
+        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+        sgd_step = torch.compile(sgd.step) if compiled else sgd.step
+        for i in range(6):
+            x, t = batch("mlp", 16, i)
+            sgd.zero_grad()
+            opt.update_stats = True
+            F.cross_entropy(net(x), t).backward()
+            (opt.step if i == 0 else step)()
+            (sgd.step if i == 0 else sgd_step)()
+            opt.damping = DAMP * (1 + 0.1 * i)
+            opt.clipping = 1e-3 * (1 + 0.2 * i)
+            sgd.param_groups[0]["lr"].fill_(0.05 / (i + 1))
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), opt
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager, _ = run(False)
+        compiled, opt = run(True)
+        assert opt._steps.device_gated and opt._iteration_counter == 6
+        start = torch.cat([p.detach().reshape(-1) for p in mlp(True).parameters()])
+        assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # two-level step, SGD body
+        assert all("User-inserted graph break" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_hyperparameters_are_checked_and_reach_the_step():
+    net = mlp(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP)
+    with pytest.raises(ValueError, match="damping"):
+        opt.damping = -1.0
+    with pytest.raises(ValueError, match="alpha"):
+        opt.alpha = 2.0
+    assert opt.damping == DAMP
+    opt.damping = torch.tensor(0.5)
+    assert opt.damping == 0.5 and float(opt._hyper[torch.device("cpu")]["damping"]) == 0.5
+    a = run_ours(opt, net, *batch("mlp", 8, 0))
+    net2 = mlp(True)
+    b = run_ours(cafin.TwoLevelKFAC(net2, damping=0.5), net2, *batch("mlp", 8, 0))
+    assert rel(a, b) == 0

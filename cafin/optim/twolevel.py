@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..curvature import Hooks, check_int, check_range, discover, unwrap
+from ..curvature import Hooks, StepCounter, check_int, check_range, discover, unwrap
 from ..factors import input_rows
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
@@ -38,6 +38,10 @@ COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")
 _ALIASES = {"tselepidis": "tpselepedis"}
 _EIG_FLOOR = 1e-12   # published: eigenvalues <= this are set to 0 (then divided by: inf)
 _NORM_EPS = 1e-8     # published: r / (||r||_inf + 1e-8)
+# Hyperparameters a schedule may change between steps: 0-dim float64 tensors on each layer
+# device (a compiled step reads them, so a new value is not a new constant and no recompile).
+_HYPER = {"damping": (0.0, math.inf), "alpha": (0.0, 1.0), "clipping": (0.0, math.inf)}
+_EIGEN = ("L_x", "Q_x", "L_g", "Q_g")
 
 
 def _accept(module: nn.Module, kind) -> bool:
@@ -51,13 +55,12 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                  krylov=False, *, backend="fused", published_bugs=False):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
-        self.damping = check_range(damping, "damping", 0.0, math.inf)
+        self._values = {name: check_range(v, name, *_HYPER[name])
+                        for name, v in (("damping", damping), ("alpha", alpha), ("clipping", clipping))}
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
         self.T_inv = check_int(T_inv, "T_inv", 1)
-        self.alpha = check_range(alpha, "alpha", 0.0, 1.0)
         self.constraint_norm = bool(constraint_norm)
-        self.clipping = check_range(clipping, "clipping", 0.0, math.inf)
         self.batch_size = check_int(batch_size, "batch_size", 1)
         if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in COARSE_SPACES:
             raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)} (or 'tselepidis'), "
@@ -88,11 +91,63 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             groups.append({"params": params, "layer_type": type(m).__name__})
         super().__init__(groups, {})
         self.update_stats = False
-        self._iteration_counter = 0
+        # k, the completed update steps: on the host while steps run eagerly, on the device (and
+        # every interval decided there) once a step is compiled (cafin.curvature.StepCounter)
+        self._steps = StepCounter()
+        self._hyper: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._sizes: dict[tuple, torch.Tensor] = {}
+        for layer in self._layers:  # device state now: a compiled step cannot create it
+            device = layer.module.weight.device
+            self._steps.tensor(device)
+            if device not in self._hyper:
+                self._hyper[device] = {}
+                for name, v in self._values.items():
+                    self._hyper[device][name] = t = torch.tensor(v, dtype=torch.float64, device=device)
+                    torch._dynamo.mark_static_address(t, guard=False)
         self.f_coarse = None
         self.f_coarse_inv = None
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks = Hooks(self, self._layers)
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _set(self, name: str, value) -> None:
+        self._values[name] = v = check_range(value, name, *_HYPER[name])
+        for ts in self._hyper.values():
+            ts[name].fill_(v)
+
+    damping = property(lambda self: self._values["damping"], lambda self, v: self._set("damping", v))
+    alpha = property(lambda self: self._values["alpha"], lambda self, v: self._set("alpha", v))
+    clipping = property(lambda self: self._values["clipping"], lambda self, v: self._set("clipping", v))
+
+    def _hp(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self._hyper[like.device][name]
+
+    @property
+    def _iteration_counter(self) -> int:
+        return self._steps.value()
+
+    @_iteration_counter.setter
+    def _iteration_counter(self, k: int) -> None:
+        self._steps.load(k)
+
+    def _schedule(self):
+        """(k, rho, gate_cov, gate_inv). Eager: k and rho on the host, gates None (the host
+        decides). Device-gated (compiled): k, rho and the gates are device tensors."""
+        if self._steps.host_due(1) is not None:
+            k = self._steps.host
+            return k, (None if k == 0 else min(1 - 1 / k, self.alpha)), None, None
+        k = self._steps.tensor(self._device())
+        kd = k.to(torch.float64)
+        alpha = self._hyper[k.device]["alpha"]
+        # published: the first covariances set directly (rho = 0), then rho = min(1 - 1/k, alpha)
+        rho = torch.where(kd == 0, torch.zeros_like(kd), torch.minimum(1 - 1 / kd, alpha))
+        return k, rho, torch.remainder(k, self.T_cov) == 0, torch.remainder(k, self.T_inv) == 0
+
+    def _device(self) -> torch.device:
+        if len(self._hyper) > 1:
+            raise RuntimeError("a compiled TwoLevelKFAC step needs every layer on one device, got "
+                               f"{sorted(str(d) for d in self._hyper)}")
+        return next(iter(self._hyper))
 
     @property
     def num_layer(self) -> int:
@@ -103,15 +158,17 @@ class TwoLevelKFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks (core interface)
     def _statistics_gate(self, layer, device):
-        ok = layer.module.training and self.update_stats and self._iteration_counter % self.T_cov == 0
-        return ok, None
+        # Kept on every pass with update_stats (references only: nothing is computed here);
+        # step() uses them on T_cov steps and drops them on the others (published: the hooks
+        # store only on T_cov steps, the same numbers). A compiled step thereby always finds them,
+        # so its graph does not depend on k.
+        return layer.module.training and self.update_stats, None
 
     def _input_statistics(self, layer, x, step) -> None:
         self._pending.setdefault(id(layer), {})["x"] = x.detach()
 
     def _grad_statistics(self, layer, g, step) -> None:
-        # published: grad_output * grad_output.size(0), the per-sample loss gradient for a mean loss
-        self._pending.setdefault(id(layer), {})["gy"] = g.detach() * g.shape[0]
+        self._pending.setdefault(id(layer), {})["gy"] = g.detach()
 
     # ------------------------------------------------------------------ per-layer helpers
     def _missing(self, layer, what: str) -> RuntimeError:
@@ -119,14 +176,17 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                             f"{self._iteration_counter}: run forward and backward in train mode with "
                             "update_stats = True before step() on the T_cov steps (step 0 first)")
 
-    def _collect(self) -> None:
+    def _collect(self, gate) -> None:
+        """Store the rows of the pending statistics; with `gate` (device bool), only where it
+        holds (a batch of another size replaces them: there is nothing to keep it with)."""
         for layer in self._layers:  # all checked before any is stored: nothing half-updated
             got = self._pending.get(id(layer), {})
             if "x" not in got or "gy" not in got:
                 raise self._missing(layer, "statistics")
         for layer, group in zip(self._layers, self.param_groups):
             got = self._pending.pop(id(layer))
-            m, x, gy = layer.module, got["x"], got["gy"]
+            # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
+            m, x, gy = layer.module, got["x"], got["gy"] * got["gy"].shape[0]
             if isinstance(m, nn.Conv2d):
                 rows = input_rows(m, x)[0]
                 T = gy.shape[-1] * gy.shape[-2]
@@ -139,8 +199,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             if m.bias is not None:
                 rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
             state = self.state[group["params"][0]]
+            if gate is not None and "x" in state and state["x"].shape == rows.shape \
+                    and state["gy"].shape == gy.shape:
+                rows, gy = torch.where(gate, rows, state["x"]), torch.where(gate, gy, state["gy"])
             state["x"], state["gy"], state["num_locations"] = rows, gy, T
-        self._pending.clear()
+            self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
 
     @staticmethod
     def _grad_matrix(group) -> torch.Tensor:
@@ -158,25 +221,38 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if len(group["params"]) == 2:
             group["params"][1].grad.copy_(m[:, d])
 
-    def _covs(self, state) -> None:
+    def _covs(self, state, rho, gate) -> None:
         x, gy = state["x"], state["gy"]
         n = float(x.shape[0])
-        k = self._iteration_counter
-        self.batch_size = int(x.shape[0] / state["num_locations"])
-        if k == 0:
+        if gate is not None:  # the EMA on the device, kept where the gate holds
+            for key, m in (("xxt", x), ("ggt", gy)):
+                old = state[key]
+                old.copy_(torch.where(gate, rho * old + ((1 - rho) / n) * (m.t() @ m), old))
+        elif rho is None:
             state["xxt"] = x.t() @ x / n
             state["ggt"] = gy.t() @ gy / n
         else:
-            rho = min(1 - 1 / k, self.alpha)
             state["ggt"].mul_(rho).add_(gy.t() @ gy, alpha=(1 - rho) / n)
             state["xxt"].mul_(rho).add_(x.t() @ x, alpha=(1 - rho) / n)
 
-    def _decompose(self, state) -> None:
+    def _eigen(self, state) -> tuple[torch.Tensor, ...]:
         # published: damping inside the eigendecomposition, tiny eigenvalues zeroed
-        for f, L, Q in (("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g")):
+        out = []
+        for f in ("xxt", "ggt"):
             a = state[f]
-            lam, vec = torch.linalg.eigh(a + self.damping * torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
-            state[L], state[Q] = lam * (lam > _EIG_FLOOR), vec
+            damping = self._hp("damping", a)
+            lam, vec = torch.linalg.eigh(a + damping * torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
+            out += [lam * (lam > _EIG_FLOOR), vec]
+        return tuple(out)
+
+    def _decompose(self, state, gate) -> None:
+        if gate is None:
+            state.update(zip(_EIGEN, self._eigen(state)))
+            return
+        # eigh only on T_inv steps: the branch is taken on the device
+        new = torch.cond(gate, lambda: self._eigen(state), lambda: tuple(state[k].clone() for k in _EIGEN), ())
+        for key, t in zip(_EIGEN, new):
+            state[key].copy_(t)
 
     @staticmethod
     def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
@@ -221,7 +297,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
 
     def _m_inv(self, state, v):
         # published: damping added again to eigenvalues that already hold it
-        return self._kfac_inverse(state, v, self.damping if self.published_bugs else 0.0)
+        return self._kfac_inverse(state, v, self._hp("damping", v) if self.published_bugs else 0.0)
 
     def _assemble(self, vectors) -> torch.Tensor:
         if self.coarse_space == "tpselepedis":
@@ -230,8 +306,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             f = self._assemble_fused(vectors)
         else:
             f = self._assemble_pairs(vectors)
-        sizes = torch.tensor([float(r[0].numel()) for r in vectors for _ in r], dtype=f.dtype, device=f.device)
-        return f + torch.diag(self.damping * sizes)
+        key = (f.device, f.dtype)
+        if key not in self._sizes:  # made once: a host-to-device copy each step would sync
+            self._sizes[key] = torch.tensor([float(r[0].numel()) for r in vectors for _ in r],
+                                            dtype=f.dtype, device=f.device)
+        return f + torch.diag(self._hp("damping", f) * self._sizes[key])
 
     def _assemble_fused(self, vectors) -> torch.Tensor:
         tiled = self.published_bugs
@@ -255,14 +334,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     def _assemble_pairs(self, vectors) -> torch.Tensor:
         states = [self.state[g["params"][0]] for g in self.param_groups]
         items = [(s, r) for s, rs in zip(states, vectors) for r in rs]
-        n = len(items)
-        f = items[0][1].new_zeros(n, n)
-        for i, (si, ri) in enumerate(items):
-            for j, (sj, rj) in enumerate(items):
-                if not self.krylov and j > i:
-                    continue
-                v = self._samples(sj, self._locations(sj, rj), False)
-                f[i, j] = (ri * self._fvp(si, v)).sum()
+        zero = items[0][1].new_zeros(())
+        f = torch.stack([torch.stack([
+            zero if not self.krylov and j > i else
+            (ri * self._fvp(si, self._samples(sj, self._locations(sj, rj), False))).sum()
+            for j, (sj, rj) in enumerate(items)]) for i, (si, ri) in enumerate(items)])
         if not self.krylov:
             f = f + f.t() - torch.diag(torch.diagonal(f))
         return f
@@ -279,13 +355,15 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             Ts.append(state["num_locations"])
             cs.append(rs[0].reshape(-1)[0])
         n = len(sums)
-        f = sums[0].new_zeros(n, n)
-        for i in range(n):
-            for j in range(i + 1):
-                T = min(Ts[i], Ts[j])
-                a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
-                N = float(B * T)
-                f[i, j] = cs[i] * cs[j] * ((a[0] @ b[0]) / N) * ((a[1] @ b[1]) / N)
+        zero = sums[0].new_zeros(())
+
+        def entry(i, j):
+            T = min(Ts[i], Ts[j])
+            a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
+            N = float(B * T)
+            return cs[i] * cs[j] * ((a[0] @ b[0]) / N) * ((a[1] @ b[1]) / N)
+        # built functionally (no in-place writes): it may run inside a torch.cond branch
+        f = torch.stack([torch.stack([entry(i, j) if j <= i else zero for j in range(n)]) for i in range(n)])
         return f + f.t() - torch.diag(torch.diagonal(f))
 
     def _shrink(self, s: torch.Tensor, T: int, to: int) -> torch.Tensor:
@@ -297,27 +375,42 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, update_params: bool = True, closure=None) -> None:
+        """Rewrite every layer's gradient with its two-level direction (update_params=True), or
+        only take statistics (update_params=False, the published true-Fisher loop).
+
+        Eager steps decide the T_cov/T_inv intervals on the host; a compiled step (after at least
+        one eager step, which creates the state it updates) decides them on the device, with the
+        eigendecompositions and the coarse assembly in `torch.cond` branches."""
         if closure is not None:
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
-        k = self._iteration_counter
+        k, rho, gate_cov, gate_inv = self._schedule()
+        if gate_cov is None:
+            collect = self.update_stats and k % self.T_cov == 0
+            decompose = self.update_stats and k % self.T_inv == 0
+        else:
+            collect = decompose = self.update_stats
         for layer, group in zip(self._layers, self.param_groups):
             state = self.state[group["params"][0]]
-            if "xxt" not in state and not (self.update_stats and k % self.T_cov == 0):
+            ready = "Q_x" in state and (self.f_coarse is not None or not update_params)
+            if gate_cov is not None and not ready:
+                raise RuntimeError("TwoLevelKFAC: a compiled step updates the state an eager step "
+                                   "creates: run the first step (step 0, with update_stats) eagerly")
+            if "xxt" not in state and not collect:
                 raise self._missing(layer, "Kronecker factors")
-            if "Q_x" not in state and not (self.update_stats and k % self.T_inv == 0):
+            if "Q_x" not in state and not decompose:
                 raise self._missing(layer, "eigendecomposition")
-        if self.update_stats and k % self.T_cov == 0:
-            self._collect()
+        if collect:
+            self._collect(gate_cov)
+        self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
         raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
         pres = []
         for i, group in enumerate(self.param_groups):
             state = self.state[group["params"][0]]
-            if self.update_stats:
-                if k % self.T_cov == 0:
-                    self._covs(state)
-                if k % self.T_inv == 0:
-                    self._decompose(state)
+            if collect:
+                self._covs(state, rho, gate_cov)
+            if decompose:
+                self._decompose(state, gate_inv)
             if update_params:
                 p = self._kfac_inverse(state, raws[i])
                 if group["layer_type"] == "Conv2d":
@@ -327,14 +420,15 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             return
         final = self._two_level(raws, pres)
         if self.constraint_norm:
-            # published: sum over tensors of |<final, raw>|, weight and bias apart; the min(., 1)
-            # is taken on the host (float(...)), the one host read of the method
+            # published: sum over tensors of |<final, raw>|, weight and bias apart, then
+            # min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)
             norm = self._fisher_norm(final, raws)
-            scale = min(float((self.clipping / norm) ** 0.5), 1.0)
+            clip = self._hp("clipping", norm).to(norm.dtype)
+            scale = ((clip / norm) ** 0.5).clamp(max=1.0)
             final = [f * scale for f in final]
         for group, f in zip(self.param_groups, final):
             self._write(group, f)
-        self._iteration_counter += 1
+        self._steps.advance()
 
     def _fisher_norm(self, final, raws) -> torch.Tensor:
         total = final[0].new_zeros(())
@@ -353,18 +447,10 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if self.coarse_space == "residual":
             # r = g - F x - damping x, x the K-FAC direction, F x the exact empirical Fisher product
             w = sum(self._samples(s, self._locations(s, p), False) for s, p in zip(states, pres))
-            residuals = [r - self._fvp(s, w) - self.damping * p for s, r, p in zip(states, raws, pres)]
+            residuals = [r - self._fvp(s, w) - self._hp("damping", p) * p for s, r, p in zip(states, raws, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
-        k = self._iteration_counter
-        if k % self.T_cov == 0:
-            f = self._assemble(vectors)
-            if k == 0:
-                self.f_coarse = f
-            else:
-                rho = min(1 - 1 / k, self.alpha)
-                self.f_coarse = rho * self.f_coarse + (1 - rho) * f
-            self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]  # torch.inverse without its sync
+        self._update_coarse(vectors)
         y = self.f_coarse_inv @ rhs
         out, i = [], 0
         for p, vs in zip(pres, vectors):
@@ -373,6 +459,26 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                 i += 1
             out.append(p)
         return out
+
+    def _update_coarse(self, vectors) -> None:
+        """On T_cov steps: assemble F_c from the stored statistics, fold it into the EMA with
+        the factors' rho, and invert it (linalg.inv_ex: torch.inverse's numbers without its
+        error-check sync)."""
+        k, rho, gate, _ = self._schedule()
+        if gate is None:
+            if k % self.T_cov == 0:
+                f = self._assemble(vectors)
+                self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
+                self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]
+            return
+
+        def fresh():
+            f = rho * self.f_coarse + (1 - rho) * self._assemble(vectors)
+            return f, torch.linalg.inv_ex(f)[0]
+
+        new = torch.cond(gate, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
+        self.f_coarse.copy_(new[0])
+        self.f_coarse_inv.copy_(new[1])
 
     @staticmethod
     def _published_layout(group, r: torch.Tensor) -> torch.Tensor:
