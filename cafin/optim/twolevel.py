@@ -245,14 +245,18 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             out += [lam * (lam > _EIG_FLOOR), vec]
         return tuple(out)
 
-    def _decompose(self, state, gate) -> None:
+    def _decompose(self, states, gate) -> None:
         if gate is None:
-            state.update(zip(_EIGEN, self._eigen(state)))
+            for state in states:
+                state.update(zip(_EIGEN, self._eigen(state)))
             return
-        # eigh only on T_inv steps: the branch is taken on the device
-        new = torch.cond(gate, lambda: self._eigen(state), lambda: tuple(state[k].clone() for k in _EIGEN), ())
-        for key, t in zip(_EIGEN, new):
-            state[key].copy_(t)
+        # eigh only on T_inv steps: one branch for every layer (inductor reads a cond's
+        # predicate on the host, so one cond is one sync, not one per layer)
+        new = torch.cond(gate, lambda: tuple(t for st in states for t in self._eigen(st)),
+                         lambda: tuple(st[k].clone() for st in states for k in _EIGEN), ())
+        for i, state in enumerate(states):
+            for key, t in zip(_EIGEN, new[4 * i:4 * i + 4]):
+                state[key].copy_(t)
 
     @staticmethod
     def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
@@ -404,13 +408,15 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             self._collect(gate_cov)
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
         raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
+        states = [self.state[g["params"][0]] for g in self.param_groups]
+        if collect:
+            for state in states:
+                self._covs(state, rho, gate_cov)
+        if decompose:
+            self._decompose(states, gate_inv)
         pres = []
         for i, group in enumerate(self.param_groups):
-            state = self.state[group["params"][0]]
-            if collect:
-                self._covs(state, rho, gate_cov)
-            if decompose:
-                self._decompose(state, gate_inv)
+            state = states[i]
             if update_params:
                 p = self._kfac_inverse(state, raws[i])
                 if group["layer_type"] == "Conv2d":
