@@ -370,3 +370,106 @@ def test_hyperparameters_are_checked_and_reach_the_step():
     net2 = mlp(True)
     b = run_ours(cafin.TwoLevelKFAC(net2, damping=0.5), net2, *batch("mlp", 8, 0))
     assert rel(a, b) == 0
+
+
+# ------------------------------------------------------------------ data parallel
+DIST_CASES = ("nicolaides", "residual", "tpselepedis")
+DIST_STEPS, DIST_B = 3, 6
+
+
+def dist_batch(step, rank):
+    x, t = batch("cnn", 2 * DIST_B, 1000 + step)
+    return x[rank * DIST_B:(rank + 1) * DIST_B], t[rank * DIST_B:(rank + 1) * DIST_B]
+
+
+def dist_train(coarse, net, batches, on_step=lambda: None):
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=2, alpha=ALPHA, coarse_space=coarse)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for x, t in batches:
+        sgd.zero_grad()
+        opt.update_stats = True
+        F.cross_entropy(net(x), t).backward()
+        opt.step(update_params=True)
+        on_step()
+        sgd.step()
+    return opt
+
+
+def _dist_worker(rank: int, outdir: str) -> None:
+    """One of two gloo ranks: DDP over cnn() in float64, each coarse space of DIST_CASES, every
+    Python-level all_reduce counted per step."""
+    import datetime
+    import os
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=90))
+    calls, real = [0], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        out = {}
+        for coarse in DIST_CASES:
+            model = cnn(True)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            per_step = []
+
+            def on_step():
+                per_step.append(calls[0])
+                calls[0] = 0
+            opt = dist_train(coarse, ddp, [dist_batch(s, rank) for s in range(DIST_STEPS)], on_step)
+            out[coarse] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                           "f_coarse": opt.f_coarse.clone(), "collectives": per_step}
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.all_reduce = real
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    """Two gloo processes under DDP, each with half of every batch: identical on both ranks and
+    equal (float64, 1e-10) to one process on the whole batch. The factors and the coarse matrix
+    are averaged in one collective per step for the ones-vector spaces (nicolaides,
+    tpselepedis, whose two factor sums are averaged apart); the residual space needs the
+    averaged factors for its vectors and the whole batch's Fisher product: three."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]  # files, not pipes: no stall
+    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
+                              cwd=str(Path(__file__).parents[1]), stdout=open(logs[r], "wb"),
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for coarse in DIST_CASES:
+        assert torch.equal(r0[coarse]["params"], r1[coarse]["params"]), coarse
+        assert torch.equal(r0[coarse]["f_coarse"], r1[coarse]["f_coarse"]), coarse
+        want = 3 if coarse == "residual" else 1
+        assert r0[coarse]["collectives"] == [want] * DIST_STEPS, (coarse, r0[coarse]["collectives"])
+        net = cnn(True)
+        whole = [tuple(torch.cat(z) for z in zip(dist_batch(s, 0), dist_batch(s, 1))) for s in range(DIST_STEPS)]
+        opt = dist_train(coarse, net, whole)
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        start = torch.cat([p.detach().reshape(-1) for p in cnn(True).parameters()])
+        assert float((r0[coarse]["params"] - flat).norm() / (flat - start).norm()) <= 1e-10, coarse
+        assert float((r0[coarse]["f_coarse"] - opt.f_coarse).norm() / opt.f_coarse.norm()) <= 1e-10, coarse
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--dist-worker"]:
+        _dist_worker(int(sys.argv[2]), sys.argv[3])

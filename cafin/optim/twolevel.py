@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..curvature import Hooks, StepCounter, check_int, check_range, discover, unwrap
+from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check_range, discover, distributed, unwrap
 from ..factors import input_rows
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
@@ -52,7 +52,7 @@ def _accept(module: nn.Module, kind) -> bool:
 class TwoLevelKFAC(torch.optim.Optimizer):
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
-                 krylov=False, *, backend="fused", published_bugs=False):
+                 krylov=False, *, backend="fused", published_bugs=False, process_group=None):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
         self._values = {name: check_range(v, name, *_HYPER[name])
@@ -74,6 +74,9 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             raise ValueError(f"backend must be 'fused' or 'reference', got {backend!r}")
         self.backend = backend
         self.published_bugs = bool(published_bugs)
+        if process_group is not None and not distributed():
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        self.process_group = process_group
 
         model = unwrap(net)
         self._layers = discover(model, [p for p in model.parameters()], _accept)
@@ -221,19 +224,23 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if len(group["params"]) == 2:
             group["params"][1].grad.copy_(m[:, d])
 
-    def _covs(self, state, rho, gate) -> None:
+    @staticmethod
+    def _batch_covs(state) -> tuple[torch.Tensor, torch.Tensor]:
         x, gy = state["x"], state["gy"]
         n = float(x.shape[0])
+        return x.t() @ x / n, gy.t() @ gy / n
+
+    @staticmethod
+    def _covs(state, new, rho, gate) -> None:
         if gate is not None:  # the EMA on the device, kept where the gate holds
-            for key, m in (("xxt", x), ("ggt", gy)):
+            for key, b in zip(("xxt", "ggt"), new):
                 old = state[key]
-                old.copy_(torch.where(gate, rho * old + ((1 - rho) / n) * (m.t() @ m), old))
+                old.copy_(torch.where(gate, rho * old + (1 - rho) * b, old))
         elif rho is None:
-            state["xxt"] = x.t() @ x / n
-            state["ggt"] = gy.t() @ gy / n
+            state["xxt"], state["ggt"] = new
         else:
-            state["ggt"].mul_(rho).add_(gy.t() @ gy, alpha=(1 - rho) / n)
-            state["xxt"].mul_(rho).add_(x.t() @ x, alpha=(1 - rho) / n)
+            state["xxt"].mul_(rho).add_(new[0], alpha=1 - rho)
+            state["ggt"].mul_(rho).add_(new[1], alpha=1 - rho)
 
     def _eigen(self, state) -> tuple[torch.Tensor, ...]:
         # published: damping inside the eigendecomposition, tiny eigenvalues zeroed
@@ -304,12 +311,23 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         return self._kfac_inverse(state, v, self._hp("damping", v) if self.published_bugs else 0.0)
 
     def _assemble(self, vectors) -> torch.Tensor:
+        return self._combine(self._coarse_parts(vectors), vectors)
+
+    def _coarse_parts(self, vectors) -> list[torch.Tensor]:
+        """The local pieces of F_c whose average over data-parallel ranks is the global one: F_c
+        itself (a mean over samples), or tpselepedis's two factors (it multiplies two means)."""
         if self.coarse_space == "tpselepedis":
-            f = self._assemble_tselepidis(vectors)
-        elif self.backend == "fused":
-            f = self._assemble_fused(vectors)
+            return list(self._tselepidis_parts(vectors))
+        if self.backend == "fused":
+            return [self._assemble_fused(vectors)]
+        return [self._assemble_pairs(vectors)]
+
+    def _combine(self, parts, vectors) -> torch.Tensor:
+        if self.coarse_space == "tpselepedis":
+            f = parts[0] * parts[1]
+            f = f + f.t() - torch.diag(torch.diagonal(f))
         else:
-            f = self._assemble_pairs(vectors)
+            f = parts[0]
         key = (f.device, f.dtype)
         if key not in self._sizes:  # made once: a host-to-device copy each step would sync
             self._sizes[key] = torch.tensor([float(r[0].numel()) for r in vectors for _ in r],
@@ -347,10 +365,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             f = f + f.t() - torch.diag(torch.diagonal(f))
         return f
 
-    def _assemble_tselepidis(self, vectors) -> torch.Tensor:
+    def _tselepidis_parts(self, vectors) -> tuple[torch.Tensor, torch.Tensor]:
         """(F_c)_ij = <r_i, G_ij r_j A_ij^T> = c_i c_j sum(A_ij) sum(G_ij) for constant r, from the
         per-location row sums; layers of different location counts are brought to the smaller by
-        nearest interpolation over the flattened locations of each sample (published)."""
+        nearest interpolation over the flattened locations of each sample (published). Returns
+        the lower triangles of c_i c_j sum(A_ij) and of sum(G_ij)."""
         B = self.batch_size
         sums, Ts, cs = [], [], []
         for group, rs in zip(self.param_groups, vectors):
@@ -365,10 +384,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             T = min(Ts[i], Ts[j])
             a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
             N = float(B * T)
-            return cs[i] * cs[j] * ((a[0] @ b[0]) / N) * ((a[1] @ b[1]) / N)
+            return torch.stack([cs[i] * cs[j] * ((a[0] @ b[0]) / N), (a[1] @ b[1]) / N])
         # built functionally (no in-place writes): it may run inside a torch.cond branch
-        f = torch.stack([torch.stack([entry(i, j) if j <= i else zero for j in range(n)]) for i in range(n)])
-        return f + f.t() - torch.diag(torch.diagonal(f))
+        f = torch.stack([torch.stack([entry(i, j) if j <= i else zero.expand(2) for j in range(n)])
+                         for i in range(n)])
+        return f[..., 0], f[..., 1]
 
     def _shrink(self, s: torch.Tensor, T: int, to: int) -> torch.Tensor:
         if T == to:
@@ -404,14 +424,20 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                 raise self._missing(layer, "Kronecker factors")
             if "Q_x" not in state and not decompose:
                 raise self._missing(layer, "eigendecomposition")
+        ddp = distributed()
+        if ddp and gate_cov is not None:
+            raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
+                               "supported: run its steps eagerly")
         if collect:
             self._collect(gate_cov)
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
         raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
-        if collect:
-            for state in states:
-                self._covs(state, rho, gate_cov)
+        covs = [self._batch_covs(st) for st in states] if collect else []
+        if ddp:
+            self._average(covs, raws if update_params and gate_cov is None and k % self.T_cov == 0 else None)
+        for state, new in zip(states, covs):
+            self._covs(state, new, rho, gate_cov)
         if decompose:
             self._decompose(states, gate_inv)
         pres = []
@@ -436,6 +462,20 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             self._write(group, f)
         self._steps.advance()
 
+    def _average(self, covs, raws) -> None:
+        """Data parallel: the batch covariances averaged over the ranks, and with them the new
+        coarse matrix when its vectors do not depend on this step's factors (the ones vectors of
+        nicolaides and tpselepedis): one collective. The other spaces build their vectors from
+        the averaged factors' eigendecomposition, so their coarse matrix needs a second one."""
+        tensors = [c for pair in covs for c in pair]
+        early = raws is not None and not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
+        if early:
+            ones = [self._coarse_vectors(self.state[g["params"][0]], r, None) for g, r in zip(self.param_groups, raws)]
+            self._early_parts = self._coarse_parts(ones)
+            tensors += self._early_parts
+        if tensors:  # in place: the covariances and parts now hold the averages
+            average_over_ranks(tensors, self.process_group)
+
     def _fisher_norm(self, final, raws) -> torch.Tensor:
         total = final[0].new_zeros(())
         for group, f, r in zip(self.param_groups, final, raws):
@@ -453,7 +493,10 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if self.coarse_space == "residual":
             # r = g - F x - damping x, x the K-FAC direction, F x the exact empirical Fisher product
             w = sum(self._samples(s, self._locations(s, p), False) for s, p in zip(states, pres))
-            residuals = [r - self._fvp(s, w) - self._hp("damping", p) * p for s, r, p in zip(states, raws, pres)]
+            fx = [self._fvp(s, w) for s in states]
+            if distributed():  # the Fisher of the whole batch: the ranks then agree on the vectors
+                average_over_ranks(fx, self.process_group)
+            residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
         self._update_coarse(vectors)
@@ -473,7 +516,12 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         k, rho, gate, _ = self._schedule()
         if gate is None:
             if k % self.T_cov == 0:
-                f = self._assemble(vectors)
+                parts = self.__dict__.pop("_early_parts", None)
+                if parts is None:
+                    parts = self._coarse_parts(vectors)
+                    if distributed():
+                        average_over_ranks(parts, self.process_group)
+                f = self._combine(parts, vectors)
                 self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
                 self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]
             return
