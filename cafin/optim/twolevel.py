@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops, reference
 from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check_range, discover, distributed, unwrap
 from ..factors import input_rows
 
@@ -104,7 +105,8 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             self._steps.tensor(device)
             if device not in self._hyper:
                 self._hyper[device] = {}
-                for name, v in self._values.items():
+                # "one": the lr K-FAC's gradient-writing op reads (unused without its KL clip)
+                for name, v in (*self._values.items(), ("one", 1.0)):
                     self._hyper[device][name] = t = torch.tensor(v, dtype=torch.float64, device=device)
                     torch._dynamo.mark_static_address(t, guard=False)
         self.f_coarse = None
@@ -215,14 +217,6 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if len(group["params"]) == 2:
             m = torch.cat([m, group["params"][1].grad.reshape(-1, 1)], dim=1)
         return m
-
-    @staticmethod
-    def _write(group, m: torch.Tensor) -> None:
-        w = group["params"][0]
-        d = w.numel() // w.shape[0]
-        w.grad.copy_(m[:, :d].reshape(w.shape))
-        if len(group["params"]) == 2:
-            group["params"][1].grad.copy_(m[:, d])
 
     @staticmethod
     def _batch_covs(state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,10 +451,19 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             norm = self._fisher_norm(final, raws)
             clip = self._hp("clipping", norm).to(norm.dtype)
             scale = ((clip / norm) ** 0.5).clamp(max=1.0)
-            final = [f * scale for f in final]
-        for group, f in zip(self.param_groups, final):
-            self._write(group, f)
+            final = torch._foreach_mul(final, scale)
+        self._write_all(final)
         self._steps.advance()
+
+    def _write_all(self, final) -> None:
+        """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
+        call of K-FAC's fused writer (its layout; no KL clip)."""
+        ws = [g["params"][0].grad for g in self.param_groups]
+        bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
+              for i, g in enumerate(self.param_groups)]
+        impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
+                          for t in (*ws, *bs)) and len(self._hyper) == 1 else reference
+        impl.kfac_precondition_apply_(ws, bs, [f.unsqueeze(0) for f in final], self._hp("one", ws[0]), None)
 
     def _average(self, covs, raws) -> None:
         """Data parallel: the batch covariances averaged over the ranks, and with them the new
@@ -501,13 +504,13 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
         self._update_coarse(vectors)
         y = self.f_coarse_inv @ rhs
-        out, i = [], 0
-        for p, vs in zip(pres, vectors):
-            for v in vs:
-                p = p + y[i] * v
-                i += 1
-            out.append(p)
-        return out
+        # v_l += y_l r_l for every layer at once (one call per coarse vector of a layer, not
+        # one add per layer): the directions are fresh tensors, updated in place
+        per_layer = len(vectors[0])
+        ys = y.view(-1, per_layer)
+        for j in range(per_layer):
+            torch._foreach_addcmul_(pres, [vs[j] for vs in vectors], list(ys[:, j].unbind()))
+        return pres
 
     def _update_coarse(self, vectors) -> None:
         """On T_cov steps: assemble F_c from the stored statistics, fold it into the EMA with
