@@ -220,6 +220,25 @@ def test_cheap_assembly_equals_pairwise(coarse, krylov, bugs):
     assert rel(fs[0][1][-1], fs[1][1][-1]) <= 1e-9
 
 
+@pytest.mark.parametrize("coarse,krylov", [("nicolaides", False), ("residual", True)])
+def test_reference_pairwise_assembly_equals_the_cheap_one(coarse, krylov):
+    """cafin.reference.coarse_matrix_pairwise (the published way, the bench's baseline) against
+    the optimizer's cheap assembly, on the stored statistics of a Conv2d network."""
+    net = cnn(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, coarse_space=coarse, krylov=krylov)
+    x, t = batch("cnn", 8, 0)
+    run_ours(opt, net, x, t)
+    states = [opt.state[g["params"][0]] for g in opt.param_groups]
+    raws = [torch.randn_like(s["Q_g"][:, :1] * s["Q_x"][:1]) for s in states]
+    vectors = [opt._coarse_vectors(s, r, r) for s, r in zip(states, raws)]
+    flat = [v for vs in vectors for v in vs]
+    per = [s for s, vs in zip(states, vectors) for _ in vs]
+    want = cafin.reference.coarse_matrix_pairwise([s["x"] for s in per], [s["gy"] for s in per],
+                                                  [s["num_locations"] for s in per], flat, opt.batch_size,
+                                                  DAMP, symmetric=not krylov)
+    assert torch.allclose(opt._assemble(vectors), want, rtol=1e-10, atol=1e-12)
+
+
 def test_published_bugs_switch_changes_only_what_it_should():
     def grads(kind, coarse, bugs, bias=True):
         net = (mlp if kind == "mlp" else cnn)(bias)
