@@ -457,7 +457,8 @@ def test_core_validation_leaves_nothing_half_done():
     with pytest.raises(ValueError, match="K.0"):
         o.load_state_dict(bad)
     assert str(o.state_dict()["state"]) == str(snapshot["state"])
-    assert snapshot["curvature"]["k"] == 1 and snapshot["curvature"]["grad_scale_prev"] == 1.0
+    curvature = snapshot["param_groups"][0]["curvature"]  # in the groups: DCP keeps only those
+    assert curvature["k"] == 1 and curvature["grad_scale_prev"] == 1.0
     o.add_param_group({"params": list(m[3].parameters()), "structures": ("diagonal", "dense")})
     assert o.state[m[3].weight]["K.0"].shape == (3,)
     m(x).square().sum().backward()
