@@ -19,6 +19,12 @@ How F_c is assembled (`backend`):
   product of row sums.
 - "reference": pair by pair, each entry from a Fisher-vector product, as the published code does
   (kept to test the cheap assembly against and to time it).
+
+Intervals follow the core's StepCounter: decided on the host while steps run eagerly, on the
+device once a step is compiled (torch.compile(step, fullgraph=True) after one eager step; eigh and
+the coarse assembly then sit in torch.cond branches). damping, alpha and clipping are 0-dim
+tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
+allow, the new coarse matrix are averaged in one collective (README: "Data parallel").
 """
 from __future__ import annotations
 
