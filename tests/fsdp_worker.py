@@ -136,8 +136,18 @@ def _hsdp(model):
     return cafin.AdaFisher(model)
 
 
+def _twolevel_partly_sharded(model):
+    """TwoLevelKFAC on a model of which only one layer is sharded: the others' gradients would
+    be each rank's own."""
+    import cafin
+    from torch.distributed.fsdp import fully_shard
+    model = make_model(torch.float64)
+    fully_shard(model[4])
+    return cafin.TwoLevelKFAC(model)
+
+
 # Members (or layouts) that cannot train a sharded model: constructing them must fail clearly.
-REFUSED = {"AdaFisher-HSDP": _hsdp}
+REFUSED = {"AdaFisher-HSDP": _hsdp, "TwoLevelKFAC-partly-sharded": _twolevel_partly_sharded}
 
 
 def factors(objs) -> list[torch.Tensor]:

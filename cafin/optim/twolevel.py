@@ -102,8 +102,10 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                 raise ValueError(f"layer '{layer.name}': its weight is not an optimised parameter")
             params = [m.weight] + ([m.bias] if m.bias is not None else [])
             if self._sharded and any(not is_sharded(p) for p in params):
-                raise ValueError(f"layer '{layer.name}': some of its parameters are sharded (FSDP2) "
-                                 "and some not; shard whole modules with fully_shard")
+                # its gradient would be this rank's own (FSDP2 averages only what it shards)
+                raise ValueError(f"layer '{layer.name}' is not sharded while other layers are (FSDP2): "
+                                 "TwoLevelKFAC needs every Linear and Conv2d layer under fully_shard "
+                                 "(wrap the root too)")
             groups.append({"params": params, "layer_type": module_class(m).__name__})
         super().__init__(groups, {})
         self.update_stats = False
