@@ -452,10 +452,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if ddp and gate_cov is not None:
             raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
                                "supported: run its steps eagerly")
+        # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
+        full = self._gather() if update_params and self._sharded else None
         if collect:
             self._collect(gate_cov)
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        full = self._gather() if update_params and self._sharded else None
         raws = [self._grad_matrix(g, full[i] if full else None).clone()
                 for i, g in enumerate(self.param_groups)] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
