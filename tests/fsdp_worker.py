@@ -55,9 +55,12 @@ class Member:
     """How one member is built and stepped: `make(model, net)` returns the objects whose
     `step()` runs after backward, in order (a preconditioner, then its torch optimizer)."""
 
-    def __init__(self, name, make, optimizer_index=0, lazy_state=False):
+    def __init__(self, name, make, optimizer_index=0, lazy_state=False, preconditioner="kfac"):
         self.name, self.make = name, make
         self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
+        # with optimizer_index 1, how objs[0] is checkpointed: "kfac" (its state_dict, loaded
+        # into kfac_checkpoint_template) or "twolevel" (cafin.sharding.twolevel_checkpoint)
+        self.preconditioner = preconditioner
         # State created by the first step from the first gradient (DyKAF): a fresh optimizer's
         # state dict is no template to load into, so the saved one is read whole (it is
         # replicated: the same on every rank).
@@ -77,6 +80,16 @@ def _kfac(model, net):
                                    lr=0.1, kl_clip=0.01, inv_dtype=model[0].weight.dtype,
                                    decompose_dtype=torch.float64)
     return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+
+
+def _twolevel(coarse_space):
+    def make(model, net):
+        import cafin
+        pre = cafin.TwoLevelKFAC(net, damping=0.01, T_cov=TCOV, T_inv=TCOV, coarse_space=coarse_space,
+                                 constraint_norm=True, clipping=1e-3)
+        pre.update_stats = True  # statistics on every pass; step() uses those of T_cov steps
+        return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    return make
 
 
 def _dykaf(model, net):
@@ -102,12 +115,11 @@ MEMBERS = {
     "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),
     "SINGD-diagonal": Member("SINGD-diagonal", _singd(("diagonal", "diagonal"))),
     "SINGD-toeplitz": Member("SINGD-toeplitz", _singd(("triltoeplitz", "diagonal"))),
+    "TwoLevel-nicolaides": Member("TwoLevel-nicolaides", _twolevel("nicolaides"), optimizer_index=1,
+                                  preconditioner="twolevel"),
+    "TwoLevel-residual": Member("TwoLevel-residual", _twolevel("residual"), optimizer_index=1,
+                                preconditioner="twolevel"),
 }
-
-
-def _twolevel(model):
-    import cafin
-    return cafin.TwoLevelKFAC(model)
 
 
 def _hsdp(model):
@@ -124,8 +136,18 @@ def _hsdp(model):
     return cafin.AdaFisher(model)
 
 
+def _twolevel_partly_sharded(model):
+    """TwoLevelKFAC on a model of which only one layer is sharded: the others' gradients would
+    be each rank's own."""
+    import cafin
+    from torch.distributed.fsdp import fully_shard
+    model = make_model(torch.float64)
+    fully_shard(model[4])
+    return cafin.TwoLevelKFAC(model)
+
+
 # Members (or layouts) that cannot train a sharded model: constructing them must fail clearly.
-REFUSED = {"TwoLevelKFAC": _twolevel, "AdaFisher-HSDP": _hsdp}
+REFUSED = {"AdaFisher-HSDP": _hsdp, "TwoLevelKFAC-partly-sharded": _twolevel_partly_sharded}
 
 
 def factors(objs) -> list[torch.Tensor]:
@@ -139,6 +161,9 @@ def factors(objs) -> list[torch.Tensor]:
     if isinstance(o, cafin.SINGD):
         return [v.clone() for l in o._curvature for k, v in o.state[l.anchor].items()
                 if k.startswith(("K.", "C."))]
+    if isinstance(o, cafin.TwoLevelKFAC):
+        return [o.state[g["params"][0]][k].clone() for g in o.param_groups for k in ("xxt", "ggt")] \
+            + [o.f_coarse.clone()]
     return []
 
 
@@ -209,7 +234,10 @@ def dcp_save(model, objs, member, path):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     opt = objs[member.optimizer_index]
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    if member.optimizer_index:  # a preconditioner's factors (replicated) go into the same checkpoint
+    if member.optimizer_index and member.preconditioner == "twolevel":
+        from cafin.sharding import twolevel_checkpoint
+        sd.update(twolevel_checkpoint(objs[0]))
+    elif member.optimizer_index:  # a preconditioner's factors (replicated) go into the same checkpoint
         sd["preconditioner"] = objs[0].state_dict()
     dcp.save(sd, checkpoint_id=path)
 
@@ -220,7 +248,8 @@ def dcp_load(model, objs, member, path):
                                                          set_model_state_dict, set_optimizer_state_dict)
     opt = objs[member.optimizer_index]
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    if member.optimizer_index:
+    kfac = member.optimizer_index and member.preconditioner == "kfac"
+    if kfac:
         from cafin.sharding import kfac_checkpoint_template
         sd["preconditioner"] = kfac_checkpoint_template(objs[0])
     if member.lazy_state:
@@ -230,8 +259,11 @@ def dcp_load(model, objs, member, path):
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
-    if member.optimizer_index:
+    if kfac:
         objs[0].load_state_dict(sd["preconditioner"])
+    elif member.optimizer_index:
+        from cafin.sharding import twolevel_load
+        twolevel_load(objs[0], path)
 
 
 def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) -> dict:

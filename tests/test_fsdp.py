@@ -54,6 +54,16 @@ FACTORS["SINGD-dense"] = FACTORS["KFAC"]
 GATHER["SINGD-dense"] = GATHER["KFAC"]
 FACTORS["SINGD-diagonal"] = FACTORS["SINGD-toeplitz"] = (19 + 3) + (49 + 7) + (8 + 3) + (4 + 1)
 GATHER["SINGD-toeplitz"] = GATHER["KFAC"]
+# TwoLevelKFAC: the factors as K-FAC's; the nicolaides coarse matrix (4 layers: 4 x 4) rides
+# in the factors' all_reduce (its coarse vectors are ones), the residual one needs the averaged
+# factors' inverse first, so it is a second all_reduce on curvature steps, and the residual
+# vectors read the Fisher product of the whole batch every step: one all_reduce of every
+# layer's [d_out, d_in + 1] block, 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4. Both gather as K-FAC does.
+FACTORS["TwoLevel-nicolaides"] = FACTORS["KFAC"] + 4 * 4
+FACTORS["TwoLevel-residual"] = FACTORS["KFAC"]
+COARSE = {"TwoLevel-residual": 4 * 4}  # a second all_reduce on curvature steps
+EVERY = {"TwoLevel-residual": 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4}  # an all_reduce every step
+GATHER["TwoLevel-nicolaides"] = GATHER["TwoLevel-residual"] = GATHER["KFAC"]
 TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 
 
@@ -141,7 +151,8 @@ def test_factors_equal_ddp(member, dtype, tmp_path_factory):
 
 @pytest.mark.parametrize("member, dtype", CASES)
 def test_communication_per_step(member, dtype, tmp_path_factory):
-    """Inside step(): the factor average on curvature steps, the gradient gather every step."""
+    """Inside step(): the factor average on curvature steps, the gradient gather every step
+    (and the two-level coarse spaces' own all_reduces, as under DDP)."""
     tcov = TCOV.get(member, W.TCOV)
     for r in results(member, dtype, tmp_path_factory):
         assert len(r["calls"]) == W.STEPS
@@ -149,6 +160,10 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
             expected = []
             if member in FACTORS and k % tcov == 0:
                 expected.append(("all_reduce", FACTORS[member], dtype))
+            if member in COARSE and k % tcov == 0:
+                expected.append(("all_reduce", COARSE[member], dtype))
+            if member in EVERY:
+                expected.append(("all_reduce", EVERY[member], dtype))
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype))
             assert sorted(calls) == sorted(expected), f"step {k}: {calls}"

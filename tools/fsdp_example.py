@@ -4,7 +4,8 @@ torch.distributed.checkpoint and resume; prints the loss and the bytes each rank
 
     torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member adafisher
     torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member kfac
-    (members: adafisher, adafisherw, kfac, singd, singd-diagonal, dykaf)
+    torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member twolevel --coarse residual
+    (members: adafisher, adafisherw, kfac, twolevel, singd, singd-diagonal, dykaf)
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.fsdp import fully_shard
 
 import cafin
-from cafin.sharding import kfac_checkpoint_template
+from cafin.sharding import kfac_checkpoint_template, twolevel_checkpoint, twolevel_load
 
 
 def make_model(device) -> nn.Module:
@@ -32,7 +33,7 @@ def make_model(device) -> nn.Module:
                          nn.Linear(33, 10)).to(device)
 
 
-def build(member: str, model: nn.Module) -> list:
+def build(member: str, model: nn.Module, coarse: str = "nicolaides") -> list:
     """The objects stepped after backward; the last one is the torch optimizer DCP saves."""
     if member in ("adafisher", "adafisherw"):
         cls = cafin.AdaFisher if member == "adafisher" else cafin.AdaFisherW
@@ -40,6 +41,11 @@ def build(member: str, model: nn.Module) -> list:
     if member == "kfac":
         return [cafin.KFACPreconditioner(model, factor_update_steps=5, inv_update_steps=10),
                 torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)]
+    if member == "twolevel":
+        pre = cafin.TwoLevelKFAC(model, damping=1e-2, T_cov=5, T_inv=10, coarse_space=coarse,
+                                 constraint_norm=True, clipping=1e-2)
+        pre.update_stats = True  # statistics on every pass; step() uses those of T_cov steps
+        return [pre, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)]
     if member in ("singd", "singd-diagonal"):
         structures = ("diagonal", "diagonal") if member == "singd-diagonal" else ("dense", "dense")
         return [cafin.SINGD(model, params=model.parameters(), lr=0.01, T=5, structures=structures)]
@@ -88,6 +94,8 @@ def checkpoint_state(model, objs, fresh: bool) -> dict:
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, objs[-1])}
     if isinstance(objs[0], cafin.KFACPreconditioner):  # its factors, replicated on every rank
         sd["kfac"] = kfac_checkpoint_template(objs[0]) if fresh else objs[0].state_dict()
+    if isinstance(objs[0], cafin.TwoLevelKFAC) and not fresh:  # read back by twolevel_load
+        sd.update(twolevel_checkpoint(objs[0]))
     return sd
 
 
@@ -95,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--member", default="adafisher")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--coarse", default="nicolaides", help="TwoLevelKFAC's coarse space")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -112,7 +121,7 @@ def main() -> None:
         return fully_shard(model)
 
     model = sharded()
-    objs = build(args.member, model)  # after fully_shard
+    objs = build(args.member, model, args.coarse)  # after fully_shard
     for k, (loss, sent) in enumerate(train(model, objs, args.steps, device, rank)):
         if rank == 0:
             print(f"step {k}: loss {loss:.4f}, step() sent {sent} bytes")
@@ -123,7 +132,7 @@ def main() -> None:
 
     # Resume: a fresh sharded model and optimizer load the checkpoint and take the same steps.
     model2 = sharded()
-    objs2 = build(args.member, model2)
+    objs2 = build(args.member, model2, args.coarse)
     sd = checkpoint_state(model2, objs2, fresh=True)
     if args.member == "dykaf":  # state made by the first step: read the saved one whole
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -133,6 +142,8 @@ def main() -> None:
     set_optimizer_state_dict(model2, objs2[-1], sd["optim"])
     if "kfac" in sd:
         objs2[0].load_state_dict(sd["kfac"])
+    if isinstance(objs2[0], cafin.TwoLevelKFAC):  # its replicated state and this rank's statistics
+        twolevel_load(objs2[0], path[0])
     resumed = train(model2, objs2, 3, device, rank, first=args.steps)
     same = all(torch.equal(p.to_local(), q.to_local()) for p, q in zip(model.parameters(), model2.parameters()))
     same = torch.tensor([float(same)], device=device)

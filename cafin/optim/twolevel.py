@@ -38,7 +38,7 @@ from torch import nn
 from .. import ops, reference
 from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check_range, discover, distributed, unwrap
 from ..factors import input_rows
-from ..sharding import check_sharded
+from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
 
@@ -53,8 +53,9 @@ _EIGEN = ("L_x", "Q_x", "L_g", "Q_g")
 
 
 def _accept(module: nn.Module, kind) -> bool:
-    # The published code registers by exact class name, so subclasses are skipped.
-    return type(module).__name__ in ("Linear", "Conv2d")
+    # The published code registers by exact class name, so subclasses are skipped (FSDP2's
+    # generated subclass of a sharded module is named by the class it wraps).
+    return module_class(module).__name__ in ("Linear", "Conv2d")
 
 
 class TwoLevelKFAC(torch.optim.Optimizer):
@@ -87,12 +88,13 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         self.process_group = process_group
 
         model = unwrap(net)
-        if check_sharded(model.parameters(), "TwoLevelKFAC") is not None:
-            # Its factors, per-sample coarse projections and coarse matrix are this rank's own
-            # (no average over ranks), so ranks would precondition the same shard differently.
-            raise ValueError("TwoLevelKFAC cannot train an FSDP2 (fully_shard) model: it takes its "
-                             "curvature from each rank's own batch and averages nothing over ranks; "
-                             "use KFACPreconditioner (which gathers each layer's gradient) instead")
+        # FSDP2: the statistics hooks see the unsharded call, so the factors and the coarse
+        # matrix are DDP's once averaged over the parameters' mesh; the update gathers each
+        # layer's full gradient (one all_gather per step) and each rank keeps its own rows.
+        mesh_group = check_sharded(model.parameters(), "TwoLevelKFAC")
+        self._sharded = mesh_group is not None
+        if process_group is None:
+            self.process_group = mesh_group
         self._layers = discover(model, [p for p in model.parameters()], _accept)
         if not self._layers:
             raise ValueError("net has no Linear or Conv2d layer with parameters")
@@ -105,7 +107,12 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             if "weight" not in layer.params:
                 raise ValueError(f"layer '{layer.name}': its weight is not an optimised parameter")
             params = [m.weight] + ([m.bias] if m.bias is not None else [])
-            groups.append({"params": params, "layer_type": type(m).__name__})
+            if self._sharded and any(not is_sharded(p) for p in params):
+                # its gradient would be this rank's own (FSDP2 averages only what it shards)
+                raise ValueError(f"layer '{layer.name}' is not sharded while other layers are (FSDP2): "
+                                 "TwoLevelKFAC needs every Linear and Conv2d layer under fully_shard "
+                                 "(wrap the root too)")
+            groups.append({"params": params, "layer_type": module_class(m).__name__})
         super().__init__(groups, {})
         self.update_stats = False
         # k, the completed update steps: on the host while steps run eagerly, on the device (and
@@ -224,12 +231,28 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
 
     @staticmethod
-    def _grad_matrix(group) -> torch.Tensor:
-        w = group["params"][0].grad
+    def _grad_matrix(group, grads=None) -> torch.Tensor:
+        """[d_out, d_in (+1)]: the weight gradient with the bias column (`grads`: the full
+        gradients gathered under FSDP2 instead of the parameters' own)."""
+        w, b = grads if grads is not None else (
+            group["params"][0].grad, group["params"][1].grad if len(group["params"]) == 2 else None)
         m = w.reshape(w.shape[0], -1)
-        if len(group["params"]) == 2:
-            m = torch.cat([m, group["params"][1].grad.reshape(-1, 1)], dim=1)
+        if b is not None:
+            m = torch.cat([m, b.reshape(-1, 1)], dim=1)
         return m
+
+    def _gather(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """FSDP2: every layer's full weight and bias gradients, in one all_gather per dtype (the
+        two-level direction multiplies whole gradient matrices and couples the layers)."""
+        tensors = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    raise RuntimeError(f"TwoLevelKFAC: a parameter of shape {tuple(p.shape)} has no "
+                                       "gradient: run backward before step()")
+                tensors.append(p.grad)
+        full = iter(gather_rows(tensors, self.process_group))
+        return [(next(full), next(full) if len(g["params"]) == 2 else None) for g in self.param_groups]
 
     @staticmethod
     def _batch_covs(state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -435,10 +458,13 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if ddp and gate_cov is not None:
             raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
                                "supported: run its steps eagerly")
+        # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
+        full = self._gather() if update_params and self._sharded else None
         if collect:
             self._collect(gate_cov)
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
+        raws = [self._grad_matrix(g, full[i] if full else None).clone()
+                for i, g in enumerate(self.param_groups)] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
         covs = [self._batch_covs(st) for st in states] if collect else []
         if ddp:
@@ -465,18 +491,27 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             clip = self._hp("clipping", norm).to(norm.dtype)
             scale = ((clip / norm) ** 0.5).clamp(max=1.0)
             final = torch._foreach_mul(final, scale)
-        self._write_all(final)
+        self._write_all(final, full)
         self._steps.advance()
 
-    def _write_all(self, final) -> None:
+    def _write_all(self, final, full=None) -> None:
         """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
-        call of K-FAC's fused writer (its layout; no KL clip)."""
-        ws = [g["params"][0].grad for g in self.param_groups]
-        bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
-              for i, g in enumerate(self.param_groups)]
+        call of K-FAC's fused writer (its layout; no KL clip). FSDP2 (`full`: the gathered
+        gradients): written over the full gradients, then each rank keeps its own rows."""
+        if full is not None:
+            ws = [w for w, _ in full]
+            bs = [b if b is not None else w.new_empty(0) for w, b in full]
+        else:
+            ws = [g["params"][0].grad for g in self.param_groups]
+            bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
+                  for i, g in enumerate(self.param_groups)]
         impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
                           for t in (*ws, *bs)) and len(self._hyper) == 1 else reference
         impl.kfac_precondition_apply_(ws, bs, [f.unsqueeze(0) for f in final], self._hp("one", ws[0]), None)
+        if full is not None:
+            for group, (w, b) in zip(self.param_groups, full):
+                for p, g in zip(group["params"], (w, b)):
+                    local(p.grad).copy_(own_rows(g, p.grad))
 
     def _average(self, covs, raws) -> None:
         """Data parallel: the batch covariances averaged over the ranks, and with them the new
@@ -569,6 +604,14 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("twolevel")
         super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("Q_x", "Q_g"):
+                # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
+                # then round as they did before the save (a bit-identical resume)
+                if key in state and state[key].dim() == 2:
+                    state[key] = state[key].t().contiguous().t()
         self._iteration_counter = extra["iteration_counter"]
         self.batch_size = extra["batch_size"]
-        self.f_coarse, self.f_coarse_inv = extra["f_coarse"], extra["f_coarse_inv"]
+        device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
+        self.f_coarse, self.f_coarse_inv = (None if t is None else t.to(device)
+                                            for t in (extra["f_coarse"], extra["f_coarse_inv"]))
