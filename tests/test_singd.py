@@ -700,6 +700,7 @@ class TestSingdOps:
         cls, K, m_old, H, c_h, c_d, beta = update_case("hierarchical15_15", 33, torch.float32, "cpu", 0.5)
         raw, pi = cls.inner_parts(K)
         n = len(K)
+        raw = [raw[0].detach().requires_grad_(True)] + list(raw[1:])  # the autograd check needs one
         cafin.ops.singd_momentum_([t.clone() for t in m_old], [t.clone() for t in H], list(raw),
                                   [c_h] * n, [c_d] * n, [torch.tensor(True)] * n,
                                   list(cls.eye_kinds(33)), list(pi), [0.5] * n, [0.5] * n)
@@ -708,6 +709,7 @@ class TestSingdOps:
         cls, K, m_old, H, c_h, c_d, beta = update_case("hierarchical15_15", 33, torch.float32, "cpu", 0.5)
         km, elementwise = cls.product_parts(K, m_old)
         n = len(K)
+        km = [km[0].detach().requires_grad_(True)] + list(km[1:])
         cafin.ops.singd_factor_step_([t.clone() for t in K], list(km), [beta] * n,
                                      [torch.tensor(True)] * n, list(elementwise))
 
