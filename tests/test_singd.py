@@ -500,6 +500,11 @@ def test_ddp_wrapped_model(tmp_path):
                 opt.step()
         for p, q in zip(m.parameters(), m2.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+        # DDP's reducer holds the process group: release it before the group is destroyed (a
+        # gloo group destroyed under a live reducer can hang joining its threads).
+        del o, ddp
+        import gc
+        gc.collect()
     finally:
         dist.destroy_process_group()
 
@@ -827,8 +832,12 @@ for wrap in ("ddp", "plain"):
         F.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
         opt.step()
     results[wrap] = [p.detach().clone() for p in m.parameters()]
+    del opt, model
 if rank == 0:
     torch.save(results, out)
+import gc
+gc.collect()  # the DDP reducers (they hold the group) go before the group does
+dist.barrier()  # tear gloo down together: a rank leaving early can abort the other's exit
 dist.destroy_process_group()
 '''
 
