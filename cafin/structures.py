@@ -370,23 +370,34 @@ class Hierarchical(Structure):
 
     @classmethod
     def matmul(cls, parts, x):
+        # Each row block is written in place by mm/addmm (no cat, no separate additions).
         a, b, c, dd, e = parts
-        mid = c.shape[0]
-        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
-        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
-        return torch.cat([a @ top + b_c @ middle + b_e @ bottom,
-                          c.unsqueeze(-1) * middle,
-                          dd @ middle + e @ bottom])
+        k1, mid, k2 = a.shape[0], c.shape[0], e.shape[0]
+        top, middle, bottom = x.split([k1, mid, k2])
+        b_c, b_e = b.split([mid, k2], dim=1)
+        out = x.new_empty(x.shape)
+        o_top, o_mid, o_bot = out.split([k1, mid, k2])
+        torch.mm(a, top, out=o_top)
+        o_top.addmm_(b_c, middle).addmm_(b_e, bottom)
+        torch.mul(c.unsqueeze(-1), middle, out=o_mid)
+        torch.mm(dd, middle, out=o_bot)
+        o_bot.addmm_(e, bottom)
+        return out
 
     @classmethod
     def rmatmat(cls, parts, x):
         a, b, c, dd, e = parts
-        mid = c.shape[0]
-        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
-        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
-        return torch.cat([a.mT @ top,
-                          b_c.mT @ top + c.unsqueeze(-1) * middle + dd.mT @ bottom,
-                          b_e.mT @ top + e.mT @ bottom])
+        k1, mid, k2 = a.shape[0], c.shape[0], e.shape[0]
+        top, middle, bottom = x.split([k1, mid, k2])
+        b_c, b_e = b.split([mid, k2], dim=1)
+        out = x.new_empty(x.shape)
+        o_top, o_mid, o_bot = out.split([k1, mid, k2])
+        torch.mm(a.mT, top, out=o_top)
+        torch.mul(c.unsqueeze(-1), middle, out=o_mid)
+        o_mid.addmm_(b_c.mT, top).addmm_(dd.mT, bottom)
+        torch.mm(b_e.mT, top, out=o_bot)
+        o_bot.addmm_(e.mT, bottom)
+        return out
 
     @classmethod
     def product(cls, p, q):

@@ -29,7 +29,7 @@ from ..curvature import (CurvatureOptimizer, Hooks, Layer, average_over_ranks, c
 from ..reference import singd as ref
 from .. import ops
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows, rows
-from ..structures import STRUCTURES, Diagonal, Structure, structure
+from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
@@ -71,10 +71,11 @@ class SINGD(CurvatureOptimizer):
             K^T is meant); per group. Default False: singd's numbers.
         process_group: with torch.distributed initialised, the H terms are averaged (summed for
             loss_average=None) over this group in one collective per preconditioner update.
-        cache_preconditioner: keep P_K = K K^T and P_C = C C^T (dense) from each preconditioner
-            update, so a step takes two GEMMs instead of four (singd's order of products is then
-            not kept: the numbers differ by rounding). Not for diagonal-diagonal layers, whose
-            step is elementwise anyway.
+        cache_preconditioner: for a factor with the dense structure, keep P = K K^T (C C^T) from
+            each preconditioner update, so the step multiplies by it once instead of by K and K^T
+            (a dense-dense layer: two GEMMs instead of four). singd's order of products is then
+            not kept: the numbers differ by rounding. Structured factors keep their cheaper
+            structured products (a dense cache would cost more).
         grad_scaler: the torch.amp.GradScaler in use, needed only when the gradients are unscaled
             before the step (`scaler.unscale_(opt)`, e.g. to clip them).
     Parameters in params that no Linear/Conv2d owns are updated with their plain gradient
@@ -290,8 +291,9 @@ class SINGD(CurvatureOptimizer):
         put("H_K", sk.zeros(d_k, dk, device))
         put("H_C", sc.zeros(d_c, dc, device))
         out["H_count"] = torch.zeros((), device=device)
-        if self._caches(sk, sc):
+        if self._caches(sk):
             out["P_K"] = torch.eye(d_k, device=device).to(dk)
+        if self._caches(sc):
             out["P_C"] = torch.eye(d_c, device=device).to(dc)
         return out
 
@@ -431,10 +433,9 @@ class SINGD(CurvatureOptimizer):
 
     def _refresh_cache(self, layer: Layer, sk, sc, K, C) -> None:
         state = self.state[layer.anchor]
-        if "P_K" in state:  # the cached products follow the factors
-            for key, kind, parts in (("P_K", sk, K), ("P_C", sc, C)):
-                eye = torch.eye(state[key].shape[0], device=state[key].device, dtype=state[key].dtype)
-                state[key].copy_(kind.matmul(parts, kind.rmatmat(parts, eye)))
+        for key, parts in (("P_K", K), ("P_C", C)):  # the cached products follow the factors
+            if key in state:  # (dense factors only)
+                state[key].copy_(parts[0] @ parts[0].mT)
 
     def _update_preconditioner(self, layer: Layer, due_host: bool | None, c_g) -> None:
         group = self._group(layer)
@@ -598,10 +599,7 @@ class SINGD(CurvatureOptimizer):
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
             state = self.state[layer.anchor]
-            if "P_K" in state:
-                nat = ref.cached_natural_gradient(state["P_K"], state["P_C"], gmat)
-            else:
-                nat = ref.natural_gradient(sk, K, sc, C, gmat)
+            nat = ref.natural_gradient(sk, K, sc, C, gmat, state.get("P_K"), state.get("P_C"))
             if distributed():
                 self._reduce_natural_gradient(layer, nat)
             params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
@@ -656,8 +654,8 @@ class SINGD(CurvatureOptimizer):
         start, stop = rows(layer.module.weight)
         return (C[0][start:stop],)
 
-    def _caches(self, sk, sc) -> bool:
-        return self.cache_preconditioner and not (sk is Diagonal and sc is Diagonal)
+    def _caches(self, kind) -> bool:
+        return self.cache_preconditioner and kind is Dense
 
     def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
         """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the

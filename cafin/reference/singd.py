@@ -90,11 +90,14 @@ def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Te
 
 
 def natural_gradient(sk: type[Structure], k: tuple, sc: type[Structure], c: tuple,
-                     gmat: Tensor) -> Tensor:
+                     gmat: Tensor, p_k: Tensor | None = None, p_c: Tensor | None = None) -> Tensor:
     """C C^T Gmat K K^T, as singd orders it: (K (K^T Gmat^T))^T in K's dtype, then C (C^T .) in
-    C's dtype, back in the gradient's dtype."""
-    nat = sk.matmul(k, sk.rmatmat(k, gmat.mT.to(k[0].dtype))).mT
-    nat = sc.matmul(c, sc.rmatmat(c, nat.to(c[0].dtype)))
+    C's dtype, back in the gradient's dtype. A cached P_K = K K^T (P_C = C C^T) replaces the
+    two products of its side by one."""
+    kt = gmat.mT.to(k[0].dtype)
+    nat = (p_k @ kt if p_k is not None else sk.matmul(k, sk.rmatmat(k, kt))).mT
+    nat = nat.to(c[0].dtype)
+    nat = p_c @ nat if p_c is not None else sc.matmul(c, sc.rmatmat(c, nat))
     return nat.to(gmat.dtype)
 
 
@@ -153,12 +156,6 @@ def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers
         p.copy_(w)
     for b, w in zip(momentum_buffers, bufs):
         b.copy_(w)
-
-
-def cached_natural_gradient(p_k: Tensor, p_c: Tensor, gmat: Tensor) -> Tensor:
-    """The natural gradient from cached P_K = K K^T and P_C = C C^T: (P_K Gmat^T)^T, then P_C ."""
-    nat = (p_k @ gmat.mT.to(p_k.dtype)).mT
-    return (p_c @ nat.to(p_c.dtype)).to(gmat.dtype)
 
 
 def _eye_mask(t: Tensor, kind: int) -> Tensor:

@@ -7,28 +7,55 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
+#include "cpu/vectorize.h"
 #include "singd_checks.h"
 #include "singd_math.h"
 
 namespace cafin {
 namespace {
 
+// Rows [r0, r1) of a parameter viewed as [rows, cols]: C[r] is constant along a row and K runs
+// with the columns, so the inner loop is a plain vectorisable stream (no division per element).
+// K and C null: no factors, the row is a flat range of the parameter.
+template <bool kMomentum, typename scalar_t, typename opmath_t>
+CAFIN_CPU_CLONES void diag_rows(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opmath_t* K,
+                                const opmath_t* C, int64_t r0, int64_t r1, int64_t cols,
+                                SingdCoeffs<opmath_t> s) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const opmath_t c = C != nullptr ? C[r] : opmath_t(1);
+    scalar_t* th_row = theta + r * cols;
+    const scalar_t* g_row = grad + r * cols;
+    scalar_t* b_row = kMomentum ? buf + r * cols : nullptr;
+    for (int64_t j = 0; j < cols; ++j) {
+      const opmath_t k = K != nullptr ? K[j] : opmath_t(1);
+      opmath_t th = static_cast<opmath_t>(th_row[j]);
+      opmath_t b = kMomentum ? static_cast<opmath_t>(b_row[j]) : opmath_t(0);
+      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(g_row[j]), k, c, s);
+      th_row[j] = static_cast<scalar_t>(th);
+      if (kMomentum) b_row[j] = static_cast<scalar_t>(b);
+    }
+  }
+}
+
 template <bool kMomentum, typename scalar_t, typename opmath_t>
 void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opmath_t* K,
                  const opmath_t* C, int64_t numel, int64_t cols, const SingdCoeffs<opmath_t>& s) {
-  at::parallel_for(0, numel, 16384, [&](int64_t begin, int64_t end) {
-    for (int64_t e = begin; e < end; ++e) {
-      const int64_t row = e / cols;
-      opmath_t th = static_cast<opmath_t>(theta[e]);
-      opmath_t b = kMomentum ? static_cast<opmath_t>(buf[e]) : opmath_t(0);
-      // No factors (C null): K = C = 1, which leaves the gradient exactly as it is.
-      const opmath_t k = C != nullptr ? K[e - row * cols] : opmath_t(1);
-      const opmath_t c = C != nullptr ? C[row] : opmath_t(1);
-      singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(grad[e]), k, c, s);
-      theta[e] = static_cast<scalar_t>(th);
-      if (kMomentum) buf[e] = static_cast<scalar_t>(b);
-    }
-  });
+  if (C == nullptr) {  // no factors: flat chunks, so threads still share one big tensor
+    constexpr int64_t kChunk = 4096;
+    const int64_t chunks = (numel + kChunk - 1) / kChunk;
+    at::parallel_for(0, chunks, std::max<int64_t>(1, kGrainSize / kChunk), [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        const int64_t lo = c * kChunk, len = std::min(kChunk, numel - lo);
+        diag_rows<kMomentum>(theta + lo, grad + lo, kMomentum ? buf + lo : buf, K, C, 0, 1, len, s);
+      }
+    });
+    return;
+  }
+  const int64_t rows = numel / cols;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / std::max<int64_t>(cols, 1)),
+                   [&](int64_t r0, int64_t r1) { diag_rows<kMomentum>(theta, grad, buf, K, C, r0, r1, cols, s); });
 }
 
 void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs,
