@@ -46,10 +46,12 @@ def fmt_ratio(x: float | None) -> str:
 
 LABELS = {
     "published": "published (your copy)",
+    "singd": "singd (the package, importable)",
     "reference": "reference (cafin, plain PyTorch)",
     "reference-compiled": "reference, torch.compile",
     "fused": "fused",
     "fused-compiled": "fused, torch.compile",
+    "fused-cached": "fused, cache_preconditioner=True",
     "cuda-graph": "fused, CUDA graph",
     "adamw-foreach": "AdamW(foreach=True)",
     "adamw-fused": "AdamW(fused=True)",
@@ -57,15 +59,6 @@ LABELS = {
 
 
 EXTRA_NAMES = {"adamw": "AdamW", "soap": "SOAP (heavyball)"}  # rows that are no member of cafin
-
-
-def extra_phases(run: "Run") -> list[str]:
-    """Phases that members' own details added (DyKAF's refresh step, ...), in order of appearance."""
-    out = []
-    for r in run.results:
-        if r.phase not in ("step", "statistics") and r.phase not in out:
-            out.append(r.phase)
-    return out
 
 
 def label(variant: str) -> str:
@@ -94,12 +87,27 @@ def header(env: dict, run: "Run") -> Panel:
     return Panel(lines, title="cafin bench: speed, memory, agreement", expand=False)
 
 
+def _member_phases(run: "Run") -> list[str]:
+    """Phases a member's `details` added (neither the shared step nor AdaFisher's statistics),
+    in the order they ran."""
+    out = []
+    for r in run.results:
+        if r.phase not in ("step", "statistics") and r.phase not in out:
+            out.append(r.phase)
+    return out
+
+
+def _singd_amortised(run: "Run") -> list[dict]:
+    from .singd_phases import T_AMORTISED, amortised
+    return [dict(a, T=T_AMORTISED) for a in amortised(run)]
+
+
 def _base_of(run: "Run", phase: str, optimizer: str):
     """The row speed-ups are stated against: the optimizer's published code when it was timed,
     else cafin's plain-PyTorch reference of it. AdamW rows use AdaFisher's."""
     if optimizer == "adamw":
         optimizer = "adafisher"
-    for variant in ("published", "reference"):
+    for variant in ("published", "singd", "reference"):
         r = run.result(phase, variant, optimizer)
         if r:
             return r
@@ -236,6 +244,16 @@ def targets(run: "Run", members=()) -> list[dict]:
     add(f"agreement after {run.steps} steps (float32)",
         f"{agree:.2e}" if agree is not None else "-", "<= 1e-5",
         (agree <= 1e-5) if agree is not None else None)
+    singd_diag, adamw_fused = ms("step", "fused", "singd"), ms("step", "adamw-fused")
+    if singd_diag is not None:
+        add("SINGD (diagonal) fused step vs adamw-fused",
+            f"{fmt_ratio(singd_diag / adamw_fused)} its time" if adamw_fused else "-",
+            "<= 1.5x its time", (singd_diag <= 1.5 * adamw_fused) if adamw_fused else None)
+    for a in _singd_amortised(run):
+        if a["variant"].startswith("fused") and a["vs_singd"] is not None:
+            add(f"SINGD {a['structure']} {label(a['variant'])} vs singd, per step amortised over "
+                f"T={a['T']}", f"{fmt_ratio(a['vs_singd'])} faster", ">= 3x faster",
+                a["vs_singd"] >= 3)
     for member in members:
         if member.targets is not None:
             out += member.targets(run)
@@ -289,8 +307,18 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
     if any(r.phase == "statistics" for r in run.results):
         console.print(_phase_table(run, "statistics", floor.get("statistics_floor_ms"),
                                    "floor (read x, g once)", names))
-    for phase in extra_phases(run):
+    for phase in _member_phases(run):
         console.print(_phase_table(run, phase, None, "", names))
+    amortised = _singd_amortised(run)
+    if amortised:
+        table = Table(title=f"SINGD per step amortised over T = {amortised[0]['T']} (update + "
+                            f"{amortised[0]['T'] - 1} plain steps) / {amortised[0]['T']}",
+                      title_justify="left")
+        for col in ("structure", "variant", "ms", "vs singd"):
+            table.add_column(col, justify="left" if col in ("structure", "variant") else "right")
+        for a in amortised:
+            table.add_row(a["structure"], label(a["variant"]), fmt_ms(a["ms"]), fmt_ratio(a["vs_singd"]))
+        console.print(table)
     if run.breakdown:
         bandwidth = floor["copy_bandwidth_gb_s"] * 1e9
         table = Table(title="fused statistics by op (summed over calls; median of passes)",
@@ -363,11 +391,11 @@ def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, m
             ("step", "step_floor_ms", "floor: 20 B/param at the measured copy bandwidth "
              f"({floor.get('copy_bandwidth_gb_s', math.nan):.1f} GB/s)"),
             ("statistics", "statistics_floor_ms", "floor: read every activation and output "
-             "gradient once"), *((p, "", "") for p in extra_phases(run))):
+             "gradient once")):
         rows = [r for r in run.results if r.phase == phase]
         if not rows:
             continue
-        title = {"step": "step", "statistics": "statistics of one curvature step"}.get(phase, phase)
+        title = "step" if phase == "step" else "statistics of one curvature step"
         out += [f"| {title} | median ms | speed-up | x floor | allocated |",
                 "|---|---|---|---|---|"]
         if floor.get(floor_key):
@@ -383,6 +411,23 @@ def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, m
             out.append("| " + " | ".join(cells) + " |")
         out += ["", "Speed-ups are against the published code when it was timed "
                 "(`--published`), else against cafin's plain-PyTorch reference.", ""]
+    for phase in _member_phases(run):
+        out += [f"| {phase} | median ms | speed-up | allocated |", "|---|---|---|---|"]
+        for r in run.results:
+            if r.phase != phase:
+                continue
+            ref = _base_of(run, phase, r.optimizer)
+            out.append(f"| {names.get(r.optimizer, r.optimizer)} {label(r.variant)} | "
+                       f"{fmt_ms(r.median_ms)} | {fmt_ratio(ref.median_ms / r.median_ms) if ref else ''} | "
+                       f"{fmt_bytes(r.allocated_bytes)} |")
+        out.append("")
+    amortised = _singd_amortised(run)
+    if amortised:
+        out += [f"| SINGD per step, amortised over T = {amortised[0]['T']} | ms | vs singd |",
+                "|---|---|---|"]
+        out += [f"| {a['structure']} {label(a['variant'])} | {fmt_ms(a['ms'])} | "
+                f"{fmt_ratio(a['vs_singd']) if a['vs_singd'] else ''} |" for a in amortised]
+        out.append("")
     if run.whole_step:
         out += [f"| whole training step, ms | plain iteration | curvature iteration | statistics "
                 f"| per iteration, TCov {run.tcov} | vs AdamW |", "|---|---|---|---|---|---|"]

@@ -47,7 +47,9 @@ TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, ev
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
 DEFAULT_TCOV = 100  # the published default, at which the whole-step overhead is stated
 BASELINES = ("adamw-foreach", "adamw-fused")
-PHASES = ("step", "statistics", "agreement", "whole-step")
+PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
+# Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
+OPT_IN_PHASES = ("structures",)
 STEP_VARIANTS = VARIANTS + BASELINES  # kept for readers of the old name
 FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
              "norm_grad_stats_", "fisher_average_")
@@ -399,7 +401,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "PATH and timed beside cafin (PATH alone: AdaFisher's AdaFisher.py); "
                              "cafin does not ship it")
     parser.add_argument("--phases", default=None,
-                        help=f"comma list out of {', '.join(PHASES)} (default: all)")
+                        help=f"comma list out of {', '.join(PHASES)} (default: all but "
+                             f"{', '.join(OPT_IN_PHASES)}; structures: SINGD per structure "
+                             "against singd, --model mlp or gpt)")
     parser.add_argument("--variants", default=None,
                         help="comma list of the variants to run (default: each optimizer's "
                              f"headline set) out of {', '.join(STEP_VARIANTS)}; 'reference' and "
@@ -425,7 +429,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for name in args.published:
         if name not in chosen:
             parser.error(f"--published {name}: {name} is not among --optimizers")
-    args.phases = _comma_set(parser, "--phases", args.phases, set(PHASES)) or set(PHASES)
+    args.phases = (_comma_set(parser, "--phases", args.phases, set(PHASES))
+                   or set(PHASES) - set(OPT_IN_PHASES))
     args.variants = _comma_set(parser, "--variants", args.variants,
                                set(STEP_VARIANTS) | {"agreement"})
     if args.variants and "agreement" in args.variants:  # the old spelling of --phases agreement

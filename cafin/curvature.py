@@ -8,7 +8,8 @@
   device as a tensor that device-gated ops read after a compile or a CUDA-graph capture.
 - `Hooks`: forward hooks and output-gradient tensor hooks that feed a member's statistics, holding
   the member weakly, safe with in-place activations, activation checkpointing and model copies.
-- `average_over_ranks`: one collective over one flat buffer.
+- `average_over_ranks`: one collective over one flat buffer (over the parameters' FSDP2 mesh when
+  they are sharded: `cafin.sharding` holds what the members share for `fully_shard`).
 - Argument checks shared by the members.
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from .layers import LayerType, can_take_statistics, layer_type_of
+from .sharding import check_sharded
 
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
@@ -378,6 +380,11 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if params is None:
             params = [p for p in self.model.parameters() if p.requires_grad]
         super().__init__(params, defaults)
+        # FSDP2: factors are averaged over the mesh the parameters are sharded on.
+        mesh_group = check_sharded([p for g in self.param_groups for p in g["params"]],
+                                   type(self).__name__)
+        if self.process_group is None:
+            self.process_group = mesh_group
         self._attached = True
         self._attach()
         if distributed():
@@ -549,9 +556,15 @@ class CurvatureOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
+        """torch.optim's `state` and `param_groups`; every saved group also holds `curvature`:
+        {"k": completed steps, "layout": the curvature layers, and the checkpointed settings}.
+        It sits in the groups, not beside them, because torch.distributed.checkpoint's
+        `get_optimizer_state_dict` keeps only `state` and `param_groups`."""
         sd = super().state_dict()
-        sd["curvature"] = {"k": self._steps.value(), "layout": self._layout(),
-                           **{name: getattr(self, name) for name in self.checkpoint_settings}}
+        curvature = {"k": self._steps.value(), "layout": self._layout(),
+                     **{name: getattr(self, name) for name in self.checkpoint_settings}}
+        sd["param_groups"] = [{**group, "curvature": copy.deepcopy(curvature)}
+                              for group in sd["param_groups"]]
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -561,10 +574,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         collective runs here (ranks are compared at the next step)."""
         if not isinstance(state_dict, dict):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        for key in ("state", "param_groups", "curvature"):
+        for key in ("state", "param_groups"):
             if key not in state_dict:
                 raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
         saved_groups = state_dict["param_groups"]
+        # Where `curvature` lives: in the groups (this version), beside them (earlier versions).
+        if "curvature" in state_dict:
+            curvature = state_dict["curvature"]
+        elif saved_groups and isinstance(saved_groups[0], dict) and "curvature" in saved_groups[0]:
+            curvature = saved_groups[0]["curvature"]
+        else:
+            raise ValueError(f"not a {type(self).__name__} checkpoint: missing 'curvature'")
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
                              f"has {len(self.param_groups)}")
@@ -585,10 +605,9 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                     raise type(e)(f"checkpoint group {i}: {e}") from None
                 values[name] = hyperparameter_tensor(saved[name], group["params"], rule[4])
             for key, value in saved.items():
-                if key != "params" and key not in values:
+                if key not in ("params", "curvature") and key not in values:
                     values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
             new_groups.append(values)
-        curvature = state_dict["curvature"]
         k = curvature.get("k") if isinstance(curvature, dict) else None
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"checkpoint curvature['k'] (completed steps) must be an int >= 0, "

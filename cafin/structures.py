@@ -87,6 +87,31 @@ class Structure:
     def average_trace(cls, parts: Parts) -> Tensor:
         return torch.diagonal(cls.dense(parts)).mean()
 
+    # ------------------------------------------------------------------ fused update (ops)
+    # The elementwise preconditioner-update ops (cafin.ops.singd_momentum_, singd_factor_step_)
+    # take, per part, where the identity's ones sit, Pi(K^T K) as a GEMM result times a factor,
+    # and K m as a GEMM result or as the elementwise product of the parts.
+    EYE_NONE, EYE_MATRIX, EYE_ALL, EYE_FIRST = 0, 1, 2, 3
+
+    @classmethod
+    def eye_kinds(cls, d: int) -> tuple[int, ...]:
+        """Per part: 0 no identity entry, 1 the diagonal of each matrix, 2 every entry, 3 entry 0."""
+        raise NotImplementedError
+
+    @classmethod
+    def inner_parts(cls, parts: Parts) -> tuple[Parts, tuple[float, ...]]:
+        """(raw, pi) with Pi(K^T K) = pi * raw part by part: the projection's fold factors are
+        applied inside the momentum op instead of as passes of their own."""
+        ktk = cls.inner(parts)
+        return ktk, (1.0,) * len(ktk)
+
+    @classmethod
+    def product_parts(cls, k: Parts, m: Parts) -> tuple[Parts, tuple[bool, ...]]:
+        """(km, elementwise): K m part by part, where an elementwise part gives m's part itself
+        (the op multiplies it by K's)."""
+        km = cls.product(k, m)
+        return km, (False,) * len(km)
+
     @staticmethod
     def inf_norm(parts: Parts) -> Tensor:
         return torch.stack([p.abs().max() for p in parts if p.numel() > 0]).max()
@@ -132,6 +157,10 @@ class Dense(Structure):
     @classmethod
     def average_trace(cls, parts):
         return torch.diagonal(parts[0]).mean()
+
+    @classmethod
+    def eye_kinds(cls, d):
+        return (cls.EYE_MATRIX,)
 
 
 # ---------------------------------------------------------------------------------- diagonal
@@ -179,6 +208,14 @@ class Diagonal(Structure):
     @classmethod
     def average_trace(cls, parts):
         return parts[0].mean()
+
+    @classmethod
+    def eye_kinds(cls, d):
+        return (cls.EYE_ALL,)
+
+    @classmethod
+    def product_parts(cls, k, m):
+        return m, (True,)
 
 
 # ---------------------------------------------------------------------------------- block-diagonal
@@ -257,6 +294,10 @@ class BlockDiagonal(Structure):
         d = blocks.shape[0] * cls.block + last.shape[0]
         return (torch.diagonal(blocks, dim1=-2, dim2=-1).sum() + torch.diagonal(last).sum()) / d
 
+    @classmethod
+    def eye_kinds(cls, d):
+        return (cls.EYE_MATRIX, cls.EYE_MATRIX)  # every block's diagonal
+
 
 class Block30Diagonal(BlockDiagonal):
     name = "block30diagonal"
@@ -329,23 +370,34 @@ class Hierarchical(Structure):
 
     @classmethod
     def matmul(cls, parts, x):
+        # Each row block is written in place by mm/addmm (no cat, no separate additions).
         a, b, c, dd, e = parts
-        mid = c.shape[0]
-        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
-        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
-        return torch.cat([a @ top + b_c @ middle + b_e @ bottom,
-                          c.unsqueeze(-1) * middle,
-                          dd @ middle + e @ bottom])
+        k1, mid, k2 = a.shape[0], c.shape[0], e.shape[0]
+        top, middle, bottom = x.split([k1, mid, k2])
+        b_c, b_e = b.split([mid, k2], dim=1)
+        out = x.new_empty(x.shape)
+        o_top, o_mid, o_bot = out.split([k1, mid, k2])
+        torch.mm(a, top, out=o_top)
+        o_top.addmm_(b_c, middle).addmm_(b_e, bottom)
+        torch.mul(c.unsqueeze(-1), middle, out=o_mid)
+        torch.mm(dd, middle, out=o_bot)
+        o_bot.addmm_(e, bottom)
+        return out
 
     @classmethod
     def rmatmat(cls, parts, x):
         a, b, c, dd, e = parts
-        mid = c.shape[0]
-        top, middle, bottom = x.split([a.shape[0], mid, e.shape[0]])
-        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
-        return torch.cat([a.mT @ top,
-                          b_c.mT @ top + c.unsqueeze(-1) * middle + dd.mT @ bottom,
-                          b_e.mT @ top + e.mT @ bottom])
+        k1, mid, k2 = a.shape[0], c.shape[0], e.shape[0]
+        top, middle, bottom = x.split([k1, mid, k2])
+        b_c, b_e = b.split([mid, k2], dim=1)
+        out = x.new_empty(x.shape)
+        o_top, o_mid, o_bot = out.split([k1, mid, k2])
+        torch.mm(a.mT, top, out=o_top)
+        torch.mul(c.unsqueeze(-1), middle, out=o_mid)
+        o_mid.addmm_(b_c.mT, top).addmm_(dd.mT, bottom)
+        torch.mm(b_e.mT, top, out=o_bot)
+        o_bot.addmm_(e.mT, bottom)
+        return out
 
     @classmethod
     def product(cls, p, q):
@@ -389,6 +441,32 @@ class Hierarchical(Structure):
         a, _, c, _, e = parts
         d = a.shape[0] + c.shape[0] + e.shape[0]
         return (torch.diagonal(a).sum() + c.sum() + torch.diagonal(e).sum()) / d
+
+    @classmethod
+    def eye_kinds(cls, d):
+        return (cls.EYE_MATRIX, cls.EYE_NONE, cls.EYE_ALL, cls.EYE_NONE, cls.EYE_MATRIX)
+
+    @classmethod
+    def inner_parts(cls, parts):
+        a, b, c, dd, e = parts
+        mid = c.shape[0]
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        # inner(parts) without the projection's factor 2 on the folded B and D blocks.
+        return ((a.mT @ a, a.mT @ b, c * c + (b_c * b_c).sum(0) + (dd * dd).sum(0),
+                 b_e.mT @ b_c + e.mT @ dd, e.mT @ e + b_e.mT @ b_e), (1.0, 2.0, 1.0, 2.0, 1.0))
+
+    @classmethod
+    def product_parts(cls, p, q):
+        a, b, c, dd, e = p
+        a2, b2, c2, d2, e2 = q
+        mid = c.shape[0]
+        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
+        b2_c, b2_e = b2.split([mid, e2.shape[0]], dim=1)
+        return ((a @ a2,
+                 torch.cat([a @ b2_c + b_c * c2 + b_e @ d2, a @ b2_e + b_e @ e2], dim=1),
+                 c2,  # the diagonal middle: c * c2 in the op
+                 dd * c2 + e @ d2,
+                 e @ e2), (False, False, True, False, False))
 
 
 # ---------------------------------------------------------------------------------- Toeplitz
@@ -454,6 +532,10 @@ class _Toeplitz(Structure):
     @classmethod
     def average_trace(cls, parts):
         return parts[0][0]
+
+    @classmethod
+    def eye_kinds(cls, d):
+        return (cls.EYE_FIRST,)
 
 
 class TrilToeplitz(_Toeplitz):

@@ -53,11 +53,27 @@ TORCH_LIBRARY(cafin, m) {
       {at::Tag::pt2_compliant_tag});
   // SINGD step of a bucket of parameters whose layers have diagonal K and C: the natural gradient
   // C^2 G K^2 (K read from k_offsets[i] on, one entry per column of the parameter viewed as
-  // [C.numel(), -1]), weight decay, momentum (momentum_buffers empty when momentum == 0), update.
+  // [C.numel(), -1]; K and C both empty: no factors, g itself), weight decay, momentum (none when
+  // momentum_buffers is empty), update.
+  // lr, momentum and weight_decay are 0-dim tensors of the op-math dtype read on the device, so
+  // schedules of any of them do not recompile.
   m.def(
       "singd_diag_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-      "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, float momentum, float weight_decay, "
+      "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, Tensor momentum, Tensor weight_decay, "
       "float grad_scale=1.0) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // SINGD preconditioner update, elementwise over the parts of structured factors (one list entry
+  // per part; the GEMMs around it stay in torch). Where go[i]: m <- scale*(c_h*H + c_damp*pi*KtK
+  // - I) + alpha1*m (m not read when alpha1 == 0), H <- 0; elsewhere nothing is written.
+  // eye: 0 no identity entry, 1 the diagonal of each [rows, cols] matrix, 2 every entry, 3 entry 0.
+  m.def(
+      "singd_momentum_(Tensor(a!)[] m, Tensor(b!)[] H, Tensor[] KtK, Tensor[] c_h, Tensor[] c_damp, "
+      "Tensor[] go, int[] eye, float[] pi, float[] scale, float[] alpha1) -> ()",
+      {at::Tag::pt2_compliant_tag});
+  // Where go[i]: K <- K - beta*KM (KM = K m from a GEMM), or K <- K - beta*K*KM where elementwise.
+  m.def(
+      "singd_factor_step_(Tensor(a!)[] K, Tensor[] KM, Tensor[] beta, Tensor[] go, "
+      "bool[] elementwise) -> ()",
       {at::Tag::pt2_compliant_tag});
   // K-FAC (semantics: cafin/reference/kfac.py). Fold summed covariances into [groups, d, d]
   // factors: F <- decay*F + (1-decay)*sym(S)/count when count > 0 (and step % interval == 0
@@ -141,7 +157,8 @@ TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
                            "singd_diag_step_", "kfac_factor_ema_", "kfac_eigen_scale_",
                            "kfac_precondition_apply_",
                            "dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
-                           "dykaf_apply_", "dykaf_split_normalize_", "dykaf_split_scale_"}) {
+                           "dykaf_apply_", "dykaf_split_normalize_", "dykaf_split_scale_",
+                           "singd_momentum_", "singd_factor_step_"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

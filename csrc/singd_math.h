@@ -32,4 +32,37 @@ C10_HOST_DEVICE inline void singd_diag_element(T& theta, T& buf, T g, T k, T c,
   theta = theta + (-s.lr) * u;
 }
 
+// The preconditioner update of one structured factor, elementwise over its storage (the matrix
+// products around it stay in BLAS):
+//   m <- scale * (c_h * H + c_damp * (pi * KtK) - I) + alpha1 * m,   H <- 0
+//   K <- K - beta * KM   (KM = K m from a GEMM, or K * m for an elementwise part)
+// pi is the projection's factor on this part of Pi(K^T K) (2 where a symmetric matrix's lower
+// part folds onto the stored upper part, else 1). `eye` is the identity's entry here.
+enum SingdEye : int64_t { kEyeNone = 0, kEyeMatrixDiagonal = 1, kEyeAll = 2, kEyeFirst = 3 };
+
+// Whether flat index e of a part holds a diagonal entry of the identity. A matrix part is a stack
+// of [rows, cols] matrices (cols = its last dimension).
+C10_HOST_DEVICE inline bool singd_is_eye(int64_t kind, int64_t e, int64_t rows, int64_t cols) {
+  if (kind == kEyeAll) return true;
+  if (kind == kEyeFirst) return e == 0;
+  if (kind == kEyeMatrixDiagonal) {
+    const int64_t within = e % (rows * cols);
+    return within / cols == within % cols;
+  }
+  return false;
+}
+
+template <typename T>
+C10_HOST_DEVICE inline T singd_momentum_element(T h, T ktk, T m_old, bool eye, T c_h, T c_damp,
+                                                T pi, T scale, T alpha1, bool with_old) {
+  T m = (c_h * h + c_damp * (pi * ktk) - (eye ? T(1) : T(0))) * scale;
+  if (with_old) m = m + alpha1 * m_old;
+  return m;
+}
+
+template <typename T>
+C10_HOST_DEVICE inline T singd_factor_element(T k, T km, T beta, bool elementwise) {
+  return k - beta * (elementwise ? k * km : km);
+}
+
 }  // namespace cafin

@@ -73,7 +73,9 @@ _LAUNCHES: dict[tuple[str, str], tuple[Path, str | None]] = {}
 
 def _launch(scenario: str, backend: str, outdir: Path) -> str | None:
     """Run both ranks; None when both exited 0, else what went wrong with their logs."""
-    env = {**os.environ, "WORLD_SIZE": str(W.WORLD), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "WORLD_SIZE": str(W.WORLD), "OMP_NUM_THREADS": "1",
+           # the ranks import this checkout's cafin, as the test does
+           "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback, whatever the hostname resolves to
     procs, logs = [], []
@@ -296,7 +298,7 @@ def test_checkpoint_from_rank0_resumes_in_one_process(where, wrap, opt_name, bac
         return
     outdir, _ = launched("train", backend, tmp_path_factory)
     ckpt = torch.load(outdir / f"{case}_ckpt.pt", weights_only=True)
-    assert ckpt["opt"]["curvature"]["k"] == W.STEPS
+    assert ckpt["opt"]["param_groups"][0]["curvature"]["k"] == W.STEPS
     model = W.make_model(seed=7)  # overwritten by the checkpoint
     model.load_state_dict(ckpt["model"])
     opt = getattr(cafin, opt_name)(model, TCov=W.TCOV, backend=backend, **W.HP)

@@ -655,7 +655,7 @@ def test_checkpoint_resume_is_bit_identical(fresh, opt_cls, at, backend):
     opt = make_opt(opt_cls, model, backend)
     _run(model, opt, range(at))
     sd = opt.state_dict()
-    assert sd["curvature"]["k"] == at
+    assert sd["param_groups"][0]["curvature"]["k"] == at
     anchor = sd["state"][0]
     assert {"step", "exp_avg", "fisher_S", "fisher_H"} <= set(anchor)  # factors, moments, counters
     buf = io.BytesIO()

@@ -163,9 +163,12 @@ def _trained(backend="fused"):
 
 
 CORRUPT = {
-    "no-k": (lambda sd: sd["curvature"].pop("k"), ValueError, r"curvature\['k'\]"),
-    "k-None": (lambda sd: sd["curvature"].__setitem__("k", None), ValueError, r"curvature\['k'\]"),
-    "k-negative": (lambda sd: sd["curvature"].__setitem__("k", -1), ValueError, r"curvature\['k'\]"),
+    "no-k": (lambda sd: sd["param_groups"][0]["curvature"].pop("k"), ValueError, r"curvature\['k'\]"),
+    "k-None": (lambda sd: sd["param_groups"][0]["curvature"].__setitem__("k", None), ValueError,
+               r"curvature\['k'\]"),
+    "k-negative": (lambda sd: sd["param_groups"][0]["curvature"].__setitem__("k", -1), ValueError,
+                   r"curvature\['k'\]"),
+    "no-curvature": (lambda sd: sd["param_groups"][0].pop("curvature"), ValueError, "missing 'curvature'"),
     "lr-string": (lambda sd: sd["param_groups"][0].__setitem__("lr", "fast"), TypeError, "lr must be a real"),
     "beta-range": (lambda sd: sd["param_groups"][0].__setitem__("beta", 1.5), ValueError, "beta must be in"),
     "factor-nan": (lambda sd: sd["state"][0]["fisher_H"].__setitem__(0, float("nan")), ValueError, "non-finite"),

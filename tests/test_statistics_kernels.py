@@ -130,11 +130,13 @@ def test_conv2d_input_overflowed_squares(device, plane):
     assert_close(stat[finite], want[finite], RTOL[torch.float32])
 
 
-# (id, shape, start_dim, end_dim): channels innermost, short runs, long runs, blocks past a tile.
+# (id, shape, start_dim, end_dim): channels innermost, runs shorter than 64 (read as blocks), runs
+# folded every few rows (81 = 5 vectors + 1), long runs (a fold per 16 vectors), blocks past a tile.
 CHANNEL_CASES = [
     ("linear-rows-37", (37, 29), 1, 2),
     ("linear-3d", (5, 41, 19), 2, 3),
     ("conv-grad-short-runs", (19, 7, 3, 5), 1, 2),
+    ("conv-grad-mid-runs", (11, 13, 9, 9), 1, 2),
     ("conv-grad-long-runs", (3, 5, 33, 40), 1, 2),
     ("conv-grad-tiles", (9, 70, 23, 24), 1, 2),
     ("layernorm-dims", (3, 4, 6, 5), 2, 4),

@@ -220,6 +220,25 @@ def test_cheap_assembly_equals_pairwise(coarse, krylov, bugs):
     assert rel(fs[0][1][-1], fs[1][1][-1]) <= 1e-9
 
 
+@pytest.mark.parametrize("coarse,krylov", [("nicolaides", False), ("residual", True)])
+def test_reference_pairwise_assembly_equals_the_cheap_one(coarse, krylov):
+    """cafin.reference.coarse_matrix_pairwise (the published way, the bench's baseline) against
+    the optimizer's cheap assembly, on the stored statistics of a Conv2d network."""
+    net = cnn(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, coarse_space=coarse, krylov=krylov)
+    x, t = batch("cnn", 8, 0)
+    run_ours(opt, net, x, t)
+    states = [opt.state[g["params"][0]] for g in opt.param_groups]
+    raws = [torch.randn_like(s["Q_g"][:, :1] * s["Q_x"][:1]) for s in states]
+    vectors = [opt._coarse_vectors(s, r, r) for s, r in zip(states, raws)]
+    flat = [v for vs in vectors for v in vs]
+    per = [s for s, vs in zip(states, vectors) for _ in vs]
+    want = cafin.reference.coarse_matrix_pairwise([s["x"] for s in per], [s["gy"] for s in per],
+                                                  [s["num_locations"] for s in per], flat, opt.batch_size,
+                                                  DAMP, symmetric=not krylov)
+    assert torch.allclose(opt._assemble(vectors), want, rtol=1e-10, atol=1e-12)
+
+
 def test_published_bugs_switch_changes_only_what_it_should():
     def grads(kind, coarse, bugs, bias=True):
         net = (mlp if kind == "mlp" else cnn)(bias)
@@ -313,3 +332,163 @@ def test_arguments():
         pass
     sub = nn.Sequential(MyLinear(3, 3), nn.Linear(3, 2))
     assert cafin.TwoLevelKFAC(sub).num_layer == 1
+
+
+# ------------------------------------------------------------------ compile
+def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
+    """torch.compile(step, fullgraph=True) after one eager step: T_cov/T_inv decided on the
+    device (eigh and the coarse assembly in torch.cond branches), damping and clipping changed
+    every step (0-dim tensors: no recompile), the following SGD step compiled too with a tensor lr
+    (torch.optim breaks its own graph around the step body on purpose, so not fullgraph)."""
+    from torch._dynamo.utils import counters
+
+    def run(compiled):
+        net = mlp(True)
+        opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=2, T_inv=3, alpha=ALPHA, coarse_space="residual",
+                                 constraint_norm=True, clipping=1e-3)
+        sgd = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05, dtype=torch.float64), momentum=0.9)
+        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+        sgd_step = torch.compile(sgd.step) if compiled else sgd.step
+        for i in range(6):
+            x, t = batch("mlp", 16, i)
+            sgd.zero_grad()
+            opt.update_stats = True
+            F.cross_entropy(net(x), t).backward()
+            (opt.step if i == 0 else step)()
+            (sgd.step if i == 0 else sgd_step)()
+            opt.damping = DAMP * (1 + 0.1 * i)
+            opt.clipping = 1e-3 * (1 + 0.2 * i)
+            sgd.param_groups[0]["lr"].fill_(0.05 / (i + 1))
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), opt
+
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        eager, _ = run(False)
+        compiled, opt = run(True)
+        assert opt._steps.device_gated and opt._iteration_counter == 6
+        start = torch.cat([p.detach().reshape(-1) for p in mlp(True).parameters()])
+        assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
+        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # two-level step, SGD body
+        assert all("User-inserted graph break" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+    finally:
+        torch._dynamo.reset()
+
+
+def test_hyperparameters_are_checked_and_reach_the_step():
+    net = mlp(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP)
+    with pytest.raises(ValueError, match="damping"):
+        opt.damping = -1.0
+    with pytest.raises(ValueError, match="alpha"):
+        opt.alpha = 2.0
+    assert opt.damping == DAMP
+    opt.damping = torch.tensor(0.5)
+    assert opt.damping == 0.5 and float(opt._hyper[torch.device("cpu")]["damping"]) == 0.5
+    a = run_ours(opt, net, *batch("mlp", 8, 0))
+    net2 = mlp(True)
+    b = run_ours(cafin.TwoLevelKFAC(net2, damping=0.5), net2, *batch("mlp", 8, 0))
+    assert rel(a, b) == 0
+
+
+# ------------------------------------------------------------------ data parallel
+DIST_CASES = ("nicolaides", "residual", "tpselepedis")
+DIST_STEPS, DIST_B = 3, 6
+
+
+def dist_batch(step, rank):
+    x, t = batch("cnn", 2 * DIST_B, 1000 + step)
+    return x[rank * DIST_B:(rank + 1) * DIST_B], t[rank * DIST_B:(rank + 1) * DIST_B]
+
+
+def dist_train(coarse, net, batches, on_step=lambda: None):
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=2, alpha=ALPHA, coarse_space=coarse)
+    sgd = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    for x, t in batches:
+        sgd.zero_grad()
+        opt.update_stats = True
+        F.cross_entropy(net(x), t).backward()
+        opt.step(update_params=True)
+        on_step()
+        sgd.step()
+    return opt
+
+
+def _dist_worker(rank: int, outdir: str) -> None:
+    """One of two gloo ranks: DDP over cnn() in float64, each coarse space of DIST_CASES, every
+    Python-level all_reduce counted per step."""
+    import datetime
+    import os
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=90))
+    calls, real = [0], dist.all_reduce
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+    dist.all_reduce = counted
+    try:
+        out = {}
+        for coarse in DIST_CASES:
+            model = cnn(True)
+            ddp = nn.parallel.DistributedDataParallel(model)
+            per_step = []
+
+            def on_step():
+                per_step.append(calls[0])
+                calls[0] = 0
+            opt = dist_train(coarse, ddp, [dist_batch(s, rank) for s in range(DIST_STEPS)], on_step)
+            out[coarse] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                           "f_coarse": opt.f_coarse.clone(), "collectives": per_step}
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.all_reduce = real
+        dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    """Two gloo processes under DDP, each with half of every batch: identical on both ranks and
+    equal (float64, 1e-10) to one process on the whole batch. The factors and the coarse matrix
+    are averaged in one collective per step for the ones-vector spaces (nicolaides,
+    tpselepedis, whose two factor sums are averaged apart); the residual space needs the
+    averaged factors for its vectors and the whole batch's Fisher product: three."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    logs = [tmp_path / f"rank{r}.log" for r in range(2)]  # files, not pipes: no stall
+    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
+                              cwd=str(Path(__file__).parents[1]), stdout=open(logs[r], "wb"),
+                              stderr=subprocess.STDOUT) for r in range(2)]
+    try:
+        for p in procs:
+            p.wait(timeout=240)
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
+    for coarse in DIST_CASES:
+        assert torch.equal(r0[coarse]["params"], r1[coarse]["params"]), coarse
+        assert torch.equal(r0[coarse]["f_coarse"], r1[coarse]["f_coarse"]), coarse
+        want = 3 if coarse == "residual" else 1
+        assert r0[coarse]["collectives"] == [want] * DIST_STEPS, (coarse, r0[coarse]["collectives"])
+        net = cnn(True)
+        whole = [tuple(torch.cat(z) for z in zip(dist_batch(s, 0), dist_batch(s, 1))) for s in range(DIST_STEPS)]
+        opt = dist_train(coarse, net, whole)
+        flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+        start = torch.cat([p.detach().reshape(-1) for p in cnn(True).parameters()])
+        assert float((r0[coarse]["params"] - flat).norm() / (flat - start).norm()) <= 1e-10, coarse
+        assert float((r0[coarse]["f_coarse"] - opt.f_coarse).norm() / opt.f_coarse.norm()) <= 1e-10, coarse
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--dist-worker"]:
+        _dist_worker(int(sys.argv[2]), sys.argv[3])

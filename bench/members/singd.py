@@ -1,4 +1,6 @@
-"""SINGD (cafin.SINGD) with diagonal structures, the elementwise, AdamW-priced configuration."""
+"""SINGD (cafin.SINGD). The shared step phase times the diagonal structure, the elementwise,
+AdamW-priced configuration; its own phases (bench/singd_phases.py) time the step with and
+without the preconditioner update per structure against singd itself."""
 from __future__ import annotations
 
 from . import Member
@@ -10,6 +12,11 @@ def build(model, backend: str, curvature_every: int):
                        warn_unsupported=False, backend=backend)
 
 
+def details(ctx) -> None:
+    from ..singd_phases import run_details
+    run_details(ctx)
+
+
 MEMBER = Member(
     name="singd", label="SINGD (diagonal)", build=build, backends=("fused", "reference"),
-    compiles=True, captures=True, default_variants=("fused",), order=20)
+    compiles=True, captures=True, default_variants=("fused",), details=details, order=20)

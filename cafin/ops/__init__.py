@@ -10,7 +10,7 @@ from .adafisher import (  # noqa: F401
     adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_, norm_input_stats_,
     sumsq_stats_,
 )
-from .singd import singd_diag_step_  # noqa: F401,E402
+from .singd import singd_diag_step_, singd_factor_step_, singd_momentum_  # noqa: F401,E402
 from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401
 from .dykaf import (  # noqa: F401
     dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,

@@ -8,24 +8,28 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["singd_diag_step_"]
+__all__ = ["singd_diag_step_", "singd_factor_step_", "singd_momentum_"]
 
 
 def singd_diag_step_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                      momentum_buffers: Sequence[torch.Tensor], K: Sequence[torch.Tensor],
                      C: Sequence[torch.Tensor], k_offsets: Sequence[int], lr: torch.Tensor,
-                     momentum: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+                     momentum: torch.Tensor, weight_decay: torch.Tensor,
+                     grad_scale: float = 1.0) -> None:
     """The SINGD step of parameters whose layers have diagonal K and C, in place (params and
     momentum_buffers written): nat = C^2 * G * K^2 (K from k_offsets[i], one entry per column of
-    the parameter viewed as [C.numel(), -1]), u = nat + weight_decay*theta, buf = momentum*buf + u,
-    theta -= lr*buf. momentum_buffers is empty when momentum == 0."""
+    the parameter viewed as [C.numel(), -1]; K and C both empty: nat = G, the SGD epilogue of any
+    update), u = nat + weight_decay*theta, buf = momentum*buf + u,
+    theta -= lr*buf; without momentum (momentum_buffers empty) theta -= lr*u. lr, momentum and
+    weight_decay are 0-dim tensors of the op-math dtype on the parameters' device."""
     if len(params) == 0:
         return
-    if not isinstance(lr, torch.Tensor):
-        raise TypeError(f"lr must be a 0-dim Tensor, got {type(lr).__name__}")
+    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a 0-dim Tensor, got {type(value).__name__}")
     torch.ops.cafin.singd_diag_step_(list(params), list(grads), list(momentum_buffers), list(K),
-                                     list(C), [int(o) for o in k_offsets], lr, float(momentum),
-                                     float(weight_decay), float(grad_scale))
+                                     list(C), [int(o) for o in k_offsets], lr, momentum,
+                                     weight_decay, float(grad_scale))
 
 
 @torch.library.register_fake("cafin::singd_diag_step_")
@@ -33,4 +37,47 @@ def _singd_diag_step_fake(params, grads, momentum_buffers, K, C, k_offsets, lr, 
                           weight_decay, grad_scale=1.0) -> None:
     if len(grads) != len(params) or len(K) != len(params) or len(C) != len(params):
         raise ValueError("grads, K and C must have as many entries as params")
+    return None
+
+
+def singd_momentum_(m: Sequence[torch.Tensor], H: Sequence[torch.Tensor], KtK: Sequence[torch.Tensor],
+                    c_h: Sequence[torch.Tensor], c_damp: Sequence[torch.Tensor],
+                    go: Sequence[torch.Tensor], eye: Sequence[int], pi: Sequence[float],
+                    scale: Sequence[float], alpha1: Sequence[float]) -> None:
+    """The Riemannian momentum of structured factors, one entry per stored part, in place: where
+    go[i] (a 0-dim bool tensor), m <- scale*(c_h*H + c_damp*pi*KtK - I) + alpha1*m and H <- 0
+    (m is not read when alpha1 == 0); elsewhere nothing is written. eye[i] says where the
+    identity's ones are (0 none, 1 each matrix's diagonal, 2 every entry, 3 entry 0). c_h, c_damp
+    are 0-dim tensors of the parts' op-math dtype."""
+    if len(m) == 0:
+        return
+    torch.ops.cafin.singd_momentum_(list(m), list(H), list(KtK), list(c_h), list(c_damp), list(go),
+                                    [int(e) for e in eye], [float(p) for p in pi],
+                                    [float(s) for s in scale], [float(a) for a in alpha1])
+
+
+def singd_factor_step_(K: Sequence[torch.Tensor], KM: Sequence[torch.Tensor],
+                       beta: Sequence[torch.Tensor], go: Sequence[torch.Tensor],
+                       elementwise: Sequence[bool]) -> None:
+    """The truncated-exponential factor update, one entry per stored part, in place: where go[i],
+    K <- K - beta*KM (KM = K m from a GEMM), or K <- K - beta*K*KM where elementwise[i] (a
+    diagonal part, KM holding m's part)."""
+    if len(K) == 0:
+        return
+    torch.ops.cafin.singd_factor_step_(list(K), list(KM), list(beta), list(go),
+                                       [bool(e) for e in elementwise])
+
+
+@torch.library.register_fake("cafin::singd_momentum_")
+def _singd_momentum_fake(m, H, KtK, c_h, c_damp, go, eye, pi, scale, alpha1) -> None:
+    if not (len(H) == len(KtK) == len(c_h) == len(c_damp) == len(go) == len(eye) == len(pi)
+            == len(scale) == len(alpha1) == len(m)):
+        raise ValueError("every list must have one entry per part of m")
+    return None
+
+
+@torch.library.register_fake("cafin::singd_factor_step_")
+def _singd_factor_step_fake(K, KM, beta, go, elementwise) -> None:
+    if not (len(KM) == len(beta) == len(go) == len(elementwise) == len(K)):
+        raise ValueError("KM, beta, go and elementwise must have one entry per part of K")
     return None

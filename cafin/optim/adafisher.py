@@ -26,6 +26,7 @@ from ..curvature import (
     distributed, on,
 )
 from ..layers import supported_types
+from ..sharding import is_sharded, local, module_class, rows
 from ..reference import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
@@ -143,7 +144,7 @@ class AdaFisher(CurvatureOptimizer):
         self._ranks_checked = False
 
     def _layout(self) -> list[list]:
-        return [[r.name, type(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
+        return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
                 for r in self._curvature]
 
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
@@ -200,9 +201,11 @@ class AdaFisher(CurvatureOptimizer):
             if p.grad is None:
                 continue
             state = self.state[p]
-            params.append(p)
-            grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
-            exp_avgs.append(state["exp_avg"])
+            # FSDP2: the kernels update the local shard (views, so the DTensors see the writes).
+            grad = local(p.grad)
+            params.append(local(p))
+            grads.append(grad if grad.is_contiguous() else grad.contiguous())
+            exp_avgs.append(local(state["exp_avg"]))
             steps.append(state["step"])
             owner = self._owner.get(p)
             if owner is None:
@@ -213,8 +216,14 @@ class AdaFisher(CurvatureOptimizer):
             else:
                 record, offset = owner
                 anchor_state = self.state[record.anchor]
-                fisher_S.append(anchor_state["fisher_S"])
-                fisher_H.append(anchor_state["fisher_H"])
+                S, H = anchor_state["fisher_S"], anchor_state["fisher_H"]
+                if is_sharded(p):  # a shard holds rows [start, stop) of F~: their rows of S
+                    start, stop = rows(p)
+                    S = S[start:stop]
+                    if start == stop:  # an empty shard: nothing to precondition
+                        S = H = self._empty(p)
+                fisher_S.append(S)
+                fisher_H.append(H)
                 h_offsets.append(offset)
         return False
 
@@ -314,7 +323,7 @@ class AdaFisher(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ checkpoints
     def _layout(self) -> list[list]:
-        return [[r.name, type(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
+        return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
                 for r in self._curvature]
 
 class AdaFisherW(AdaFisher):

@@ -24,6 +24,7 @@ import torch
 from .. import ops, reference
 from ..reference import dykaf as math
 from ..reference import state_dtype
+from ..sharding import check_sharded, full_parameters
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _INITS = ("kron", "eps", "zeros")
@@ -77,6 +78,8 @@ class DyKAF(torch.optim.Optimizer):
         self.seed = int(seed)
         self._impl = _BACKENDS[backend]
         super().__init__(params, defaults)
+        self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
+                                      "DyKAF") is not None
 
     # ------------------------------------------------------------------ groups and hyperparameters
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -173,6 +176,14 @@ class DyKAF(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._sharded:  # FSDP2: the update reads full gradients; each rank keeps its rows
+            with full_parameters(self):
+                self._step()
+        else:
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         for group in self.param_groups:
             active = []
             for p in group["params"]:
@@ -195,7 +206,6 @@ class DyKAF(torch.optim.Optimizer):
                 by_device.setdefault(p.device, []).append(p)
             for params in by_device.values():
                 self._update(group, params)
-        return loss
 
     # LR schedulers wrap `opt.step` in a function Dynamo will not trace; marking it as wrapped
     # keeps `torch.compile(opt.step, fullgraph=True)` possible under a scheduler.

@@ -29,6 +29,7 @@ from .. import ops, reference
 from ..curvature import (Hooks, Layer, average_over_ranks, StepCounter, capturing, check_int, discover, distributed,
                          unwrap)
 from ..reference import kfac as rk
+from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _RULES = {"damping": (lambda v: v > 0, "> 0"), "factor_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -195,6 +196,10 @@ class KFACPreconditioner:
             raise ValueError("process_group given but torch.distributed is not initialised")
 
         self.model = unwrap(model)
+        # FSDP2: factors are averaged over the parameters' mesh, gradients gathered per step.
+        mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
+        if process_group is None:
+            process_group = mesh_group
         self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
         self.assignment_strategy = assignment_strategy
         self.colocate_factors = colocate_factors
@@ -231,6 +236,7 @@ class KFACPreconditioner:
                     and all(p.requires_grad for p in module.parameters()))
 
         self._layers = discover(self.model, params, accept=accept)
+        self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._state: dict[str, _LayerState] = {}
         log = logging.getLogger(__name__)
         for layer in self._layers:
@@ -419,6 +425,9 @@ class KFACPreconditioner:
             for sts in self._by_device().values():
                 average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
 
+    def _module(self, name: str) -> nn.Module:
+        return next(layer.module for layer in self._layers if layer.name == name)
+
     def _live(self, layer: Layer) -> bool:
         return self._state[layer.name].seen
 
@@ -469,9 +478,33 @@ class KFACPreconditioner:
                 _store(st.second, "dgda", rk.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
-    def _grad(self, layer: Layer) -> torch.Tensor:
+    def _grads(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's weight and bias gradients: the full ones gathered this step when sharded."""
         m = layer.module
-        return kf.grad_matrix(m, m.weight.grad, None if m.bias is None else m.bias.grad)
+        if layer.name in self._gathered:
+            return self._gathered[layer.name]
+        return m.weight.grad, None if m.bias is None else m.bias.grad
+
+    def _grad(self, layer: Layer) -> torch.Tensor:
+        return kf.grad_matrix(layer.module, *self._grads(layer))
+
+    def _gather(self, active: list[Layer]) -> None:
+        """FSDP2: the full gradients of the sharded active layers, in one all_gather per dtype
+        (the preconditioner multiplies whole gradient matrices; each rank keeps its rows)."""
+        self._gathered = {}
+        sharded = [layer for layer in active if is_sharded(layer.module.weight.grad)]
+        if not sharded:
+            return
+        tensors = []
+        for layer in sharded:
+            bias = layer.module.bias
+            if bias is not None and not is_sharded(bias.grad):
+                raise RuntimeError(f"KFACPreconditioner: layer '{layer.name}' has a sharded weight "
+                                   "but an unsharded bias; shard whole modules with fully_shard")
+            tensors += [layer.module.weight.grad] + ([bias.grad] if bias is not None else [])
+        full = iter(gather_rows(tensors))  # over the mesh the gradients are sharded on
+        for layer in sharded:
+            self._gathered[layer.name] = (next(full), next(full) if layer.module.bias is not None else None)
 
     def _precondition(self, grad: torch.Tensor, s: dict[str, torch.Tensor], device) -> torch.Tensor:
         """The preconditioned gradient [groups, d_g, d_a] (in grad's dtype) of one layer, or of a
@@ -518,6 +551,7 @@ class KFACPreconditioner:
             if not (self._state[layer.name].decomposed or self._steps.device_gated):
                 continue  # not decomposed yet (kfac-pytorch raises): left as it is
             active.append(layer)
+        self._gather(active)
         precond: dict[str, torch.Tensor] = {}
         names = {layer.name for layer in active}
         for members, stacked in self._stacks:
@@ -535,9 +569,10 @@ class KFACPreconditioner:
             if layer.name not in precond:
                 precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
                                                          m.weight.device)
-            ws, bs, vs = buckets[(m.weight.grad.device, m.weight.grad.dtype)]
-            ws.append(m.weight.grad)
-            bs.append(m.bias.grad if m.bias is not None else _empty(m.weight.grad))
+            w, b = self._grads(layer)
+            ws, bs, vs = buckets[(w.device, w.dtype)]
+            ws.append(w)
+            bs.append(b if b is not None else _empty(w))
             vs.append(precond[layer.name])
         kl_off = self._values["kl_clip"] is None
         if len(buckets) > 1 and not kl_off:
@@ -550,6 +585,12 @@ class KFACPreconditioner:
                     w.is_contiguous() and b.is_contiguous() for w, b in zip(ws, bs)):
                 impl = reference  # the kernels take float32/float64 contiguous gradients
             impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], None if kl_off else ts["kl_clip"])
+        for name, (w, b) in self._gathered.items():  # FSDP2: each rank keeps its own rows
+            m = self._module(name)
+            local(m.weight.grad).copy_(own_rows(w, m.weight.grad))
+            if b is not None:
+                local(m.bias.grad).copy_(own_rows(b, m.bias.grad))
+        self._gathered = {}
         self._mini_steps = defaultdict(int)
         self._steps.advance()
         self._refresh()

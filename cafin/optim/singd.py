@@ -8,14 +8,15 @@ C C^T ~ (G + lambda)^-1 by matrix products only: every T steps
 from the inputs and output gradients of that step's passes; every step the natural gradient
 C C^T [grad W | grad b] K K^T drives SGD with momentum. kfac_like=True is IKFAC.
 
-Every persistent tensor lives in `self.state`: per parameter `momentum_buffer` (momentum != 0);
-per layer, in the state of its first optimised parameter, the parts of K, C (`K.<part>`), their
-momenta m_K, m_C (alpha1 != 0), the curvature accumulators H_K, H_C and `H_count` (passes added).
-Hooks, the step counter and its host/device gating come from the family's core (`cafin.curvature`).
+Every persistent tensor lives in `self.state`: per parameter `momentum_buffer`; per layer, in the
+state of its first optimised parameter, the parts of K, C (`K.<part>`), their momenta m_K, m_C
+(alpha1 != 0), the curvature accumulators H_K, H_C and `H_count` (passes added). Param groups,
+tensor hyperparameters, hooks, the step counter and its host/device gating, copies and checkpoints
+come from the family's core (`cafin.curvature.CurvatureOptimizer`); this file holds SINGD's
+settings, statistics and update rule.
 """
 from __future__ import annotations
 
-import copy
 import math
 import warnings
 from typing import Any, Callable, Iterable
@@ -23,16 +24,18 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature import (Hooks, average_over_ranks, Layer, StepCounter, check_int, discover,
-                         distributed, on, real_number, unwrap)
+from ..curvature import (CurvatureOptimizer, Hooks, Layer, average_over_ranks, check_int,
+                         discover, distributed, hyperparameter_tensor, on, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
-from ..structures import STRUCTURES, Diagonal, Structure, structure
+from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows, rows
+from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
 _BACKENDS = ("fused", "reference")
 _FACTORS = ("K", "C", "m_K", "m_C", "H_K", "H_C")
+_MAX_PARTS = 5  # the most parts a structure has (hierarchical)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -46,7 +49,7 @@ def _scalar_tensor(value, device, dtype) -> Tensor:
     return torch.tensor(float(value), device=device, dtype=dtype)
 
 
-class SINGD(torch.optim.Optimizer):
+class SINGD(CurvatureOptimizer):
     """Structured inverse-free natural gradient descent (singd 0.0.5's contract).
 
     Args (as singd): model; params (default: the parameters of the model's Linear and Conv2d
@@ -58,6 +61,9 @@ class SINGD(torch.optim.Optimizer):
     ("expand", "reduce"); kfac_like (IKFAC; forces alpha1 = 0); preconditioner_dtype ((K's, C's)
     storage dtype, None = the weight's); init_grad_scale; normalize_lr_cov.
     Every one but model, params and warn_unsupported may differ per param group.
+    lr, momentum, damping, weight_decay and a numeric lr_cov are 0-dim tensors in the groups
+    (schedules change them in place or assign numbers; a compiled step does not recompile).
+    alpha1 stays a number: whether it is 0 decides whether m_K and m_C are kept at all.
 
     Beyond singd (keyword only):
         backend: "fused" (batched multi-tensor updates) or "reference" (per layer, singd's order).
@@ -65,15 +71,28 @@ class SINGD(torch.optim.Optimizer):
             K^T is meant); per group. Default False: singd's numbers.
         process_group: with torch.distributed initialised, the H terms are averaged (summed for
             loss_average=None) over this group in one collective per preconditioner update.
-        cache_preconditioner: keep P_K = K K^T and P_C = C C^T (dense) from each preconditioner
-            update, so a step takes two GEMMs instead of four (singd's order of products is then
-            not kept: the numbers differ by rounding). Not for diagonal-diagonal layers, whose
-            step is elementwise anyway.
+        cache_preconditioner: for a factor with the dense structure, keep P = K K^T (C C^T) from
+            each preconditioner update, so the step multiplies by it once instead of by K and K^T
+            (a dense-dense layer: two GEMMs instead of four). singd's order of products is then
+            not kept: the numbers differ by rounding. Structured factors keep their cheaper
+            structured products (a dense cache would cost more).
         grad_scaler: the torch.amp.GradScaler in use, needed only when the gradients are unscaled
             before the step (`scaler.unscale_(opt)`, e.g. to clip them).
     Parameters in params that no Linear/Conv2d owns are updated with their plain gradient
     (weight decay and momentum as the others); singd silently never updates them.
     """
+
+    # name -> (low, high, low_open, high_open, dtype): all in the parameters' op-math dtype, the
+    # precision singd's Python floats take in its float32/float64 tensor arithmetic.
+    hyperparameters = {
+        "lr": (0.0, math.inf, False, True, None),
+        "momentum": (0.0, math.inf, False, True, None),
+        "damping": (0.0, math.inf, False, True, None),
+        "weight_decay": (0.0, math.inf, False, True, None),
+    }
+    checkpoint_settings = ("cache_preconditioner",)
+    finite_state = tuple(f"{f}.{i}" for f in _FACTORS for i in range(_MAX_PARTS)) + (
+        "H_count", "P_K", "P_C")
 
     _step_supports_amp_scaling = True
 
@@ -93,21 +112,11 @@ class SINGD(torch.optim.Optimizer):
                             "the model first (parameters go in params=)")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {list(_BACKENDS)}, got {backend!r}")
-        if process_group is not None and not distributed():
-            raise ValueError("process_group given but torch.distributed is not initialised")
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
-        model = unwrap(model)
-        self.model = model
         self.backend = backend
-        self.process_group = process_group
-        self._opt_called = True  # see `step._wrapped_by_lr_sched`
-        self._steps = StepCounter()
-        self._layers: list[Layer] = []
         self._group_of: dict[Tensor, int] = {}
         self._pending: dict[int, list] = {}
-        self._hooks: Hooks | None = None
-        self._model_params = {id(p) for p in model.parameters()}
-        self._attached = False
+        self._empty: dict[tuple, Tensor] = {}
         self._init_scale = real_number(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
         self.grad_scaler = grad_scaler
@@ -119,9 +128,15 @@ class SINGD(torch.optim.Optimizer):
                         preconditioner_dtype=preconditioner_dtype, normalize_lr_cov=normalize_lr_cov,
                         exact_block_transposes=exact_block_transposes)
         if params is None:
-            params = self._trainable(model, warn_unsupported)
-        super().__init__(params, defaults)
-        self._attach()
+            params = self._trainable(unwrap(model), warn_unsupported)
+        self._sharded = False
+        super().__init__(model, params, defaults, process_group)
+        # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
+        # DDP, and the natural gradient of a whole layer is taken from its gathered gradient.
+        self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
+                                      "SINGD") is not None
+        if self._sharded:
+            self._ddp = True
 
     # ------------------------------------------------------------------ groups and state
     @staticmethod
@@ -134,87 +149,110 @@ class SINGD(torch.optim.Optimizer):
             elif own and warn_unsupported:
                 warnings.warn(f"Found un-supported parameter(s) that will not be trained in layer "
                               f"{name}: {module}. To disable this warning, construct the optimizer "
-                              "with `warn_unsupported=False`.", UserWarning, stacklevel=3)
+                              "with `warn_unsupported=False`.", UserWarning, stacklevel=4)
         return found
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        before = len(self.param_groups)
+        """The core's validated add_param_group (ranges, tensor hyperparameters, nothing left
+        behind by a rejected group), after SINGD's own settings are checked."""
+        if isinstance(param_group, dict):
+            merged = {**self.defaults, **param_group}
+            self._check_settings(merged, len(self.param_groups))
+            if merged["kfac_like"] and merged["alpha1"] != 0.0:
+                warnings.warn(f"Parameter group {len(self.param_groups)} has kfac_like=True but "
+                              f"was initialized with non-zero Riemannian momentum "
+                              f"(alpha1={merged['alpha1']}). Setting alpha1 to zero.",
+                              UserWarning, stacklevel=3)
+                param_group["alpha1"] = 0.0
+            elif "alpha1" in param_group:
+                param_group["alpha1"] = real_number(param_group["alpha1"], "alpha1")
         super().add_param_group(param_group)
-        try:
-            self._check_group(self.param_groups[-1], before)
-        except Exception:
-            del self.param_groups[before:]  # a rejected group leaves nothing behind
-            raise
-        if self._attached:
-            self._attach()
+        group = self.param_groups[-1]
+        if not callable(group["lr_cov"]):
+            group["lr_cov"] = hyperparameter_tensor(group["lr_cov"], group["params"])
 
-    def _check_group(self, group: dict[str, Any], index: int) -> None:
-        for p in group["params"]:
-            if id(p) not in self._model_params:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
-                                 "parameter of the model")
-            if not p.is_floating_point():
-                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}")
-        for name in ("lr", "momentum", "alpha1", "weight_decay", "damping"):
-            v = real_number(group[name], name)
+    @staticmethod
+    def _check_settings(group: dict[str, Any], index: int) -> None:
+        """SINGD's settings outside the core's hyperparameter table (names as singd's errors)."""
+        where = f"param group {index}: "
+        try:
+            v = real_number(group["alpha1"], "alpha1")
             if not (math.isfinite(v) and v >= 0.0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v}")
-        if not callable(group["lr_cov"]):
-            v = real_number(group["lr_cov"], "lr_cov")
-            if not (math.isfinite(v) and v >= 0.0):
-                raise ValueError(f"lr_cov must be >= 0 or a callable of the step, got {v}")
-        check_int(group["T"], "T", 1)
-        if group["loss_average"] not in _LOSS_AVERAGES:
-            raise ValueError(f"loss_average must be one of {_LOSS_AVERAGES}, got "
-                             f"{group['loss_average']!r}")
-        if group["kfac_approx"] not in ("expand", "reduce"):
-            raise ValueError(f"kfac_approx must be 'expand' or 'reduce', got {group['kfac_approx']!r}")
-        st = group["structures"]
-        if not (isinstance(st, (tuple, list)) and len(st) == 2):
-            raise ValueError(f"structures must be a pair of structure names, got {st!r}")
-        for s in st:
-            structure(s)
-        pd = group["preconditioner_dtype"]
-        if not (isinstance(pd, (tuple, list)) and len(pd) == 2
-                and all(d is None or (isinstance(d, torch.dtype) and d.is_floating_point) for d in pd)):
-            raise ValueError(f"preconditioner_dtype must be a pair of floating dtypes or None, got {pd!r}")
-        if group["kfac_like"] and real_number(group["alpha1"], "alpha1") != 0.0:
-            warnings.warn(f"Parameter group {index} has kfac_like=True but was initialized with "
-                          f"non-zero Riemannian momentum (alpha1={group['alpha1']}). Setting "
-                          "alpha1 to zero.", UserWarning, stacklevel=4)
-            group["alpha1"] = 0.0
-        for name in ("momentum", "alpha1", "weight_decay", "damping"):
-            group[name] = real_number(group[name], name)
-        work = _work_dtype(group["params"][0].dtype) if group["params"] else torch.float32
-        device = group["params"][0].device if group["params"] else None
-        group["lr"] = _scalar_tensor(group["lr"], device, work)
-        if not callable(group["lr_cov"]):
-            group["lr_cov"] = _scalar_tensor(group["lr_cov"], device, work)
+                raise ValueError(f"alpha1 must be a finite number >= 0, got {v}")
+            lr_cov = group["lr_cov"]
+            if not callable(lr_cov):
+                if isinstance(lr_cov, Tensor) and (lr_cov.numel() != 1 or not lr_cov.is_floating_point()):
+                    raise ValueError(f"lr_cov must be a number, a 0-dim float tensor or a callable "
+                                     f"of the step, got a {lr_cov.dtype} tensor of shape "
+                                     f"{tuple(lr_cov.shape)}")
+                if not isinstance(lr_cov, Tensor) or lr_cov.device.type == "cpu":
+                    v = real_number(lr_cov, "lr_cov")
+                    if not (math.isfinite(v) and v >= 0.0):
+                        raise ValueError(f"lr_cov must be >= 0 or a callable of the step, got {v}")
+            check_int(group["T"], "T", 1)
+            if group["loss_average"] not in _LOSS_AVERAGES:
+                raise ValueError(f"loss_average must be one of {_LOSS_AVERAGES}, got "
+                                 f"{group['loss_average']!r}")
+            if group["kfac_approx"] not in ("expand", "reduce"):
+                raise ValueError(f"kfac_approx must be 'expand' or 'reduce', got "
+                                 f"{group['kfac_approx']!r}")
+            st = group["structures"]
+            if not (isinstance(st, (tuple, list)) and len(st) == 2):
+                raise ValueError(f"structures must be a pair of structure names, got {st!r}")
+            for s in st:
+                structure(s)
+            pd = group["preconditioner_dtype"]
+            if not (isinstance(pd, (tuple, list)) and len(pd) == 2
+                    and all(d is None or (isinstance(d, torch.dtype) and d.is_floating_point)
+                            for d in pd)):
+                raise ValueError(f"preconditioner_dtype must be a pair of floating dtypes or None, "
+                                 f"got {pd!r}")
+        except (TypeError, ValueError) as e:
+            raise type(e)(where + str(e)) from None
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        super()._check_group(index, group)
+        if not torch.compiler.is_compiling():
+            self._check_settings(group, index)
 
     def _attach(self) -> None:
         """Find the layers, create every state tensor eagerly (a compiled or captured step needs
         them to exist) and hook the layers."""
         self.remove_hooks()
-        self._attached = True
         self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
-        self._layers = discover(self.model, list(self._group_of),
-                                accept=lambda module, kind: isinstance(module, _SUPPORTED))
-        for layer in self._layers:
+        kept = {id(layer.module): layer.anchor for layer in self._curvature}
+        layers = discover(self.model, list(self._group_of),
+                          accept=lambda module, kind: isinstance(module, _SUPPORTED))
+        for layer in layers:
             groups = {self._group_of[p] for p in layer.params.values()}
             if len(groups) != 1:
                 raise ValueError("Parameters of a layer are in different parameter groups. "
                                  f"Layer: {layer.name} ({layer.module}). Groups: {sorted(groups)}.")
+            layer.anchor = kept.get(id(layer.module), layer.anchor)  # its factors stay put
+        self._curvature = layers
+        for layer in layers:
             state = self.state[layer.anchor]
             if "K.0" not in state:
                 state.update(self._new_factors(layer))
+            for dtype in self._dtypes(layer):
+                self._one(layer.anchor.device, _work_dtype(dtype))
         for group in self.param_groups:
             for p in group["params"]:
                 self._steps.tensor(p.device)
-                if group["momentum"] != 0.0 and "momentum_buffer" not in self.state[p]:
+                self._one(p.device, _work_dtype(p.dtype))
+                self._no_factors(p.device, _work_dtype(p.dtype))
+                if "momentum_buffer" not in self.state[p]:
+                    # Always kept: momentum is a tensor a schedule may move away from 0.
                     self.state[p]["momentum_buffer"] = torch.zeros_like(
                         p, memory_format=torch.contiguous_format)
-        self._pending = {id(layer): [] for layer in self._layers}
-        self._hooks = Hooks(self, self._layers)
+        self._pending = {id(layer): [] for layer in layers}
+        self._hooks = Hooks(self, layers)
+        self._ranks_checked = False
+
+    def _expected_state(self, p: Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
+        # Every state tensor exists from construction, in its own dtype (factors keep the
+        # preconditioner dtype across checkpoints).
+        return {key: (tuple(v.shape), v.dtype) for key, v in self.state[p].items()}
 
     def _group(self, layer: Layer) -> dict[str, Any]:
         return self.param_groups[self._group_of[layer.anchor]]
@@ -223,7 +261,7 @@ class SINGD(torch.optim.Optimizer):
     def dims(module: nn.Module) -> tuple[int, int]:
         """(d_K, d_C) of a Linear or Conv2d."""
         w = module.weight
-        return w[0].numel() + (module.bias is not None), w.shape[0]
+        return w.shape[1:].numel() + (module.bias is not None), w.shape[0]
 
     def _kinds(self, layer: Layer) -> tuple[type[Structure], type[Structure]]:
         group = self._group(layer)
@@ -253,8 +291,9 @@ class SINGD(torch.optim.Optimizer):
         put("H_K", sk.zeros(d_k, dk, device))
         put("H_C", sc.zeros(d_c, dc, device))
         out["H_count"] = torch.zeros((), device=device)
-        if self._caches(sk, sc):
+        if self._caches(sk):
             out["P_K"] = torch.eye(d_k, device=device).to(dk)
+        if self._caches(sc):
             out["P_C"] = torch.eye(d_c, device=device).to(dc)
         return out
 
@@ -265,19 +304,9 @@ class SINGD(torch.optim.Optimizer):
             parts.append(state[f"{prefix}.{len(parts)}"])
         return tuple(parts) if parts else None
 
-    def remove_hooks(self) -> None:
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-
     def __deepcopy__(self, memo):
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key != "_hooks":
-                setattr(new, key, copy.deepcopy(value, memo))
-        new._pending = {id(layer): [] for layer in new._layers}
-        new._hooks = Hooks(new, new._layers) if self._hooks is not None else None
+        new = super().__deepcopy__(memo)
+        new._pending = {id(layer): [] for layer in new._curvature}
         return new
 
     # ------------------------------------------------------------------ hooks (core protocol)
@@ -321,6 +350,93 @@ class SINGD(torch.optim.Optimizer):
             lr_cov = lr_cov(self._steps.host if k is not None else self._steps.tensor(device))
         return _scalar_tensor(lr_cov, device, dtype)
 
+    @staticmethod
+    def _layer_params(layer: Layer) -> list[Tensor]:
+        """The module's weight and bias (optimised or not: singd's natural gradient uses both)."""
+        return [t for t in (getattr(layer.module, n, None) for n in ("weight", "bias")) if t is not None]
+
+    def _go(self, layer: Layer, due_host: bool | None) -> Tensor:
+        """Whether this layer's preconditioner update commits: it saw statistics (singd raises
+        KeyError when a layer took none; this leaves its factors as they are) and, once the
+        device decides, this is a step k with k % T == 0."""
+        count = self.state[layer.anchor]["H_count"]
+        go = count > 0
+        if due_host is None:
+            go = go & (torch.remainder(self._steps.tensor(count.device), self._group(layer)["T"]) == 0)
+        return go
+
+    def _update_preconditioners_fused(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
+        """Every due layer's preconditioner update: the products in torch (per layer), the
+        momentum/trace combination with the projection's folds and the truncated-exponential step
+        as two elementwise ops over every part of every factor of a (device, dtype) bucket."""
+        if not items:
+            return
+        momentum: dict[tuple, tuple[list, ...]] = {}
+        steps: dict[tuple, tuple[list, ...]] = {}
+        later = []
+        for layer, due in items:
+            group = self._group(layer)
+            state = self.state[layer.anchor]
+            (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
+            d_k, d_c = self.dims(layer.module)
+            device = layer.anchor.device
+            K, C = self._parts(layer, "K"), self._parts(layer, "C")
+            H_K, H_C = self._parts(layer, "H_K"), self._parts(layer, "H_C")
+            alpha1 = group["alpha1"]
+            if alpha1 != 0.0:
+                m_K, m_C = self._parts(layer, "m_K"), self._parts(layer, "m_C")
+            else:  # m is not kept: the op writes the new one into scratch
+                m_K = tuple(torch.empty_like(h) for h in H_K)
+                m_C = tuple(torch.empty_like(h) for h in H_C)
+            scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
+            (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
+            wk, wc = _work_dtype(dk), _work_dtype(dc)
+            damping_k = self._hyperparameter(group, "damping", device, wk)
+            damping_c = self._hyperparameter(group, "damping", device, wc)
+            if group["kfac_like"]:
+                ck, dmp_k = self._one(device, wk), damping_k
+                cc, dmp_c = self._one(device, wc) * c_g, damping_c
+            else:  # (the diagonal-carrying parts of Pi(K^T K) are unfolded: pi = 1 there)
+                ck = (c_g * sc.average_trace(H_C)).to(wk)
+                dmp_k = damping_k * sc.average_trace(C_tC)
+                cc = (c_g * sk.average_trace(H_K)).to(wc)
+                dmp_c = damping_c * sk.average_trace(K_tK)
+            go = self._go(layer, due)
+            for kind, d, dtype, m, h, ktk, pi, c_h, c_d in (
+                    (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk)),
+                    (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc))):
+                lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
+                n = len(m)
+                for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [go] * n,
+                                               kind.eye_kinds(d), pi, [scale] * n, [alpha1] * n)):
+                    lst.extend(values)
+            later.append((layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device))
+        for lists in momentum.values():
+            ops.singd_momentum_(*lists)
+        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
+            beta_k, beta_c = self._lr_cov(group, device, wk), self._lr_cov(group, device, wc)
+            if group["normalize_lr_cov"]:
+                beta_k = beta_k / torch.clamp(sk.inf_norm(m_K), min=1.0)
+                beta_c = beta_c / torch.clamp(sc.inf_norm(m_C), min=1.0)
+            for kind, parts, m, beta in ((sk, K, m_K, beta_k), (sc, C, m_C, beta_c)):
+                km, elementwise = kind.product_parts(parts, m)
+                lists = steps.setdefault((device, parts[0].dtype), ([], [], [], [], []))
+                n = len(parts)
+                for lst, values in zip(lists, (parts, km, [beta] * n, [go] * n, elementwise)):
+                    lst.extend(values)
+        for lists in steps.values():
+            ops.singd_factor_step_(*lists)
+        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
+            count = state["H_count"]
+            count.copy_(torch.where(go, torch.zeros_like(count), count))
+            self._refresh_cache(layer, sk, sc, K, C)
+
+    def _refresh_cache(self, layer: Layer, sk, sc, K, C) -> None:
+        state = self.state[layer.anchor]
+        for key, parts in (("P_K", K), ("P_C", C)):  # the cached products follow the factors
+            if key in state:  # (dense factors only)
+                state[key].copy_(parts[0] @ parts[0].mT)
+
     def _update_preconditioner(self, layer: Layer, due_host: bool | None, c_g) -> None:
         group = self._group(layer)
         state = self.state[layer.anchor]
@@ -331,17 +447,19 @@ class SINGD(torch.optim.Optimizer):
         H_K, H_C = self._parts(layer, "H_K"), self._parts(layer, "H_C")
         m_K, m_C = self._parts(layer, "m_K"), self._parts(layer, "m_C")
         count = state["H_count"]
-        kfac_like, damping, alpha1 = group["kfac_like"], group["damping"], group["alpha1"]
+        kfac_like, alpha1 = group["kfac_like"], group["alpha1"]
+        damping_k = self._hyperparameter(group, "damping", device, _work_dtype(dk))
+        damping_c = self._hyperparameter(group, "damping", device, _work_dtype(dc))
         scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
         K_tK, C_tC = sk.inner(K), sc.inner(C)
         if kfac_like:
-            ck, dmp_k = torch.ones((), dtype=dk, device=device), damping
-            cc, dmp_c = c_g, damping
+            ck, dmp_k = torch.ones((), dtype=dk, device=device), damping_k
+            cc, dmp_c = c_g, damping_c
         else:
             ck = c_g * sc.average_trace(H_C)
-            dmp_k = damping * sc.average_trace(C_tC)
+            dmp_k = damping_k * sc.average_trace(C_tC)
             cc = c_g * sk.average_trace(H_K)
-            dmp_c = damping * sk.average_trace(K_tK)
+            dmp_c = damping_c * sk.average_trace(K_tK)
         new_mK = ref.new_momentum(sk, H_K, K_tK, sk.eye(d_k, dk, device), ck, dmp_k, scale,
                                   alpha1, m_K if alpha1 != 0.0 else None)
         new_mC = ref.new_momentum(sc, H_C, C_tC, sc.eye(d_c, dc, device), cc, dmp_c, scale,
@@ -369,10 +487,7 @@ class SINGD(torch.optim.Optimizer):
         else:
             torch._foreach_zero_(list(H_K + H_C))
             count.zero_()
-        if "P_K" in state:  # the cached products follow the factors
-            for key, kind, parts, d in (("P_K", sk, K, d_k), ("P_C", sc, C, d_c)):
-                eye = torch.eye(d, device=device, dtype=state[key].dtype)
-                state[key].copy_(kind.matmul(parts, kind.rmatmat(parts, eye)))
+        self._refresh_cache(layer, sk, sc, K, C)
 
     def _average_curvature(self, due: list[Layer]) -> None:
         """Distributed without a DDP wrapper's gradient averaging too: H terms averaged (summed for
@@ -393,6 +508,7 @@ class SINGD(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._begin_step()  # checks everything before anything is written
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         if self._manual_scale is not None:  # set_current_grad_scale, as singd
@@ -419,7 +535,7 @@ class SINGD(torch.optim.Optimizer):
             pending.clear()
         if found_inf is not None and float(found_inf) != 0.0:
             warnings.warn("Encountered inf in gradients. Skipping update.", UserWarning, stacklevel=2)
-            for layer in self._layers:  # the accumulated curvature of this step is dropped
+            for layer in self._curvature:  # the accumulated curvature of this step is dropped
                 torch._foreach_zero_(list(self._parts(layer, "H_K") + self._parts(layer, "H_C")))
                 self.state[layer.anchor]["H_count"].zero_()
         else:
@@ -435,20 +551,26 @@ class SINGD(torch.optim.Optimizer):
 
     def _step(self, scale: float, grad_scale: float) -> None:
         c_g = self._grad_scale_prev / scale ** 2
-        dues = [(layer, self._steps.host_due(self._group(layer)["T"])) for layer in self._layers]
+        dues = [(layer, self._steps.host_due(self._group(layer)["T"])) for layer in self._curvature]
         if distributed():
             self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
+        full = self._gather_sharded([layer for layer, _ in dues]) if self._sharded else {}
         per_group: dict[int, tuple[list, list, list]] = {}
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
+        updating = [(layer, due) for layer, due in dues
+                    if due is not False and any(p.grad is not None for p in self._layer_params(layer))]
+        if self.backend == "fused":
+            self._update_preconditioners_fused(updating, c_g)
+        else:
+            for layer, due in updating:
+                self._update_preconditioner(layer, due, c_g)
         for layer, due in dues:
             module = layer.module
             owned.update(layer.params.values())
             grads = {n: getattr(module, n).grad for n in ("weight", "bias") if getattr(module, n, None) is not None}
             if all(g is None for g in grads.values()):
                 continue
-            if due is not False:
-                self._update_preconditioner(layer, due, c_g)
             sk, sc = self._kinds(layer)
             K, C = self._parts(layer, "K"), self._parts(layer, "C")
             if self._fused_diagonal(layer, sk, sc, K, C):
@@ -459,19 +581,25 @@ class SINGD(torch.optim.Optimizer):
                     if p.grad is None:
                         continue
                     grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                    for lst, v in zip(bucket, (p, grad, self.state[p].get("momentum_buffer"), K[0],
+                    for lst, v in zip(bucket, (p, grad, self.state[p]["momentum_buffer"], K[0],
                                                C[0], 0 if pname == "weight" else d_k - 1)):
                         lst.append(v)
                 continue
+            local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
+            if local_rows:
+                C = self._own_rows(layer, C, sc)
+                grads = {n: local(g) for n, g in grads.items()}
+            grads = full.get(id(layer), grads)
             like = next(g for g in grads.values() if g is not None)
-            gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
+            if local_rows:
+                gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
+                gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
+            else:
+                gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
             if grad_scale != 1.0:
                 gmat = gmat / grad_scale
             state = self.state[layer.anchor]
-            if "P_K" in state:
-                nat = ref.cached_natural_gradient(state["P_K"], state["P_C"], gmat)
-            else:
-                nat = ref.natural_gradient(sk, K, sc, C, gmat)
+            nat = ref.natural_gradient(sk, K, sc, C, gmat, state.get("P_K"), state.get("P_C"))
             if distributed():
                 self._reduce_natural_gradient(layer, nat)
             params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
@@ -482,25 +610,52 @@ class SINGD(torch.optim.Optimizer):
             for pname, p in layer.params.items():
                 if p.grad is None:
                     continue
-                params.append(p)
-                updates.append(pieces[pname].reshape(p.shape))
-                bufs.append(self.state[p].get("momentum_buffer"))
+                piece = pieces[pname]
+                if self._sharded and not local_rows:  # each rank keeps its rows
+                    piece = own_rows(piece, p)
+                params.append(local(p))
+                updates.append(piece.reshape(local(p).shape))
+                bufs.append(local(self.state[p]["momentum_buffer"]))
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
             for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
                 if p not in owned and p.grad is not None:
-                    params.append(p)
-                    updates.append(p.grad / grad_scale if grad_scale != 1.0 else p.grad)
-                    bufs.append(self.state[p].get("momentum_buffer"))
+                    grad = local(p.grad)
+                    params.append(local(p))
+                    updates.append(grad / grad_scale if grad_scale != 1.0 else grad)
+                    bufs.append(local(self.state[p]["momentum_buffer"]))
             if params:
                 self._apply(params, updates, bufs, group)
-            for ps, gs, bs, ks, cs, offs in per_diag.get(index, {}).values():
-                ops.singd_diag_step_(ps, gs, bs if group["momentum"] != 0.0 else [], ks, cs, offs,
-                                     on(group["lr"], ps[0].device), group["momentum"],
-                                     group["weight_decay"], grad_scale)
+            for (device, dtype), (ps, gs, bs, ks, cs, offs) in per_diag.get(index, {}).items():
+                lr, momentum, wd = (self._hyperparameter(group, name, device, _work_dtype(dtype))
+                                    for name in ("lr", "momentum", "weight_decay"))
+                ops.singd_diag_step_(ps, gs, bs, ks, cs, offs, lr, momentum, wd, grad_scale)
 
-    def _caches(self, sk, sc) -> bool:
-        return self.cache_preconditioner and not (sk is Diagonal and sc is Diagonal)
+    def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor]]:
+        """FSDP2: the full gradients of the sharded layers whose structures multiply the whole
+        gradient matrix (not diagonal K and C: elementwise, they need only the local rows), in
+        one all_gather per dtype."""
+        wanted, tensors = [], []
+        for layer in layers:
+            sk, sc = self._kinds(layer)
+            grads = {n: getattr(layer.module, n).grad for n in ("weight", "bias")
+                     if getattr(layer.module, n, None) is not None}
+            if (sk is Diagonal and sc is Diagonal) or any(
+                    g is None or not is_sharded(g) for g in grads.values()):
+                continue
+            wanted.append((layer, list(grads)))
+            tensors += list(grads.values())
+        gathered = iter(gather_rows(tensors) if tensors else [])
+        return {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+
+    @staticmethod
+    def _own_rows(layer: Layer, C: tuple, sc) -> tuple:
+        """A diagonal C's entries for the local shard's rows (an empty shard: none)."""
+        start, stop = rows(layer.module.weight)
+        return (C[0][start:stop],)
+
+    def _caches(self, kind) -> bool:
+        return self.cache_preconditioner and kind is Dense
 
     def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
         """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the
@@ -526,67 +681,61 @@ class SINGD(torch.optim.Optimizer):
             nat.div_(dist.get_world_size(self.process_group))
 
     def _apply(self, params, updates, bufs, group) -> None:
-        lr, momentum, wd = group["lr"], group["momentum"], group["weight_decay"]
-        if self.backend == "reference":
-            ref.sgd_update_(params, updates, bufs, lr, momentum, wd)
-            return
-        # Multi-tensor: one launch per op over the group, per (device, dtype).
+        """SGD with momentum (torch's, no dampening) and L2 weight decay, per (device, dtype):
+        u = nat + wd*theta, buf <- momentum*buf + u, theta <- theta - lr*buf."""
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             buckets.setdefault((p.device, p.dtype), []).append(i)
         for (device, dtype), idx in buckets.items():
-            ps = [params[i] for i in idx]
-            us = [updates[i] for i in idx]
-            if wd != 0.0:
-                us = torch._foreach_add(us, ps, alpha=wd)
-            if momentum != 0.0:
-                bs = [bufs[i] for i in idx]
-                torch._foreach_mul_(bs, momentum)
-                torch._foreach_add_(bs, us)
-                us = bs
-            step_lr = on(lr, device)
-            torch._foreach_add_(ps, torch._foreach_mul(us, step_lr.to(dtype).neg()))
+            ps, us, bs = ([xs[i] for i in idx] for xs in (params, updates, bufs))
+            work = _work_dtype(dtype)
+            lr, momentum, wd = (self._hyperparameter(group, name, device, work)
+                                for name in ("lr", "momentum", "weight_decay"))
+            if self.backend == "reference":
+                ref.sgd_update_(ps, us, bs, lr, momentum, wd)
+                continue
+            # The diagonal step's kernel without factors: one elementwise pass over the bucket,
+            # the scalars in the op-math dtype as singd's Python floats are.
+            none = self._no_factors(device, work)
+            ops.singd_diag_step_(ps, [u.contiguous() for u in us], bs, [none] * len(ps),
+                                 [none] * len(ps), [0] * len(ps), lr, momentum, wd)
 
-    # LR schedulers wrap `opt.step` in a function torch.compile refuses to trace; this marks it
-    # as already wrapped (`_opt_called` is set once in __init__).
-    step._wrapped_by_lr_sched = True
+    def _no_factors(self, device: torch.device, dtype: torch.dtype) -> Tensor:
+        key = (device, dtype)
+        if key not in self._empty:
+            self._empty[key] = torch.empty(0, device=device, dtype=dtype)
+        return self._empty[key]
 
     # ------------------------------------------------------------------ checkpoints
+    def _layout(self) -> list:
+        return [[layer.name, module_class(layer.module).__name__, *self.dims(layer.module)]
+                for layer in self._curvature]
+
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["singd"] = {"k": self._steps.value(), "grad_scale_prev": self._grad_scale_prev,
-                       "layout": self._layout()}
+        for group in sd["param_groups"]:
+            group["curvature"]["grad_scale_prev"] = self._grad_scale_prev
         return sd
 
-    def _layout(self) -> list:
-        return [[layer.name, type(layer.module).__name__, *self.dims(layer.module)]
-                for layer in self._layers]
-
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "singd" not in state_dict:
-            raise ValueError("not a cafin SINGD checkpoint: missing 'singd'")
-        extra = state_dict["singd"]
-        if extra.get("layout") != self._layout():
-            raise ValueError(f"checkpoint was saved for a different model: layers {extra.get('layout')} "
-                             f"do not match this model's {self._layout()}")
-        sd = {k: v for k, v in state_dict.items() if k != "singd"}
-        super().load_state_dict(sd)
-        # torch casts every state tensor to its parameter's dtype and may alias the argument's
-        # tensors: factors keep their own (preconditioner) dtype, and nothing is shared.
-        saved_ids = [i for g in sd["param_groups"] for i in g["params"]]
-        params = [p for g in self.param_groups for p in g["params"]]
-        for index, p in zip(saved_ids, params):
-            for key, value in sd["state"].get(index, {}).items():
-                dtype = p.dtype if key == "momentum_buffer" else value.dtype
-                self.state[p][key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
-        for group in self.param_groups:  # scalars saved as tensors come back as tensors
-            for key in ("lr", "lr_cov"):
-                if isinstance(group[key], Tensor) and group["params"]:
-                    p = group["params"][0]
-                    group[key] = _scalar_tensor(group[key], p.device, _work_dtype(p.dtype))
-        self._steps.load(int(extra["k"]))
-        self._grad_scale_prev = float(extra["grad_scale_prev"])
-        self._attach()
+        """The core's validated load (nothing replaced unless everything checks), plus H_C's
+        previous gradient scale; a numeric lr_cov comes back as a tensor on the group's device."""
+        curvature = None
+        if isinstance(state_dict, dict):
+            groups = state_dict.get("param_groups")
+            curvature = state_dict.get("curvature")
+            if curvature is None and isinstance(groups, list) and groups and isinstance(groups[0], dict):
+                curvature = groups[0].get("curvature")
+        prev = curvature.get("grad_scale_prev", self._init_scale) if isinstance(curvature, dict) else None
+        prev = real_number(prev, "checkpoint curvature['grad_scale_prev']") if prev is not None else None
+        if prev is not None and not (math.isfinite(prev) and prev > 0.0):
+            raise ValueError(f"checkpoint curvature['grad_scale_prev'] must be a finite number > 0, "
+                             f"got {prev}")
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if not callable(group["lr_cov"]):
+                group["lr_cov"] = hyperparameter_tensor(group["lr_cov"], group["params"])
+        self._grad_scale_prev = prev
 
 
 __all__ = ["SINGD", "STRUCTURES"]

@@ -19,6 +19,12 @@ How F_c is assembled (`backend`):
   product of row sums.
 - "reference": pair by pair, each entry from a Fisher-vector product, as the published code does
   (kept to test the cheap assembly against and to time it).
+
+Intervals follow the core's StepCounter: decided on the host while steps run eagerly, on the
+device once a step is compiled (torch.compile(step, fullgraph=True) after one eager step; eigh and
+the coarse assembly then sit in torch.cond branches). damping, alpha and clipping are 0-dim
+tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
+allow, the new coarse matrix are averaged in one collective (README: "Data parallel").
 """
 from __future__ import annotations
 
@@ -29,8 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..curvature import Hooks, check_int, check_range, discover, unwrap
+from .. import ops, reference
+from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check_range, discover, distributed, unwrap
 from ..factors import input_rows
+from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
 
@@ -38,26 +46,30 @@ COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")
 _ALIASES = {"tselepidis": "tpselepedis"}
 _EIG_FLOOR = 1e-12   # published: eigenvalues <= this are set to 0 (then divided by: inf)
 _NORM_EPS = 1e-8     # published: r / (||r||_inf + 1e-8)
+# Hyperparameters a schedule may change between steps: 0-dim float64 tensors on each layer
+# device (a compiled step reads them, so a new value is not a new constant and no recompile).
+_HYPER = {"damping": (0.0, math.inf), "alpha": (0.0, 1.0), "clipping": (0.0, math.inf)}
+_EIGEN = ("L_x", "Q_x", "L_g", "Q_g")
 
 
 def _accept(module: nn.Module, kind) -> bool:
-    # The published code registers by exact class name, so subclasses are skipped.
-    return type(module).__name__ in ("Linear", "Conv2d")
+    # The published code registers by exact class name, so subclasses are skipped (FSDP2's
+    # generated subclass of a sharded module is named by the class it wraps).
+    return module_class(module).__name__ in ("Linear", "Conv2d")
 
 
 class TwoLevelKFAC(torch.optim.Optimizer):
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
-                 krylov=False, *, backend="fused", published_bugs=False):
+                 krylov=False, *, backend="fused", published_bugs=False, process_group=None):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
-        self.damping = check_range(damping, "damping", 0.0, math.inf)
+        self._values = {name: check_range(v, name, *_HYPER[name])
+                        for name, v in (("damping", damping), ("alpha", alpha), ("clipping", clipping))}
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
         self.T_inv = check_int(T_inv, "T_inv", 1)
-        self.alpha = check_range(alpha, "alpha", 0.0, 1.0)
         self.constraint_norm = bool(constraint_norm)
-        self.clipping = check_range(clipping, "clipping", 0.0, math.inf)
         self.batch_size = check_int(batch_size, "batch_size", 1)
         if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in COARSE_SPACES:
             raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)} (or 'tselepidis'), "
@@ -71,8 +83,18 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             raise ValueError(f"backend must be 'fused' or 'reference', got {backend!r}")
         self.backend = backend
         self.published_bugs = bool(published_bugs)
+        if process_group is not None and not distributed():
+            raise ValueError("process_group given but torch.distributed is not initialised")
+        self.process_group = process_group
 
         model = unwrap(net)
+        # FSDP2: the statistics hooks see the unsharded call, so the factors and the coarse
+        # matrix are DDP's once averaged over the parameters' mesh; the update gathers each
+        # layer's full gradient (one all_gather per step) and each rank keeps its own rows.
+        mesh_group = check_sharded(model.parameters(), "TwoLevelKFAC")
+        self._sharded = mesh_group is not None
+        if process_group is None:
+            self.process_group = mesh_group
         self._layers = discover(model, [p for p in model.parameters()], _accept)
         if not self._layers:
             raise ValueError("net has no Linear or Conv2d layer with parameters")
@@ -85,14 +107,72 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             if "weight" not in layer.params:
                 raise ValueError(f"layer '{layer.name}': its weight is not an optimised parameter")
             params = [m.weight] + ([m.bias] if m.bias is not None else [])
-            groups.append({"params": params, "layer_type": type(m).__name__})
+            if self._sharded and any(not is_sharded(p) for p in params):
+                # its gradient would be this rank's own (FSDP2 averages only what it shards)
+                raise ValueError(f"layer '{layer.name}' is not sharded while other layers are (FSDP2): "
+                                 "TwoLevelKFAC needs every Linear and Conv2d layer under fully_shard "
+                                 "(wrap the root too)")
+            groups.append({"params": params, "layer_type": module_class(m).__name__})
         super().__init__(groups, {})
         self.update_stats = False
-        self._iteration_counter = 0
+        # k, the completed update steps: on the host while steps run eagerly, on the device (and
+        # every interval decided there) once a step is compiled (cafin.curvature.StepCounter)
+        self._steps = StepCounter()
+        self._hyper: dict[torch.device, dict[str, torch.Tensor]] = {}
+        self._sizes: dict[tuple, torch.Tensor] = {}
+        for layer in self._layers:  # device state now: a compiled step cannot create it
+            device = layer.module.weight.device
+            self._steps.tensor(device)
+            if device not in self._hyper:
+                self._hyper[device] = {}
+                # "one": the lr K-FAC's gradient-writing op reads (unused without its KL clip)
+                for name, v in (*self._values.items(), ("one", 1.0)):
+                    self._hyper[device][name] = t = torch.tensor(v, dtype=torch.float64, device=device)
+                    torch._dynamo.mark_static_address(t, guard=False)
         self.f_coarse = None
         self.f_coarse_inv = None
         self._pending: dict[int, dict[str, torch.Tensor]] = {}
         self._hooks = Hooks(self, self._layers)
+
+    # ------------------------------------------------------------------ hyperparameters
+    def _set(self, name: str, value) -> None:
+        self._values[name] = v = check_range(value, name, *_HYPER[name])
+        for ts in self._hyper.values():
+            ts[name].fill_(v)
+
+    damping = property(lambda self: self._values["damping"], lambda self, v: self._set("damping", v))
+    alpha = property(lambda self: self._values["alpha"], lambda self, v: self._set("alpha", v))
+    clipping = property(lambda self: self._values["clipping"], lambda self, v: self._set("clipping", v))
+
+    def _hp(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        return self._hyper[like.device][name]
+
+    @property
+    def _iteration_counter(self) -> int:
+        return self._steps.value()
+
+    @_iteration_counter.setter
+    def _iteration_counter(self, k: int) -> None:
+        self._steps.load(k)
+
+    def _schedule(self):
+        """(k, rho, gate_cov, gate_inv). Eager: k and rho on the host, gates None (the host
+        decides). Device-gated (compiled): k, rho and the gates are device tensors."""
+        if self._steps.host_due(1) is not None:
+            k = self._steps.host
+            return k, (None if k == 0 else min(1 - 1 / k, self.alpha)), None, None
+        k = self._steps.tensor(self._device())
+        kd = k.to(torch.float64)
+        alpha = self._hyper[k.device]["alpha"]
+        # published: the first covariances set directly (rho = 0), then rho = min(1 - 1/k, alpha)
+        rho = torch.where(kd == 0, torch.zeros_like(kd), torch.minimum(1 - 1 / kd, alpha))
+        return k, rho, torch.remainder(k, self.T_cov) == 0, torch.remainder(k, self.T_inv) == 0
+
+    def _device(self) -> torch.device:
+        if len(self._hyper) > 1:
+            raise RuntimeError("a compiled TwoLevelKFAC step needs every layer on one device, got "
+                               f"{sorted(str(d) for d in self._hyper)}")
+        return next(iter(self._hyper))
 
     @property
     def num_layer(self) -> int:
@@ -103,15 +183,17 @@ class TwoLevelKFAC(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks (core interface)
     def _statistics_gate(self, layer, device):
-        ok = layer.module.training and self.update_stats and self._iteration_counter % self.T_cov == 0
-        return ok, None
+        # Kept on every pass with update_stats (references only: nothing is computed here);
+        # step() uses them on T_cov steps and drops them on the others (published: the hooks
+        # store only on T_cov steps, the same numbers). A compiled step thereby always finds them,
+        # so its graph does not depend on k.
+        return layer.module.training and self.update_stats, None
 
     def _input_statistics(self, layer, x, step) -> None:
         self._pending.setdefault(id(layer), {})["x"] = x.detach()
 
     def _grad_statistics(self, layer, g, step) -> None:
-        # published: grad_output * grad_output.size(0), the per-sample loss gradient for a mean loss
-        self._pending.setdefault(id(layer), {})["gy"] = g.detach() * g.shape[0]
+        self._pending.setdefault(id(layer), {})["gy"] = g.detach()
 
     # ------------------------------------------------------------------ per-layer helpers
     def _missing(self, layer, what: str) -> RuntimeError:
@@ -119,14 +201,17 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                             f"{self._iteration_counter}: run forward and backward in train mode with "
                             "update_stats = True before step() on the T_cov steps (step 0 first)")
 
-    def _collect(self) -> None:
+    def _collect(self, gate) -> None:
+        """Store the rows of the pending statistics; with `gate` (device bool), only where it
+        holds (a batch of another size replaces them: there is nothing to keep it with)."""
         for layer in self._layers:  # all checked before any is stored: nothing half-updated
             got = self._pending.get(id(layer), {})
             if "x" not in got or "gy" not in got:
                 raise self._missing(layer, "statistics")
         for layer, group in zip(self._layers, self.param_groups):
             got = self._pending.pop(id(layer))
-            m, x, gy = layer.module, got["x"], got["gy"]
+            # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
+            m, x, gy = layer.module, got["x"], got["gy"] * got["gy"].shape[0]
             if isinstance(m, nn.Conv2d):
                 rows = input_rows(m, x)[0]
                 T = gy.shape[-1] * gy.shape[-2]
@@ -139,44 +224,76 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             if m.bias is not None:
                 rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
             state = self.state[group["params"][0]]
+            if gate is not None and "x" in state and state["x"].shape == rows.shape \
+                    and state["gy"].shape == gy.shape:
+                rows, gy = torch.where(gate, rows, state["x"]), torch.where(gate, gy, state["gy"])
             state["x"], state["gy"], state["num_locations"] = rows, gy, T
-        self._pending.clear()
+            self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
 
     @staticmethod
-    def _grad_matrix(group) -> torch.Tensor:
-        w = group["params"][0].grad
+    def _grad_matrix(group, grads=None) -> torch.Tensor:
+        """[d_out, d_in (+1)]: the weight gradient with the bias column (`grads`: the full
+        gradients gathered under FSDP2 instead of the parameters' own)."""
+        w, b = grads if grads is not None else (
+            group["params"][0].grad, group["params"][1].grad if len(group["params"]) == 2 else None)
         m = w.reshape(w.shape[0], -1)
-        if len(group["params"]) == 2:
-            m = torch.cat([m, group["params"][1].grad.reshape(-1, 1)], dim=1)
+        if b is not None:
+            m = torch.cat([m, b.reshape(-1, 1)], dim=1)
         return m
 
-    @staticmethod
-    def _write(group, m: torch.Tensor) -> None:
-        w = group["params"][0]
-        d = w.numel() // w.shape[0]
-        w.grad.copy_(m[:, :d].reshape(w.shape))
-        if len(group["params"]) == 2:
-            group["params"][1].grad.copy_(m[:, d])
+    def _gather(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """FSDP2: every layer's full weight and bias gradients, in one all_gather per dtype (the
+        two-level direction multiplies whole gradient matrices and couples the layers)."""
+        tensors = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    raise RuntimeError(f"TwoLevelKFAC: a parameter of shape {tuple(p.shape)} has no "
+                                       "gradient: run backward before step()")
+                tensors.append(p.grad)
+        full = iter(gather_rows(tensors, self.process_group))
+        return [(next(full), next(full) if len(g["params"]) == 2 else None) for g in self.param_groups]
 
-    def _covs(self, state) -> None:
+    @staticmethod
+    def _batch_covs(state) -> tuple[torch.Tensor, torch.Tensor]:
         x, gy = state["x"], state["gy"]
         n = float(x.shape[0])
-        k = self._iteration_counter
-        self.batch_size = int(x.shape[0] / state["num_locations"])
-        if k == 0:
-            state["xxt"] = x.t() @ x / n
-            state["ggt"] = gy.t() @ gy / n
-        else:
-            rho = min(1 - 1 / k, self.alpha)
-            state["ggt"].mul_(rho).add_(gy.t() @ gy, alpha=(1 - rho) / n)
-            state["xxt"].mul_(rho).add_(x.t() @ x, alpha=(1 - rho) / n)
+        return x.t() @ x / n, gy.t() @ gy / n
 
-    def _decompose(self, state) -> None:
+    @staticmethod
+    def _covs(state, new, rho, gate) -> None:
+        if gate is not None:  # the EMA on the device, kept where the gate holds
+            for key, b in zip(("xxt", "ggt"), new):
+                old = state[key]
+                old.copy_(torch.where(gate, rho * old + (1 - rho) * b, old))
+        elif rho is None:
+            state["xxt"], state["ggt"] = new
+        else:
+            state["xxt"].mul_(rho).add_(new[0], alpha=1 - rho)
+            state["ggt"].mul_(rho).add_(new[1], alpha=1 - rho)
+
+    def _eigen(self, state) -> tuple[torch.Tensor, ...]:
         # published: damping inside the eigendecomposition, tiny eigenvalues zeroed
-        for f, L, Q in (("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g")):
+        out = []
+        for f in ("xxt", "ggt"):
             a = state[f]
-            lam, vec = torch.linalg.eigh(a + self.damping * torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
-            state[L], state[Q] = lam * (lam > _EIG_FLOOR), vec
+            damping = self._hp("damping", a)
+            lam, vec = torch.linalg.eigh(a + damping * torch.eye(a.shape[0], dtype=a.dtype, device=a.device))
+            out += [lam * (lam > _EIG_FLOOR), vec]
+        return tuple(out)
+
+    def _decompose(self, states, gate) -> None:
+        if gate is None:
+            for state in states:
+                state.update(zip(_EIGEN, self._eigen(state)))
+            return
+        # eigh only on T_inv steps: one branch for every layer (inductor reads a cond's
+        # predicate on the host, so one cond is one sync, not one per layer)
+        new = torch.cond(gate, lambda: tuple(t for st in states for t in self._eigen(st)),
+                         lambda: tuple(st[k].clone() for st in states for k in _EIGEN), ())
+        for i, state in enumerate(states):
+            for key, t in zip(_EIGEN, new[4 * i:4 * i + 4]):
+                state[key].copy_(t)
 
     @staticmethod
     def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
@@ -221,17 +338,31 @@ class TwoLevelKFAC(torch.optim.Optimizer):
 
     def _m_inv(self, state, v):
         # published: damping added again to eigenvalues that already hold it
-        return self._kfac_inverse(state, v, self.damping if self.published_bugs else 0.0)
+        return self._kfac_inverse(state, v, self._hp("damping", v) if self.published_bugs else 0.0)
 
     def _assemble(self, vectors) -> torch.Tensor:
+        return self._combine(self._coarse_parts(vectors), vectors)
+
+    def _coarse_parts(self, vectors) -> list[torch.Tensor]:
+        """The local pieces of F_c whose average over data-parallel ranks is the global one: F_c
+        itself (a mean over samples), or tpselepedis's two factors (it multiplies two means)."""
         if self.coarse_space == "tpselepedis":
-            f = self._assemble_tselepidis(vectors)
-        elif self.backend == "fused":
-            f = self._assemble_fused(vectors)
+            return list(self._tselepidis_parts(vectors))
+        if self.backend == "fused":
+            return [self._assemble_fused(vectors)]
+        return [self._assemble_pairs(vectors)]
+
+    def _combine(self, parts, vectors) -> torch.Tensor:
+        if self.coarse_space == "tpselepedis":
+            f = parts[0] * parts[1]
+            f = f + f.t() - torch.diag(torch.diagonal(f))
         else:
-            f = self._assemble_pairs(vectors)
-        sizes = torch.tensor([float(r[0].numel()) for r in vectors for _ in r], dtype=f.dtype, device=f.device)
-        return f + torch.diag(self.damping * sizes)
+            f = parts[0]
+        key = (f.device, f.dtype)
+        if key not in self._sizes:  # made once: a host-to-device copy each step would sync
+            self._sizes[key] = torch.tensor([float(r[0].numel()) for r in vectors for _ in r],
+                                            dtype=f.dtype, device=f.device)
+        return f + torch.diag(self._hp("damping", f) * self._sizes[key])
 
     def _assemble_fused(self, vectors) -> torch.Tensor:
         tiled = self.published_bugs
@@ -255,22 +386,20 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     def _assemble_pairs(self, vectors) -> torch.Tensor:
         states = [self.state[g["params"][0]] for g in self.param_groups]
         items = [(s, r) for s, rs in zip(states, vectors) for r in rs]
-        n = len(items)
-        f = items[0][1].new_zeros(n, n)
-        for i, (si, ri) in enumerate(items):
-            for j, (sj, rj) in enumerate(items):
-                if not self.krylov and j > i:
-                    continue
-                v = self._samples(sj, self._locations(sj, rj), False)
-                f[i, j] = (ri * self._fvp(si, v)).sum()
+        zero = items[0][1].new_zeros(())
+        f = torch.stack([torch.stack([
+            zero if not self.krylov and j > i else
+            (ri * self._fvp(si, self._samples(sj, self._locations(sj, rj), False))).sum()
+            for j, (sj, rj) in enumerate(items)]) for i, (si, ri) in enumerate(items)])
         if not self.krylov:
             f = f + f.t() - torch.diag(torch.diagonal(f))
         return f
 
-    def _assemble_tselepidis(self, vectors) -> torch.Tensor:
+    def _tselepidis_parts(self, vectors) -> tuple[torch.Tensor, torch.Tensor]:
         """(F_c)_ij = <r_i, G_ij r_j A_ij^T> = c_i c_j sum(A_ij) sum(G_ij) for constant r, from the
         per-location row sums; layers of different location counts are brought to the smaller by
-        nearest interpolation over the flattened locations of each sample (published)."""
+        nearest interpolation over the flattened locations of each sample (published). Returns
+        the lower triangles of c_i c_j sum(A_ij) and of sum(G_ij)."""
         B = self.batch_size
         sums, Ts, cs = [], [], []
         for group, rs in zip(self.param_groups, vectors):
@@ -279,14 +408,17 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             Ts.append(state["num_locations"])
             cs.append(rs[0].reshape(-1)[0])
         n = len(sums)
-        f = sums[0].new_zeros(n, n)
-        for i in range(n):
-            for j in range(i + 1):
-                T = min(Ts[i], Ts[j])
-                a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
-                N = float(B * T)
-                f[i, j] = cs[i] * cs[j] * ((a[0] @ b[0]) / N) * ((a[1] @ b[1]) / N)
-        return f + f.t() - torch.diag(torch.diagonal(f))
+        zero = sums[0].new_zeros(())
+
+        def entry(i, j):
+            T = min(Ts[i], Ts[j])
+            a, b = (self._shrink(s, t, T) for s, t in ((sums[i], Ts[i]), (sums[j], Ts[j])))
+            N = float(B * T)
+            return torch.stack([cs[i] * cs[j] * ((a[0] @ b[0]) / N), (a[1] @ b[1]) / N])
+        # built functionally (no in-place writes): it may run inside a torch.cond branch
+        f = torch.stack([torch.stack([entry(i, j) if j <= i else zero.expand(2) for j in range(n)])
+                         for i in range(n)])
+        return f[..., 0], f[..., 1]
 
     def _shrink(self, s: torch.Tensor, T: int, to: int) -> torch.Tensor:
         if T == to:
@@ -297,27 +429,53 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, update_params: bool = True, closure=None) -> None:
+        """Rewrite every layer's gradient with its two-level direction (update_params=True), or
+        only take statistics (update_params=False, the published true-Fisher loop).
+
+        Eager steps decide the T_cov/T_inv intervals on the host; a compiled step (after at least
+        one eager step, which creates the state it updates) decides them on the device, with the
+        eigendecompositions and the coarse assembly in `torch.cond` branches."""
         if closure is not None:
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
-        k = self._iteration_counter
+        k, rho, gate_cov, gate_inv = self._schedule()
+        if gate_cov is None:
+            collect = self.update_stats and k % self.T_cov == 0
+            decompose = self.update_stats and k % self.T_inv == 0
+        else:
+            collect = decompose = self.update_stats
         for layer, group in zip(self._layers, self.param_groups):
             state = self.state[group["params"][0]]
-            if "xxt" not in state and not (self.update_stats and k % self.T_cov == 0):
+            ready = "Q_x" in state and (self.f_coarse is not None or not update_params)
+            if gate_cov is not None and not ready:
+                raise RuntimeError("TwoLevelKFAC: a compiled step updates the state an eager step "
+                                   "creates: run the first step (step 0, with update_stats) eagerly")
+            if "xxt" not in state and not collect:
                 raise self._missing(layer, "Kronecker factors")
-            if "Q_x" not in state and not (self.update_stats and k % self.T_inv == 0):
+            if "Q_x" not in state and not decompose:
                 raise self._missing(layer, "eigendecomposition")
-        if self.update_stats and k % self.T_cov == 0:
-            self._collect()
-        raws = [self._grad_matrix(g).clone() for g in self.param_groups] if update_params else None
+        ddp = distributed()
+        if ddp and gate_cov is not None:
+            raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
+                               "supported: run its steps eagerly")
+        # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
+        full = self._gather() if update_params and self._sharded else None
+        if collect:
+            self._collect(gate_cov)
+        self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
+        raws = [self._grad_matrix(g, full[i] if full else None).clone()
+                for i, g in enumerate(self.param_groups)] if update_params else None
+        states = [self.state[g["params"][0]] for g in self.param_groups]
+        covs = [self._batch_covs(st) for st in states] if collect else []
+        if ddp:
+            self._average(covs, raws if update_params and gate_cov is None and k % self.T_cov == 0 else None)
+        for state, new in zip(states, covs):
+            self._covs(state, new, rho, gate_cov)
+        if decompose:
+            self._decompose(states, gate_inv)
         pres = []
         for i, group in enumerate(self.param_groups):
-            state = self.state[group["params"][0]]
-            if self.update_stats:
-                if k % self.T_cov == 0:
-                    self._covs(state)
-                if k % self.T_inv == 0:
-                    self._decompose(state)
+            state = states[i]
             if update_params:
                 p = self._kfac_inverse(state, raws[i])
                 if group["layer_type"] == "Conv2d":
@@ -327,14 +485,47 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             return
         final = self._two_level(raws, pres)
         if self.constraint_norm:
-            # published: sum over tensors of |<final, raw>|, weight and bias apart; the min(., 1)
-            # is taken on the host (float(...)), the one host read of the method
+            # published: sum over tensors of |<final, raw>|, weight and bias apart, then
+            # min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)
             norm = self._fisher_norm(final, raws)
-            scale = min(float((self.clipping / norm) ** 0.5), 1.0)
-            final = [f * scale for f in final]
-        for group, f in zip(self.param_groups, final):
-            self._write(group, f)
-        self._iteration_counter += 1
+            clip = self._hp("clipping", norm).to(norm.dtype)
+            scale = ((clip / norm) ** 0.5).clamp(max=1.0)
+            final = torch._foreach_mul(final, scale)
+        self._write_all(final, full)
+        self._steps.advance()
+
+    def _write_all(self, final, full=None) -> None:
+        """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
+        call of K-FAC's fused writer (its layout; no KL clip). FSDP2 (`full`: the gathered
+        gradients): written over the full gradients, then each rank keeps its own rows."""
+        if full is not None:
+            ws = [w for w, _ in full]
+            bs = [b if b is not None else w.new_empty(0) for w, b in full]
+        else:
+            ws = [g["params"][0].grad for g in self.param_groups]
+            bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
+                  for i, g in enumerate(self.param_groups)]
+        impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
+                          for t in (*ws, *bs)) and len(self._hyper) == 1 else reference
+        impl.kfac_precondition_apply_(ws, bs, [f.unsqueeze(0) for f in final], self._hp("one", ws[0]), None)
+        if full is not None:
+            for group, (w, b) in zip(self.param_groups, full):
+                for p, g in zip(group["params"], (w, b)):
+                    local(p.grad).copy_(own_rows(g, p.grad))
+
+    def _average(self, covs, raws) -> None:
+        """Data parallel: the batch covariances averaged over the ranks, and with them the new
+        coarse matrix when its vectors do not depend on this step's factors (the ones vectors of
+        nicolaides and tpselepedis): one collective. The other spaces build their vectors from
+        the averaged factors' eigendecomposition, so their coarse matrix needs a second one."""
+        tensors = [c for pair in covs for c in pair]
+        early = raws is not None and not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
+        if early:
+            ones = [self._coarse_vectors(self.state[g["params"][0]], r, None) for g, r in zip(self.param_groups, raws)]
+            self._early_parts = self._coarse_parts(ones)
+            tensors += self._early_parts
+        if tensors:  # in place: the covariances and parts now hold the averages
+            average_over_ranks(tensors, self.process_group)
 
     def _fisher_norm(self, final, raws) -> torch.Tensor:
         total = final[0].new_zeros(())
@@ -353,26 +544,46 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if self.coarse_space == "residual":
             # r = g - F x - damping x, x the K-FAC direction, F x the exact empirical Fisher product
             w = sum(self._samples(s, self._locations(s, p), False) for s, p in zip(states, pres))
-            residuals = [r - self._fvp(s, w) - self.damping * p for s, r, p in zip(states, raws, pres)]
+            fx = [self._fvp(s, w) for s in states]
+            if distributed():  # the Fisher of the whole batch: the ranks then agree on the vectors
+                average_over_ranks(fx, self.process_group)
+            residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
-        k = self._iteration_counter
-        if k % self.T_cov == 0:
-            f = self._assemble(vectors)
-            if k == 0:
-                self.f_coarse = f
-            else:
-                rho = min(1 - 1 / k, self.alpha)
-                self.f_coarse = rho * self.f_coarse + (1 - rho) * f
-            self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]  # torch.inverse without its sync
+        self._update_coarse(vectors)
         y = self.f_coarse_inv @ rhs
-        out, i = [], 0
-        for p, vs in zip(pres, vectors):
-            for v in vs:
-                p = p + y[i] * v
-                i += 1
-            out.append(p)
-        return out
+        # v_l += y_l r_l for every layer at once (one call per coarse vector of a layer, not
+        # one add per layer): the directions are fresh tensors, updated in place
+        per_layer = len(vectors[0])
+        ys = y.view(-1, per_layer)
+        for j in range(per_layer):
+            torch._foreach_addcmul_(pres, [vs[j] for vs in vectors], list(ys[:, j].unbind()))
+        return pres
+
+    def _update_coarse(self, vectors) -> None:
+        """On T_cov steps: assemble F_c from the stored statistics, fold it into the EMA with
+        the factors' rho, and invert it (linalg.inv_ex: torch.inverse's numbers without its
+        error-check sync)."""
+        k, rho, gate, _ = self._schedule()
+        if gate is None:
+            if k % self.T_cov == 0:
+                parts = self.__dict__.pop("_early_parts", None)
+                if parts is None:
+                    parts = self._coarse_parts(vectors)
+                    if distributed():
+                        average_over_ranks(parts, self.process_group)
+                f = self._combine(parts, vectors)
+                self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
+                self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]
+            return
+
+        def fresh():
+            f = rho * self.f_coarse + (1 - rho) * self._assemble(vectors)
+            return f, torch.linalg.inv_ex(f)[0]
+
+        new = torch.cond(gate, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
+        self.f_coarse.copy_(new[0])
+        self.f_coarse_inv.copy_(new[1])
 
     @staticmethod
     def _published_layout(group, r: torch.Tensor) -> torch.Tensor:
@@ -393,6 +604,14 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         state_dict = dict(state_dict)
         extra = state_dict.pop("twolevel")
         super().load_state_dict(state_dict)
+        for state in self.state.values():
+            for key in ("Q_x", "Q_g"):
+                # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
+                # then round as they did before the save (a bit-identical resume)
+                if key in state and state[key].dim() == 2:
+                    state[key] = state[key].t().contiguous().t()
         self._iteration_counter = extra["iteration_counter"]
         self.batch_size = extra["batch_size"]
-        self.f_coarse, self.f_coarse_inv = extra["f_coarse"], extra["f_coarse_inv"]
+        device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
+        self.f_coarse, self.f_coarse_inv = (None if t is None else t.to(device)
+                                            for t in (extra["f_coarse"], extra["f_coarse_inv"]))

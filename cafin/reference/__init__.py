@@ -14,3 +14,4 @@ from .dykaf import (  # noqa: F401
     dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
     dykaf_split_normalize_, dykaf_split_scale_,
 )
+from .twolevel import coarse_matrix_pairwise  # noqa: F401,E402  (two-level K-FAC's published assembly)

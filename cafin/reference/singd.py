@@ -90,11 +90,14 @@ def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Te
 
 
 def natural_gradient(sk: type[Structure], k: tuple, sc: type[Structure], c: tuple,
-                     gmat: Tensor) -> Tensor:
+                     gmat: Tensor, p_k: Tensor | None = None, p_c: Tensor | None = None) -> Tensor:
     """C C^T Gmat K K^T, as singd orders it: (K (K^T Gmat^T))^T in K's dtype, then C (C^T .) in
-    C's dtype, back in the gradient's dtype."""
-    nat = sk.matmul(k, sk.rmatmat(k, gmat.mT.to(k[0].dtype))).mT
-    nat = sc.matmul(c, sc.rmatmat(c, nat.to(c[0].dtype)))
+    C's dtype, back in the gradient's dtype. A cached P_K = K K^T (P_C = C C^T) replaces the
+    two products of its side by one."""
+    kt = gmat.mT.to(k[0].dtype)
+    nat = (p_k @ kt if p_k is not None else sk.matmul(k, sk.rmatmat(k, kt))).mT
+    nat = nat.to(c[0].dtype)
+    nat = p_c @ nat if p_c is not None else sc.matmul(c, sc.rmatmat(c, nat))
     return nat.to(gmat.dtype)
 
 
@@ -118,42 +121,70 @@ def factor_step(s: type[Structure], k: tuple, m: tuple, beta) -> tuple:
 
 
 def sgd_update_(params: list[Tensor], updates: list[Tensor], buffers: list[Tensor | None], lr,
-                momentum: float, weight_decay: float) -> None:
-    """u = nat + wd*theta; buf <- momentum*buf + u (torch SGD, no dampening); theta -= lr*buf."""
+                momentum, weight_decay) -> None:
+    """u = nat + wd*theta; buf <- momentum*buf + u (torch SGD, no dampening; no momentum where
+    the buffer is None); theta -= lr*buf."""
     for p, u, buf in zip(params, updates, buffers):
-        if weight_decay != 0.0:
-            u = u + weight_decay * p
+        u = u + weight_decay * p
         if buf is not None:
             buf.mul_(momentum).add_(u)
             u = buf
-        p.sub_(lr * u if isinstance(lr, Tensor) else u * lr)
+        p.sub_(lr * u)
 
 
 def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
                      K: list[Tensor], C: list[Tensor], k_offsets: list[int], lr: Tensor,
-                     momentum: float, weight_decay: float, grad_scale: float = 1.0) -> None:
+                     momentum: Tensor, weight_decay: Tensor, grad_scale: float = 1.0) -> None:
     """The op of the same name in plain PyTorch: the natural gradient of diagonal K and C in singd's
-    order of products, then `sgd_update_`."""
+    order of products (K and C both empty: the gradient itself), then `sgd_update_` (no momentum
+    when momentum_buffers is empty)."""
     updates = []
     for p, g, k, c, off in zip(params, grads, K, C, k_offsets):
-        rows = c.numel()
-        g = g.reshape(rows, -1).to(k.dtype)
+        g = g.reshape(max(c.numel(), 1), -1).to(k.dtype)
         if grad_scale != 1.0:
             g = g / grad_scale
+        if c.numel() == 0:  # no factors: the gradient itself
+            updates.append(g.reshape(p.shape))
+            continue
         kk = k[off:off + g.shape[1]]
         nat = c.unsqueeze(1) * (c.unsqueeze(1) * (kk * (kk * g)))
         updates.append(nat.reshape(p.shape))
     work = [p.to(lr.dtype) for p in params]
-    bufs = [b.to(lr.dtype) for b in momentum_buffers] if momentum != 0.0 else [None] * len(params)
+    bufs = [b.to(lr.dtype) for b in momentum_buffers] if momentum_buffers else [None] * len(params)
     sgd_update_(work, updates, bufs, lr, momentum, weight_decay)
     for p, w in zip(params, work):
         p.copy_(w)
-    if momentum != 0.0:
-        for b, w in zip(momentum_buffers, bufs):
-            b.copy_(w)
+    for b, w in zip(momentum_buffers, bufs):
+        b.copy_(w)
 
 
-def cached_natural_gradient(p_k: Tensor, p_c: Tensor, gmat: Tensor) -> Tensor:
-    """The natural gradient from cached P_K = K K^T and P_C = C C^T: (P_K Gmat^T)^T, then P_C ."""
-    nat = (p_k @ gmat.mT.to(p_k.dtype)).mT
-    return (p_c @ nat.to(p_c.dtype)).to(gmat.dtype)
+def _eye_mask(t: Tensor, kind: int) -> Tensor:
+    """The identity's ones in a part's storage (see cafin.structures.Structure.eye_kinds)."""
+    if kind == 2:
+        return torch.ones_like(t)
+    out = torch.zeros_like(t)
+    if kind == 1:
+        torch.diagonal(out, dim1=-2, dim2=-1).fill_(1.0)
+    elif kind == 3 and t.numel() > 0:
+        out.view(-1)[0] = 1.0
+    return out
+
+
+def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: list[Tensor],
+                    c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[float],
+                    scale: list[float], alpha1: list[float]) -> None:
+    """The op of the same name in plain PyTorch (`new_momentum` part by part, gated by go)."""
+    for i in range(len(m)):
+        new = (c_h[i] * H[i] + c_damp[i] * (pi[i] * KtK[i]) - _eye_mask(m[i], eye[i])) * scale[i]
+        if alpha1[i] != 0.0:
+            new = new + alpha1[i] * m[i]
+        m[i].copy_(torch.where(go[i], new.to(m[i].dtype), m[i]))
+        H[i].copy_(torch.where(go[i], torch.zeros_like(H[i]), H[i]))
+
+
+def singd_factor_step_(K: list[Tensor], KM: list[Tensor], beta: list[Tensor], go: list[Tensor],
+                       elementwise: list[bool]) -> None:
+    """The op of the same name in plain PyTorch (`factor_step` part by part, gated by go)."""
+    for k, km, b, g, ew in zip(K, KM, beta, go, elementwise):
+        new = k - b * (k * km if ew else km)
+        k.copy_(torch.where(g, new.to(k.dtype), k))

@@ -50,31 +50,6 @@ CAFIN_CPU_CLONES void fold(double* __restrict total, acc_t* __restrict part, int
   }
 }
 
-// sum_k term(x[k]) over a contiguous run: four vector registers of independent lanes, folded
-// into double lanes every kPartialTerms rounds.
-template <bool kSquare, typename scalar_t>
-CAFIN_CPU_CLONES double sum_run(const scalar_t* __restrict x, int64_t n) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr int64_t kLanes = 256 / sizeof(acc_t);
-  double wide[kLanes] = {};
-  int64_t k = 0;
-  while (n - k >= kLanes) {
-    acc_t lanes[kLanes] = {};
-    const int64_t rounds = std::min<int64_t>(kPartialTerms, (n - k) / kLanes);
-    for (int64_t r = 0; r < rounds; ++r, k += kLanes) {
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += term<kSquare, acc_t>(x[k + j]);
-    }
-    for (int64_t j = 0; j < kLanes; ++j) wide[j] += static_cast<double>(lanes[j]);
-  }
-  // Halving, not a running sum: the lanes fold in vector adds, not a 64-add dependency chain.
-  for (int64_t w = kLanes / 2; w >= 1; w /= 2) {
-    for (int64_t j = 0; j < w; ++j) wide[j] += wide[j + w];
-  }
-  double total = wide[0];
-  for (; k < n; ++k) total += static_cast<double>(term<kSquare, acc_t>(x[k]));
-  return total;
-}
-
 // part[p] += sum over r < rows of term(x[r * stride + p]), p < n: a block of rows (batch entries)
 // at once, the partial sums of 64 positions held in registers across the block, so the partial
 // sums are loaded and stored once per block instead of once per row.
@@ -105,6 +80,56 @@ void add_batch(double* x2, acc_t* part, const scalar_t* x, int64_t stride, int64
   for (int64_t b = 0; b < batch; b += kBlock) {
     add_rows<kSquare>(part, x + b * stride, stride, std::min(kBlock, batch - b), n);
     if ((b + kBlock) % kPartialTerms == 0 || b + kBlock >= batch) fold(x2, part, n);
+  }
+}
+
+// Lanes of one 512-bit vector of the op-math type.
+template <typename acc_t>
+constexpr int64_t kVectorLanes = 64 / static_cast<int64_t>(sizeof(acc_t));
+
+// lanes[c * L + j] += the terms of channel c's run that fall in lane j, for one outer index: each
+// run (`inner` contiguous elements, channel c at x + c * channel_stride) is summed in one vector of
+// partial sums, kPartialTerms rounds at a time, folded into the channel's double lanes. For runs
+// longer than kPartialTerms vectors, where the fold is amortised over the run.
+template <bool kSquare, typename scalar_t>
+CAFIN_CPU_CLONES void add_long_runs(double* __restrict lanes, const scalar_t* __restrict x, int64_t channels,
+                                    int64_t channel_stride, int64_t inner) {
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kLanes = kVectorLanes<acc_t>;
+  for (int64_t c = 0; c < channels; ++c) {
+    const scalar_t* run = x + c * channel_stride;
+    double* out = lanes + c * kLanes;
+    int64_t i = 0;
+    while (inner - i >= kLanes) {
+      acc_t acc[kLanes] = {};
+      const int64_t rounds = std::min<int64_t>(kPartialTerms, (inner - i) / kLanes);
+      for (int64_t r = 0; r < rounds; ++r, i += kLanes) {
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] += term<kSquare, acc_t>(run[i + j]);
+      }
+      for (int64_t j = 0; j < kLanes; ++j) out[j] += static_cast<double>(acc[j]);
+    }
+    for (int64_t j = 0; i < inner; ++i, ++j) out[j] += static_cast<double>(term<kSquare, acc_t>(run[i]));
+  }
+}
+
+// part[c * L + j] += the terms of channel c's run that fall in lane j (ceil(inner / L) per lane),
+// for runs of at most kPartialTerms vectors: the caller folds part into double every few rows.
+template <bool kSquare, typename acc_t, typename scalar_t>
+CAFIN_CPU_CLONES void add_short_runs(acc_t* __restrict part, const scalar_t* __restrict x, int64_t channels,
+                                     int64_t channel_stride, int64_t inner) {
+  constexpr int64_t kLanes = kVectorLanes<acc_t>;
+  for (int64_t c = 0; c < channels; ++c) {
+    const scalar_t* run = x + c * channel_stride;
+    acc_t* out = part + c * kLanes;
+    acc_t acc[kLanes];
+    for (int64_t j = 0; j < kLanes; ++j) acc[j] = out[j];
+    int64_t i = 0;
+    for (; i + kLanes <= inner; i += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] += term<kSquare, acc_t>(run[i + j]);
+    }
+    for (int64_t j = 0; j < kLanes; ++j) out[j] = acc[j];
+    // The tail apart, so that acc stays a register.
+    for (int64_t j = 0; i < inner; ++i, ++j) out[j] += term<kSquare, acc_t>(run[i]);
   }
 }
 
@@ -183,32 +208,49 @@ bool channel_sums(const scalar_t* x, const StridedView& v, std::vector<double>& 
   // is one contiguous block.
   const bool channels_major = v.inner_stride == 1 && (v.channel_stride == inner || channels == 1);
   const bool channels_minor = v.channel_stride == 1 && (v.inner_stride == channels || inner == 1);
-  const bool long_runs = v.inner_stride == 1 && inner >= 1024;
-  if ((channels_major || channels_minor) && !(long_runs && block > kTilePositions)) {
-    const std::vector<double> acc = block_sums<kSquare>(x, v.outer, v.outer_stride, block);
-    sums.assign(channels, 0.0);
-    for (int64_t c = 0; c < channels; ++c) {
-      for (int64_t i = 0; i < inner; ++i) sums[c] += acc[channels_major ? c * inner + i : i * channels + c];
-    }
-    return true;
-  }
-  if (v.inner_stride == 1) {
-    // Long contiguous runs (feature maps): one run per (outer, channel), summed whole.
-    const int64_t items = v.outer * channels;
-    const int64_t chunks = std::min(items, chunk_count(items * inner));
-    std::vector<double> partial(chunks * channels, 0.0);
+  using acc_t = at::opmath_type<scalar_t>;
+  constexpr int64_t kLanes = kVectorLanes<acc_t>;
+  constexpr int64_t kMinRun = 64;
+  if (v.inner_stride == 1 && inner >= kMinRun) {
+    // Runs of 64 or more (feature maps, NCHW): each thread reads a contiguous range of outer
+    // indices in memory order (shorter runs, 4x4 maps, read faster as blocks of positions). Reading tiles of positions across the batch instead (eight row
+    // streams per thread) held two threads to the speed of one.
+    const int64_t chunks = std::min(v.outer, chunk_count(v.outer * block));
+    std::vector<double> partial(chunks * channels * kLanes);
     at::parallel_for(0, chunks, 1, [&](int64_t first, int64_t last) {
       for (int64_t k = first; k < last; ++k) {
-        double* acc = partial.data() + k * channels;
-        for (int64_t item = items * k / chunks; item < items * (k + 1) / chunks; ++item) {
-          const int64_t o = item / channels, c = item % channels;
-          acc[c] += sum_run<kSquare>(x + o * v.outer_stride + c * v.channel_stride, inner);
+        double* lanes = partial.data() + k * channels * kLanes;
+        std::fill_n(lanes, channels * kLanes, 0.0);
+        const int64_t lo = v.outer * k / chunks, hi = v.outer * (k + 1) / chunks;
+        if (inner > kPartialTerms * kLanes) {
+          for (int64_t o = lo; o < hi; ++o) {
+            add_long_runs<kSquare>(lanes, x + o * v.outer_stride, channels, v.channel_stride, inner);
+          }
+          continue;
+        }
+        // Short runs: float partials over as many rows as keep them at kPartialTerms terms.
+        const int64_t rows_per_fold = std::max<int64_t>(1, kPartialTerms / ((inner + kLanes - 1) / kLanes));
+        std::vector<acc_t> part(channels * kLanes, acc_t(0));
+        for (int64_t o = lo; o < hi; ++o) {
+          add_short_runs<kSquare>(part.data(), x + o * v.outer_stride, channels, v.channel_stride, inner);
+          if ((o - lo) % rows_per_fold == rows_per_fold - 1 || o == hi - 1) fold(lanes, part.data(), channels * kLanes);
         }
       }
     });
     sums.assign(channels, 0.0);
     for (int64_t k = 0; k < chunks; ++k) {
-      for (int64_t c = 0; c < channels; ++c) sums[c] += partial[k * channels + c];
+      for (int64_t c = 0; c < channels; ++c) {
+        const double* lanes = partial.data() + (k * channels + c) * kLanes;
+        for (int64_t j = 0; j < kLanes; ++j) sums[c] += lanes[j];
+      }
+    }
+    return true;
+  }
+  if (channels_major || channels_minor) {
+    const std::vector<double> acc = block_sums<kSquare>(x, v.outer, v.outer_stride, block);
+    sums.assign(channels, 0.0);
+    for (int64_t c = 0; c < channels; ++c) {
+      for (int64_t i = 0; i < inner; ++i) sums[c] += acc[channels_major ? c * inner + i : i * channels + c];
     }
     return true;
   }

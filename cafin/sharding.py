@@ -1,0 +1,209 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`) support shared by the members.
+
+A model wrapped with `fully_shard` holds its parameters (and, after backward, their gradients) as
+DTensors sharded on dim 0 over a 1-D device mesh, with torch.chunk semantics: every rank but the
+last ones holds ceil(n / world) rows, the last non-empty shard may be shorter and later ones are
+empty. The members' hooks see the unsharded module call (plain tensors), so statistics and factors
+are the same as under DDP; only the update touches shards:
+
+- elementwise members read the rows of their row factor that the local shard owns (`rows`);
+- members that multiply the whole gradient matrix gather it (`gather_rows`, one all_gather per
+  dtype for all of a step's gradients), precondition it and keep their own rows (`own_rows`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # a torch without DTensor cannot shard either
+    DTensor, Shard = (), None
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:
+    FSDPModule = ()
+
+
+def is_sharded(t) -> bool:
+    return isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view: writes reach the DTensor), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def module_class(module: torch.nn.Module) -> type:
+    """The class a module had before `fully_shard` swapped it for a generated FSDP subclass, so a
+    sharded model's layers are named (layouts, registration) as the plain model's are."""
+    cls = type(module)
+    if FSDPModule and isinstance(module, FSDPModule) and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[-1]
+    return cls
+
+
+def check_sharded(params: Iterable[torch.Tensor], who: str):
+    """The process group of the mesh the DTensor parameters are sharded over (None when no
+    parameter is a DTensor). Only FSDP2's layout is supported: Shard(0) on one 1-D mesh."""
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    if not sharded:
+        return None
+    mesh = sharded[0].device_mesh
+    for p in sharded:
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"{who}: a parameter of shape {tuple(p.shape)} is a DTensor placed {tuple(p.placements)} "
+                f"on a {p.device_mesh.ndim}-D mesh; cafin supports FSDP2 (fully_shard) on a 1-D mesh "
+                "(placement Shard(0)) only")
+        if p.device_mesh != mesh:
+            raise ValueError(f"{who}: the parameters are sharded over different device meshes; "
+                             "cafin needs every parameter on one mesh")
+    return mesh.get_group()
+
+
+def rows(p: torch.Tensor) -> tuple[int, int]:
+    """[start, stop) of the dim-0 rows the local shard of `p` holds (all rows if not sharded)."""
+    if not isinstance(p, DTensor):
+        return 0, p.shape[0] if p.dim() else 1
+    n, world = p.shape[0], p.device_mesh.size()
+    chunk = -(-n // world)
+    start = min(p.device_mesh.get_local_rank() * chunk, n)
+    stop = min(start + chunk, n)
+    assert stop - start == p.to_local().shape[0], "unexpected FSDP2 shard layout"
+    return start, stop
+
+
+def own_rows(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The rows of a full-size tensor that the local shard of `p` holds."""
+    start, stop = rows(p)
+    return full[start:stop]
+
+
+def gather_rows(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """The full tensors of dim-0-sharded DTensors (of one mesh): one all_gather per dtype over
+    one flat buffer that holds every rank's padded shards (ceil(n / world) rows each)."""
+    import torch.distributed as dist
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for idx in by_dtype.values():
+        first = tensors[idx[0]]
+        world = first.device_mesh.size()
+        group = first.device_mesh.get_group() if group is None else group
+        sizes, pieces = [], []
+        for i in idx:
+            t = tensors[i]
+            row = math.prod(t.shape[1:])
+            size = -(-t.shape[0] // world) * row
+            piece = t.to_local().reshape(-1)
+            pieces.append(torch.nn.functional.pad(piece, (0, size - piece.numel())))
+            sizes.append(size)
+        flat = torch.cat(pieces)
+        gathered = torch.empty(world * flat.numel(), dtype=flat.dtype, device=flat.device)
+        # all_gather_single is all_gather_into_tensor's newer name
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        gather(gathered, flat, group=group)
+        per_rank = gathered.view(world, -1)
+        for i, part in zip(idx, per_rank.split(sizes, dim=1)):
+            t = tensors[i]
+            chunk = -(-t.shape[0] // world)
+            out[i] = part.reshape(world * chunk, *t.shape[1:])[: t.shape[0]]
+    return out  # type: ignore[return-value]
+
+
+def kfac_checkpoint_template(preconditioner) -> dict:
+    """`preconditioner.state_dict()` (a KFACPreconditioner) with a tensor for every layer's
+    factors, to `torch.distributed.checkpoint.load` into: a fresh preconditioner has None there
+    (no statistics yet), and DCP loads a saved tensor only into a tensor. Then
+    `preconditioner.load_state_dict(template)`. Save after the first factor update, so that every
+    layer's factors are tensors in the checkpoint too."""
+    sd = preconditioner.state_dict()
+    for name, entry in sd.get("layers", {}).items():
+        st = preconditioner._state[name]
+        for key, own in (("A", st.A), ("G", st.G)):
+            if entry[key] is None:
+                entry[key] = (own[0] if own.shape[0] == 1 else own).detach().clone()
+    return sd
+
+
+class full_parameters:
+    """For a torch optimizer whose update multiplies whole gradient matrices (DyKAF): while the
+    context is open, each sharded parameter with a gradient is replaced in the param groups by a
+    full-size stand-in whose `.grad` is the full gradient (one all_gather per dtype for all of
+    them) and whose own rows are the local shard (the other rows are zeros: the members' final
+    apply is row-wise, so they never reach the kept rows); the parameter's state dict is shared
+    with its stand-in. On exit the stand-ins' own rows are written back into the local shards.
+    The state the optimizer creates is full-size and the same on every rank (replicated)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.swaps: list[tuple[dict, int, torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self):
+        opt = self.optimizer
+        where = [(group, i, p) for group in opt.param_groups for i, p in enumerate(group["params"])
+                 if isinstance(p, DTensor) and p.grad is not None]
+        if not where:
+            return self
+        grads = gather_rows([p.grad for _, _, p in where])
+        for (group, i, p), grad in zip(where, grads):
+            with torch.no_grad():
+                standin = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+                own_rows(standin, p).copy_(p.to_local())
+            standin.grad = grad
+            opt.state[standin] = opt.state[p]
+            group["params"][i] = standin
+            self.swaps.append((group, i, p, standin))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        opt = self.optimizer
+        for group, i, p, standin in self.swaps:
+            group["params"][i] = p
+            opt.state[p] = opt.state.pop(standin)
+            with torch.no_grad():
+                p.to_local().copy_(own_rows(standin, p))
+        self.swaps.clear()
+
+
+# TwoLevelKFAC's per-sample statistics of the last curvature step: each rank's own batch, so
+# they are saved under a key of each rank (DCP would keep one rank's copy of a plain tensor).
+_RANK_LOCAL = ("x", "gy")
+
+
+def twolevel_checkpoint(optimizer, group=None) -> dict:
+    """The entries to add to a DCP checkpoint for a TwoLevelKFAC (`optimizer.state_dict()`,
+    which `get_optimizer_state_dict` would cut to `state` and `param_groups`): "twolevel" holds
+    what every rank holds alike (factors, eigenbases, coarse matrix, step count), and
+    "twolevel_rank{r}" the rank's own per-sample statistics (read again by the residual coarse
+    space's Fisher products between curvature steps). Load with `twolevel_load`."""
+    import torch.distributed as dist
+    sd = optimizer.state_dict()
+    state, own = {}, {}
+    for idx, st in sd["state"].items():
+        state[idx] = {k: v for k, v in st.items() if k not in _RANK_LOCAL}
+        own[idx] = {k: st[k] for k in _RANK_LOCAL if k in st}
+    group = optimizer.process_group if group is None else group
+    return {"twolevel": {**sd, "state": state}, f"twolevel_rank{dist.get_rank(group)}": own}
+
+
+def twolevel_load(optimizer, checkpoint_id, group=None) -> None:
+    """Resume a TwoLevelKFAC from a DCP checkpoint holding `twolevel_checkpoint(optimizer)`.
+    Its state is created by the first steps, so a fresh optimizer's state dict is no template
+    for `dcp.load`: the entries are read whole (the replicated one and this rank's own)."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+    group = optimizer.process_group if group is None else group
+    key = f"twolevel_rank{dist.get_rank(group)}"
+    saved = _load_state_dict_from_keys({"twolevel", key}, checkpoint_id=checkpoint_id)
+    sd = saved["twolevel"]
+    # DCP gives the state's parameter indices back as strings
+    sd["state"] = {int(idx): st for idx, st in sd["state"].items()}
+    for idx, st in saved.get(key, {}).items():
+        sd["state"][int(idx)].update(st)
+    optimizer.load_state_dict(sd)

@@ -1,0 +1,342 @@
+"""One rank of the 2-process CPU/gloo FSDP2 runs of tests/test_fsdp.py.
+
+Run as `python tests/fsdp_worker.py OUTDIR` with RANK and WORLD_SIZE in the environment; the ranks
+meet through a file in OUTDIR. For every member and dtype (MEMBERS x DTYPES) it trains the same
+model twice on the same per-rank batches, once under DDP and once with `fully_shard` on every
+layer and on the root, and records: the full parameters of both runs, the collectives each
+`step()` made under FSDP (name, elements, dtype), a checkpoint round trip through
+torch.distributed.checkpoint (save after CKPT_AT steps, run on; a fresh model and optimizer load
+the checkpoint and run the same steps: the local shards must be bit-identical), and whether a
+fresh optimizer survives DCP's zero-gradient initialisation step. Results go to
+`{case}_rank{r}.pt`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import tempfile
+import traceback
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WORLD = 2
+BATCH = 6  # per rank
+STEPS = 5  # curvature steps at k = 0, 2, 4
+CKPT_AT = 3  # the DCP checkpoint is taken after this many steps, then STEPS - CKPT_AT more
+TCOV = 2
+DTYPES = {"float64": torch.float64, "float32": torch.float32}
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "all_gather_object",
+               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "barrier")
+
+
+def make_model(dtype: torch.dtype, seed: int = 0) -> nn.Sequential:
+    """Conv2d, BatchNorm2d, LayerNorm and Linear layers; dim 0 of 7, 3 and 1 rows shard unevenly
+    over 2 ranks (4 + 3, 2 + 1, 1 + an empty shard)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(),
+            nn.Linear(3 * 4 * 4, 7), nn.LayerNorm(7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(),
+            nn.Linear(3, 1)).to(dtype)
+
+
+def rank_batch(step: int, rank: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(1000 + 100 * step + rank)
+    return (torch.randn(BATCH, 2, 4, 4, generator=gen, dtype=torch.float64).to(dtype),
+            torch.randn(BATCH, 1, generator=gen, dtype=torch.float64).to(dtype))
+
+
+# ------------------------------------------------------------------------------ members
+class Member:
+    """How one member is built and stepped: `make(model, net)` returns the objects whose
+    `step()` runs after backward, in order (a preconditioner, then its torch optimizer)."""
+
+    def __init__(self, name, make, optimizer_index=0, lazy_state=False, preconditioner="kfac"):
+        self.name, self.make = name, make
+        self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
+        # with optimizer_index 1, how objs[0] is checkpointed: "kfac" (its state_dict, loaded
+        # into kfac_checkpoint_template) or "twolevel" (cafin.sharding.twolevel_checkpoint)
+        self.preconditioner = preconditioner
+        # State created by the first step from the first gradient (DyKAF): a fresh optimizer's
+        # state dict is no template to load into, so the saved one is read whole (it is
+        # replicated: the same on every rank).
+        self.lazy_state = lazy_state
+
+
+def _adafisher(cls_name, backend="fused"):
+    def make(model, net):
+        import cafin
+        return [getattr(cafin, cls_name)(net, lr=1e-2, TCov=TCOV, weight_decay=0.01, backend=backend)]
+    return make
+
+
+def _kfac(model, net):
+    import cafin
+    pre = cafin.KFACPreconditioner(net, factor_update_steps=1, inv_update_steps=2, damping=0.01,
+                                   lr=0.1, kl_clip=0.01, inv_dtype=model[0].weight.dtype,
+                                   decompose_dtype=torch.float64)
+    return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+
+
+def _twolevel(coarse_space):
+    def make(model, net):
+        import cafin
+        pre = cafin.TwoLevelKFAC(net, damping=0.01, T_cov=TCOV, T_inv=TCOV, coarse_space=coarse_space,
+                                 constraint_norm=True, clipping=1e-3)
+        pre.update_stats = True  # statistics on every pass; step() uses those of T_cov steps
+        return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
+    return make
+
+
+def _dykaf(model, net):
+    import cafin
+    return [cafin.DyKAF(model.parameters(), lr=1e-2, precondition_frequency=2, weight_decay=0.01)]
+
+
+def _singd(structures):
+    def make(model, net):
+        import cafin
+        return [cafin.SINGD(net, params=model.parameters(), lr=1e-2, T=TCOV, structures=structures,
+                            weight_decay=0.01,
+                            warn_unsupported=False)]
+    return make
+
+
+MEMBERS = {
+    "AdaFisher": Member("AdaFisher", _adafisher("AdaFisher")),
+    "AdaFisherW": Member("AdaFisherW", _adafisher("AdaFisherW")),
+    "AdaFisher-reference": Member("AdaFisher-reference", _adafisher("AdaFisher", "reference")),
+    "KFAC": Member("KFAC", _kfac, optimizer_index=1),
+    "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
+    "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),
+    "SINGD-diagonal": Member("SINGD-diagonal", _singd(("diagonal", "diagonal"))),
+    "SINGD-toeplitz": Member("SINGD-toeplitz", _singd(("triltoeplitz", "diagonal"))),
+    "TwoLevel-nicolaides": Member("TwoLevel-nicolaides", _twolevel("nicolaides"), optimizer_index=1,
+                                  preconditioner="twolevel"),
+    "TwoLevel-residual": Member("TwoLevel-residual", _twolevel("residual"), optimizer_index=1,
+                                preconditioner="twolevel"),
+}
+
+
+def _hsdp(model):
+    """AdaFisher on a 2-D (replicate x shard) mesh: HSDP, not supported."""
+    import cafin
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    model = make_model(torch.float64)
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return cafin.AdaFisher(model)
+
+
+def _twolevel_partly_sharded(model):
+    """TwoLevelKFAC on a model of which only one layer is sharded: the others' gradients would
+    be each rank's own."""
+    import cafin
+    from torch.distributed.fsdp import fully_shard
+    model = make_model(torch.float64)
+    fully_shard(model[4])
+    return cafin.TwoLevelKFAC(model)
+
+
+# Members (or layouts) that cannot train a sharded model: constructing them must fail clearly.
+REFUSED = {"AdaFisher-HSDP": _hsdp, "TwoLevelKFAC-partly-sharded": _twolevel_partly_sharded}
+
+
+def factors(objs) -> list[torch.Tensor]:
+    """The curvature factors of a hook-based member (replicated: every rank holds them whole)."""
+    import cafin
+    o = objs[0]
+    if isinstance(o, cafin.AdaFisher):
+        return [o.state[l.anchor][k].clone() for l in o._curvature for k in ("fisher_S", "fisher_H")]
+    if isinstance(o, cafin.KFACPreconditioner):
+        return [t.clone() for st in o._state.values() for t in (st.A, st.G)]
+    if isinstance(o, cafin.SINGD):
+        return [v.clone() for l in o._curvature for k, v in o.state[l.anchor].items()
+                if k.startswith(("K.", "C."))]
+    if isinstance(o, cafin.TwoLevelKFAC):
+        return [o.state[g["params"][0]][k].clone() for g in o.param_groups for k in ("xxt", "ggt")] \
+            + [o.f_coarse.clone()]
+    return []
+
+
+# ------------------------------------------------------------------------------ counting collectives
+CALLS: list[tuple[str, int, str]] = []
+COUNTING = [False]
+
+
+def _count_collectives() -> None:
+    import torch.distributed as dist
+    for name in COLLECTIVES:
+        original = getattr(dist, name, None)
+        if original is None:
+            continue
+
+        def wrapper(*args, __original=original, __name=name, **kwargs):
+            if COUNTING[0]:
+                # all_gather_into_tensor(out, in): count what this rank sends
+                t = args[1] if __name.startswith("all_gather_") else (args[0] if args else None)
+                if isinstance(t, torch.Tensor):
+                    CALLS.append((__name, t.numel(), str(t.dtype).replace("torch.", "")))
+                else:
+                    CALLS.append((__name, -1, ""))
+            return __original(*args, **kwargs)
+
+        setattr(dist, name, wrapper)
+
+
+# ------------------------------------------------------------------------------ training
+def shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    for m in model:
+        if any(True for _ in m.parameters()):
+            fully_shard(m)
+    fully_shard(model)
+    return model
+
+
+def train(net, objs, steps, rank, dtype, record=None):
+    for k in steps:
+        for o in objs:
+            if hasattr(o, "zero_grad"):
+                o.zero_grad(set_to_none=True)
+        net.zero_grad(set_to_none=True)
+        x, y = rank_batch(k, rank, dtype)
+        F.mse_loss(net(x), y).backward()
+        COUNTING[0] = record is not None
+        CALLS.clear()
+        for o in objs:
+            o.step()
+        COUNTING[0] = False
+        if record is not None:
+            record.append(list(CALLS))
+
+
+def full_params(model) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def local_params(model) -> list[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def dcp_save(model, objs, member, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    opt = objs[member.optimizer_index]
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    if member.optimizer_index and member.preconditioner == "twolevel":
+        from cafin.sharding import twolevel_checkpoint
+        sd.update(twolevel_checkpoint(objs[0]))
+    elif member.optimizer_index:  # a preconditioner's factors (replicated) go into the same checkpoint
+        sd["preconditioner"] = objs[0].state_dict()
+    dcp.save(sd, checkpoint_id=path)
+
+
+def dcp_load(model, objs, member, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    opt = objs[member.optimizer_index]
+    sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    kfac = member.optimizer_index and member.preconditioner == "kfac"
+    if kfac:
+        from cafin.sharding import kfac_checkpoint_template
+        sd["preconditioner"] = kfac_checkpoint_template(objs[0])
+    if member.lazy_state:
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+        del sd["optim"]
+        sd["optim"] = _load_state_dict_from_keys({"optim"}, checkpoint_id=path)["optim"]
+    dcp.load(sd, checkpoint_id=path)
+    set_model_state_dict(model, sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    if kfac:
+        objs[0].load_state_dict(sd["preconditioner"])
+    elif member.optimizer_index:
+        from cafin.sharding import twolevel_load
+        twolevel_load(objs[0], path)
+
+
+def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    result: dict = {}
+    # DDP: the reference.
+    model = make_model(dtype)
+    net = DDP(model)
+    objs = member.make(model, net)
+    train(net, objs, range(STEPS), rank, dtype)
+    result["ddp"] = full_params(model)
+    result["ddp_factors"] = factors(objs)
+    # FSDP2 from the start to the end, counting the collectives of every step.
+    model = shard(make_model(dtype))
+    objs = member.make(model, model)
+    calls: list = []
+    train(model, objs, range(CKPT_AT), rank, dtype, calls)
+    path = tempfile.mkdtemp(dir=outdir) if rank == 0 else None
+    box = [path]
+    dist.broadcast_object_list(box, src=0, group=group)
+    dcp_save(model, objs, member, box[0])
+    train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls)
+    result["fsdp"] = full_params(model)
+    result["fsdp_factors"] = factors(objs)
+    result["fsdp_local"] = local_params(model)
+    result["calls"] = calls
+    # A fresh model and optimizer resume from the checkpoint.
+    model = shard(make_model(dtype, seed=5))
+    objs = member.make(model, model)
+    dcp_load(model, objs, member, box[0])
+    train(model, objs, range(CKPT_AT, STEPS), rank, dtype)
+    result["resumed_local"] = local_params(model)
+    return result
+
+
+def main() -> None:
+    outdir = sys.argv[1]
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(MEMBERS)
+    rank = int(os.environ["RANK"])
+    assert int(os.environ["WORLD_SIZE"]) == WORLD
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
+                            rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90))
+    _count_collectives()
+    group = dist.group.WORLD
+    try:
+        for name in only:
+            for dname, dtype in DTYPES.items():
+                case = f"{name}-{dname}"
+                try:
+                    result = run_case(MEMBERS[name], dtype, rank, outdir, group)
+                    result["error"] = None
+                except Exception:
+                    result = {"error": traceback.format_exc()}
+                    torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+                    sys.stderr.write(result["error"])
+                    sys.stderr.flush()
+                    os._exit(3)
+                torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+        refused = {}
+        for name, make in REFUSED.items():
+            try:
+                make(shard(make_model(torch.float64)))
+                refused[name] = None
+            except Exception as e:
+                refused[name] = (type(e).__name__, str(e))
+        torch.save(refused, os.path.join(outdir, f"refused_rank{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""FSDP2 (`fully_shard`, issue 17): every member trains a sharded model as it trains under DDP.
+
+One launch of two CPU/gloo processes (tests/fsdp_worker.py) runs every member in float64 and
+float32 on a model of Conv2d, BatchNorm2d, LayerNorm and Linear layers whose dim 0 shards
+unevenly (7 rows: 4 + 3; 3 rows: 2 + 1; 1 row: 1 + an empty shard), and the tests assert on what
+it wrote:
+- the FSDP2 run's full parameters equal the DDP run's on the same per-rank batches (float64 within
+  1e-10 relative, float32 within 1e-5), after the parameters moved;
+- the collectives of each step() under FSDP2: exactly the member's documented ones (the factor
+  average, one all_reduce per curvature update; the gradient gather, one all_gather per step for
+  members that multiply whole gradient matrices), with the element counts of the README section "FSDP2";
+- a torch.distributed.checkpoint round trip (get/set_optimizer_state_dict, dcp.save/load) resumes
+  bit-identically on each rank's shard.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fsdp_worker as W
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("fsdp_worker.py")
+LAUNCH_TIMEOUT_S = 300
+TOL = {"float64": 1e-10, "float32": 1e-5}
+CASES = [pytest.param(m, d, id=f"{m}-{d}") for m in W.MEMBERS for d in W.DTYPES]
+
+# Elements each rank sends per step under FSDP2 (the test model, 2 ranks): the factor average
+# (all_reduce of every factor, on curvature updates) and the gradient gather (all_gather of each
+# rank's padded shard of every preconditioned layer's gradient, every step).
+# AdaFisher: len(S) + len(H) per layer: Conv2d 3 + 19, BatchNorm2d 3 + 2, Linear(48, 7) 7 + 49,
+# LayerNorm 7 + 2, Linear(7, 3) 3 + 8, Linear(3, 1) 1 + 4.
+ADAFISHER = (3 + 19) + (3 + 2) + (7 + 49) + (7 + 2) + (3 + 8) + (1 + 4)
+FACTORS = {"AdaFisher": ADAFISHER, "AdaFisherW": ADAFISHER, "AdaFisher-reference": ADAFISHER}
+GATHER = {}
+# K-FAC, factors A and G of conv (19^2, 3^2), Linear(48, 7) (49^2, 7^2), Linear(7, 3) (8^2, 3^2),
+# Linear(3, 1) (4^2, 1^2); padded gradient shards: 2*(18+1) + 4*(48+1) + 2*(7+1) + 1*(3+1).
+FACTORS["KFAC"] = 19**2 + 3**2 + 49**2 + 7**2 + 8**2 + 3**2 + 4**2 + 1
+GATHER["KFAC"] = 2 * 19 + 4 * 49 + 2 * 8 + 1 * 4
+# DyKAF: no factor average (every rank computes the same factors from the same full gradients);
+# the gather holds every parameter's gradient, BatchNorm2d's and LayerNorm's too.
+GATHER["DyKAF"] = GATHER["KFAC"] + 2 * 2 + 2 * 4
+# SINGD: the H terms are averaged on its T steps (dense: d_K^2 + d_C^2 per layer, as K-FAC's
+# factors; diagonal and Toeplitz: d_K + d_C); the structures that multiply whole gradient
+# matrices gather them every step as K-FAC does, the diagonal one reads its own rows and gathers
+# nothing.
+FACTORS["SINGD-dense"] = FACTORS["KFAC"]
+GATHER["SINGD-dense"] = GATHER["KFAC"]
+FACTORS["SINGD-diagonal"] = FACTORS["SINGD-toeplitz"] = (19 + 3) + (49 + 7) + (8 + 3) + (4 + 1)
+GATHER["SINGD-toeplitz"] = GATHER["KFAC"]
+# TwoLevelKFAC: the factors as K-FAC's; the nicolaides coarse matrix (4 layers: 4 x 4) rides
+# in the factors' all_reduce (its coarse vectors are ones), the residual one needs the averaged
+# factors' inverse first, so it is a second all_reduce on curvature steps, and the residual
+# vectors read the Fisher product of the whole batch every step: one all_reduce of every
+# layer's [d_out, d_in + 1] block, 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4. Both gather as K-FAC does.
+FACTORS["TwoLevel-nicolaides"] = FACTORS["KFAC"] + 4 * 4
+FACTORS["TwoLevel-residual"] = FACTORS["KFAC"]
+COARSE = {"TwoLevel-residual": 4 * 4}  # a second all_reduce on curvature steps
+EVERY = {"TwoLevel-residual": 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4}  # an all_reduce every step
+GATHER["TwoLevel-nicolaides"] = GATHER["TwoLevel-residual"] = GATHER["KFAC"]
+TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
+
+
+_LAUNCH: dict = {}
+
+
+def _launch(outdir: Path) -> str | None:
+    env = {**os.environ, "WORLD_SIZE": str(W.WORLD), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if sys.platform.startswith("linux"):
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs, logs = [], []
+    for rank in range(W.WORLD):
+        log = open(outdir / f"log{rank}.txt", "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(outdir)],
+                                      env={**env, "RANK": str(rank)}, stdout=log,
+                                      stderr=subprocess.STDOUT, cwd=ROOT))
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    for log in logs:
+        log.close()
+    codes = [p.returncode for p in procs]
+    if all(c == 0 for c in codes):
+        return None
+    return "\n".join(f"--- rank {r} (exit {c}) ---\n{(outdir / f'log{r}.txt').read_text()[-4000:]}"
+                     for r, c in enumerate(codes))
+
+
+def results(member: str, dtype: str, tmp_path_factory) -> list[dict]:
+    if "out" not in _LAUNCH:
+        outdir = tmp_path_factory.mktemp("fsdp")
+        start = time.monotonic()
+        _LAUNCH["failure"] = _launch(outdir)
+        _LAUNCH["out"] = outdir
+        print(f"\n[fsdp: 2 ranks in {time.monotonic() - start:.1f} s]")
+    outdir, failure = _LAUNCH["out"], _LAUNCH["failure"]
+    out = []
+    for rank in range(W.WORLD):
+        path = outdir / f"{member}-{dtype}_rank{rank}.pt"
+        if not path.exists():
+            pytest.fail(f"rank {rank} wrote no result for {member}-{dtype}\n{failure}")
+        r = torch.load(path, weights_only=False)
+        if r.get("error"):
+            pytest.fail(f"rank {rank} failed in {member}-{dtype}:\n{r['error']}\n{failure}")
+        out.append(r)
+    return out
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+@pytest.mark.parametrize("member, dtype", CASES)
+def test_fully_shard_trains_as_ddp(member, dtype, tmp_path_factory):
+    initial = [p.detach() for p in W.make_model(W.DTYPES[dtype]).parameters()]
+    for rank, r in enumerate(results(member, dtype, tmp_path_factory)):
+        assert len(r["fsdp"]) == len(r["ddp"]) == len(initial)
+        for i, (f, d, p0) in enumerate(zip(r["fsdp"], r["ddp"], initial)):
+            assert f.shape == d.shape == p0.shape
+            assert rel(d, p0) > 1e-6, f"parameter {i} did not move: the comparison would be empty"
+            assert rel(f, d) <= TOL[dtype], f"rank {rank}, parameter {i}: {rel(f, d):.3g}"
+
+
+@pytest.mark.parametrize("member, dtype", [c for c in CASES if c.values[0] != "DyKAF"])
+def test_factors_equal_ddp(member, dtype, tmp_path_factory):
+    """The hooks see the unsharded module call: each rank's statistics, and the averaged factors,
+    are DDP's."""
+    for rank, r in enumerate(results(member, dtype, tmp_path_factory)):
+        assert len(r["fsdp_factors"]) == len(r["ddp_factors"]) > 0
+        for i, (f, d) in enumerate(zip(r["fsdp_factors"], r["ddp_factors"])):
+            assert f.shape == d.shape
+            assert rel(f, d) <= TOL[dtype], f"rank {rank}, factor {i}: {rel(f, d):.3g}"
+
+
+@pytest.mark.parametrize("member, dtype", CASES)
+def test_communication_per_step(member, dtype, tmp_path_factory):
+    """Inside step(): the factor average on curvature steps, the gradient gather every step
+    (and the two-level coarse spaces' own all_reduces, as under DDP)."""
+    tcov = TCOV.get(member, W.TCOV)
+    for r in results(member, dtype, tmp_path_factory):
+        assert len(r["calls"]) == W.STEPS
+        for k, calls in enumerate(r["calls"]):
+            expected = []
+            if member in FACTORS and k % tcov == 0:
+                expected.append(("all_reduce", FACTORS[member], dtype))
+            if member in COARSE and k % tcov == 0:
+                expected.append(("all_reduce", COARSE[member], dtype))
+            if member in EVERY:
+                expected.append(("all_reduce", EVERY[member], dtype))
+            if member in GATHER:
+                expected.append(("all_gather_single", GATHER[member], dtype))
+            assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
+
+
+@pytest.mark.parametrize("member, dtype", CASES)
+def test_dcp_checkpoint_resumes_bit_identically(member, dtype, tmp_path_factory):
+    for rank, r in enumerate(results(member, dtype, tmp_path_factory)):
+        for i, (a, b) in enumerate(zip(r["fsdp_local"], r["resumed_local"])):
+            assert torch.equal(a, b), f"rank {rank}, parameter {i} (local shard)"
+        if rank == 1:  # the empty shard of Linear(3, 1) is on rank 1
+            assert r["fsdp_local"][-2].numel() == 0
+
+
+@pytest.mark.parametrize("member", list(W.REFUSED))
+def test_members_that_cannot_shard_refuse_at_construction(member, tmp_path_factory):
+    results(next(iter(W.MEMBERS)), "float64", tmp_path_factory)  # the launch
+    for rank in range(W.WORLD):
+        refused = torch.load(_LAUNCH["out"] / f"refused_rank{rank}.pt", weights_only=False)
+        assert refused[member] is not None, f"{member} was constructed on a sharded model"
+        kind, message = refused[member]
+        assert kind == "ValueError" and ("FSDP2" in message or "1-D mesh" in message), refused[member]
