@@ -55,6 +55,7 @@ LABELS = {
     "cuda-graph": "fused, CUDA graph",
     "adamw-foreach": "AdamW(foreach=True)",
     "adamw-fused": "AdamW(fused=True)",
+    "kfac-pytorch": "kfac-pytorch (installed)",
 }
 
 

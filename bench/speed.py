@@ -11,6 +11,9 @@ Phases (one model per run, ratios within the run; see DESIGN.md section 6):
 - statistics (AdaFisher): the curvature work of one curvature step on activations and output
   gradients captured once, fused against the reference, with a per-op breakdown.
 - agreement (AdaFisher): fused against reference over --steps training steps in float32.
+- K-FAC's own rows (bench/kfac_phases.py, with the step and statistics phases): the
+  preconditioner alone, a step that eigendecomposes, the factor statistics, kfac-pytorch when it
+  is installed, and the amortised step at inv_update_steps=10 against AdamW and the reference.
 - whole-step: zero_grad + forward + backward + step per training iteration, the curvature
   iteration amortised over a cycle of --tcov iterations (bench/whole_step.py): the overhead over
   AdamW that a training run pays.

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import members, published  # noqa: E402
+from bench.kfac_phases import FACTORS, INVERSE, PRECONDITION  # noqa: E402
 from bench.speed import main as bench_main, parse_args  # noqa: E402
 
 # A stand-in with the published AdaFisher's interface (AdaFisher(model, lr=..., TCov=..., ...),
@@ -101,7 +102,8 @@ def test_results(quick_run):
     for r in results:
         assert set(r) >= {"model", "phase", "optimizer", "variant", "median_ms", "allocated_bytes"}
         assert r["model"] == "mlp"
-        assert r["phase"] in ("step", "statistics", "refresh step", "amortised, refresh every 10")
+        assert r["phase"] in ("step", "statistics", "refresh step", "amortised, refresh every 10") or (
+            r["optimizer"] == "kfac" and r["phase"] in (PRECONDITION, INVERSE, FACTORS))
         assert _finite(r["median_ms"]) and r["median_ms"] > 0
         assert isinstance(r["allocated_bytes"], int) and r["allocated_bytes"] >= 0
     measured = {(r["phase"], r["optimizer"], r["variant"]) for r in results}
@@ -288,3 +290,63 @@ def test_member_interface():
     model = torch.nn.Sequential(torch.nn.Linear(3, 2))
     opt = ada.build(model, "fused" if _fused_on_cpu() else "reference", 7)
     assert isinstance(opt, cafin.AdaFisher) and opt.TCov == 7
+
+
+def test_kfac_rows(tmp_path):
+    """K-FAC's rows: the step (+ SGD), the preconditioner alone (reference, fused, compiled), a
+    decomposing step, the factor statistics; kfac-pytorch beside them when it is importable,
+    else a skip that says why (not an error); the amortised-step targets from those rows."""
+    out = tmp_path / "bench.json"
+    fused = _fused_on_cpu()
+    variants = "reference,fused,fused-compiled,adamw-fused" if fused else "reference,adamw-foreach"
+    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--threads", "1",
+                  "--optimizers", "kfac", "--phases", "step,statistics", "--variants", variants,
+                  "--json", str(out), "--markdown", str(out.with_suffix(".md")))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads(out.read_text())
+    rows = {(r["phase"], r["variant"]): r for r in data["results"] if r["optimizer"] == "kfac"}
+    expected = {("step", "reference"), (PRECONDITION, "reference"), (INVERSE, "reference"),
+                (FACTORS, "reference")}
+    if fused:
+        expected |= {("step", "fused"), (PRECONDITION, "fused"), (PRECONDITION, "fused-compiled"),
+                     (INVERSE, "fused"), (FACTORS, "fused")}
+    try:
+        import kfac  # noqa: F401  (a user's own install of kfac-pytorch)
+        have_kfac = True
+    except ImportError:
+        have_kfac = False
+    published = {("step", "kfac-pytorch"), (PRECONDITION, "kfac-pytorch"), (INVERSE, "kfac-pytorch")}
+    if have_kfac:
+        expected |= published
+    else:
+        skipped = {(s["phase"], s["variant"]): s for s in data["skipped"] if s["optimizer"] == "kfac"}
+        assert published <= set(skipped)
+        assert all(not skipped[k]["error"] and "not installed" in skipped[k]["reason"] for k in published)
+    assert set(rows) == expected, set(rows) ^ expected
+    for r in rows.values():
+        assert _finite(r["median_ms"]) and r["median_ms"] > 0
+        assert isinstance(r["allocated_bytes"], int) and r["allocated_bytes"] >= 0
+    assert not [s for s in data["skipped"] if s["error"]], data["skipped"]
+    # bench.models.mlp: Linear 784 -> 512 -> 256 -> 10, bias on (d_a = fan_in + 1, d_g = fan_out).
+    assert data["floor"]["kfac_precondition_flop"] == sum(
+        4 * g * a * (g + a) for a, g in ((785, 512), (513, 256), (257, 10)))
+    # A step that eigendecomposes every factor costs more than one that does not.
+    assert rows[INVERSE, "reference"]["median_ms"] > rows["step", "reference"]["median_ms"]
+    targets = {t["target"]: t for t in data["targets"] if t["target"].startswith("K-FAC")}
+    assert len(targets) == 2
+    if fused:
+        vs_adamw, vs_ref = (targets[k] for k in sorted(targets, key=lambda k: "reference" in k))
+        amortised = (9 * rows["step", "fused"]["median_ms"] + rows[INVERSE, "fused"]["median_ms"]) / 10
+        assert vs_adamw["amortised_ms"] == pytest.approx(amortised)
+        adamw = next(r["median_ms"] for r in data["results"] if r["variant"] == "adamw-fused")
+        assert vs_adamw["verdict"] == ("met" if amortised <= 2 * adamw else "missed")
+        reference = (9 * rows["step", "reference"]["median_ms"]
+                     + rows[INVERSE, "reference"]["median_ms"]) / 10
+        assert vs_ref["reference_amortised_ms"] == pytest.approx(reference)
+        assert vs_ref["verdict"] == ("met" if reference >= 3 * amortised else "missed")
+    else:
+        assert {t["verdict"] for t in targets.values()} == {"n/a"}
+    text = out.with_suffix(".md").read_text()
+    assert f"| {PRECONDITION} | median ms | speed-up | allocated |" in text
+    assert "| K-FAC + SGD reference (cafin, plain PyTorch) |" in text
+    assert f"{PRECONDITION}: mlp" in proc.stdout and f"{INVERSE}: mlp" in proc.stdout

@@ -1,5 +1,9 @@
 """K-FAC (cafin.KFACPreconditioner) with the SGD that kfac-pytorch users run after it
-(kfac-pytorch's CIFAR settings: SGD lr 0.1, momentum 0.9, weight decay 5e-4)."""
+(kfac-pytorch's CIFAR settings: SGD lr 0.1, momentum 0.9, weight decay 5e-4).
+
+Its `details` (bench/kfac_phases.py) add the preconditioner step alone, the step that
+eigendecomposes, the factor statistics, and kfac-pytorch when it is installed; its `targets` the
+amortised step at inv_update_steps=10 against AdamW and against the reference backend."""
 from __future__ import annotations
 
 from . import Member
@@ -32,8 +36,21 @@ class KFACWithSGD:
         self.opt.zero_grad(set_to_none=set_to_none)
 
 
+def details(ctx) -> None:
+    from ..kfac_phases import run_details
+    run_details(ctx)
+
+
+def targets(run) -> list[dict]:
+    from ..kfac_phases import targets as kfac_targets
+    return kfac_targets(run)
+
+
 MEMBER = Member(
     name="kfac", label="K-FAC + SGD",
     build=lambda model, backend, every: KFACWithSGD(model, backend, every),
+    # The step rows. Compiled: only the preconditioner alone, a `details` row (--variants
+    # fused-compiled); a compiled step of this class would eigendecompose on every step.
     backends=("fused", "reference"), compiles=False, captures=False,
-    default_variants=("fused",), cpu_default_models=("mlp", "gpt"), order=10)
+    default_variants=("reference", "fused"), cpu_default_models=("mlp", "gpt"), order=10,
+    details=details, targets=targets)

@@ -1,0 +1,226 @@
+"""K-FAC's own rows of the speed bench (the `details` of its member entry), beside the member's
+step rows (preconditioner + SGD on a step that decomposes nothing):
+
+- "preconditioner alone": `preconditioner.step()` alone on a step that decomposes nothing (the KL-clipped
+  eigenbasis products), reference / fused / fused under torch.compile / kfac-pytorch;
+- "inverse step": preconditioner + SGD on a step that eigendecomposes every factor (inv_update_steps=1);
+  with the step rows it gives the amortised step at inv_update_steps=10 (the targets);
+- "factor statistics" (run with the statistics phase): the factor statistics of one factor-update step (every
+  layer's A and G covariance and its EMA fold) on activations and output gradients captured once
+  (a phase of its own: the whole-step composition from the statistics phase would count it as
+  K-FAC's whole curvature cost, which the decompositions dominate);
+- kfac-pytorch (gpauloski/kfac-pytorch, `import kfac`) is timed beside cafin when it is installed;
+  cafin does not ship it and the bench never fetches it.
+
+Every row repeats its step on the same gradients: the preconditioner rewrites them, so they are
+restored after each call (two gradient copies, in every row alike).
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from .models import loss_for
+
+if TYPE_CHECKING:
+    from .speed import Context
+
+# The intervals of the rows: never due again after the preparing step (k = 0), or every step.
+NEVER = 10**9
+EVERY = 1
+AMORTISE_EVERY = 10  # inv_update_steps of the amortised-step targets (kfac-pytorch's CIFAR example)
+# kfac-pytorch's CIFAR settings, as the member's step rows use them.
+KW = dict(damping=3e-3, kl_clip=1e-3, lr=0.1)
+KFAC_PYTORCH = "kfac-pytorch"
+# The phases (table titles) of the rows.
+PRECONDITION, INVERSE, FACTORS = "preconditioner alone", "inverse step", "factor statistics"
+
+
+def kfac_pytorch():
+    """kfac-pytorch's module when the user has it installed, else None."""
+    try:
+        import kfac
+        import kfac.preconditioner  # noqa: F401
+    except ImportError:
+        return None
+    return kfac
+
+
+class Restoring:
+    """A preconditioner (and optionally its SGD) as a repeatable step: the gradients it rewrites
+    are put back after each call."""
+
+    def __init__(self, model, pre, sgd: bool, precondition: Callable[[], object] | None = None):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.pre = pre
+        self.precondition = precondition or pre.step
+        self.opt = torch.optim.SGD(self.params, lr=0.1, momentum=0.9, weight_decay=5e-4) if sgd else None
+
+    def step(self):
+        grads = [p for p in self.params if p.grad is not None]
+        saved = [p.grad.clone() for p in grads]
+        self.precondition()
+        if self.opt is not None:
+            self.opt.step()
+        for p, g in zip(grads, saved):
+            p.grad.copy_(g)
+
+
+def build_preconditioner(variant: str, model, inv_every: int):
+    if variant == KFAC_PYTORCH:
+        module = kfac_pytorch()
+        return module.preconditioner.KFACPreconditioner(
+            model, factor_update_steps=inv_every, inv_update_steps=inv_every, **KW)
+    import cafin
+    backend = "reference" if variant.startswith("reference") else "fused"
+    return cafin.KFACPreconditioner(model, factor_update_steps=inv_every,
+                                    inv_update_steps=inv_every, backend=backend, **KW)
+
+
+def prepared(ctx: "Context", variant: str, inv_every: int, sgd: bool) -> Callable[[], object]:
+    """The repeatable step of `variant` on a model copy whose factors and decompositions one real
+    step (k = 0) prepared."""
+    model = copy.deepcopy(ctx.base)
+    pre = build_preconditioner(variant, model, inv_every)
+    loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
+    step = Restoring(model, pre, sgd)
+    step.step()  # k = 0: factors and decompositions; later calls decompose only if inv_every == 1
+    if variant.endswith("-compiled"):
+        # A compiled step cannot keep the host's step count, so it would gate eigh on the device
+        # and run it on every step: decompositions stay eager, on their interval, as for capture.
+        pre.decompose_in_step = False
+        compiled = torch.compile(pre.step, fullgraph=True)
+
+        def run_compiled():
+            with torch.no_grad():
+                compiled()
+        step.precondition = run_compiled
+    return step.step
+
+
+def captured_statistics(ctx: "Context", backend: str) -> Callable[[], object]:
+    """The factor statistics of one factor-update step: every registered layer's input and
+    output-gradient covariance and its EMA fold, on the tensors one forward/backward gave the
+    preconditioner's hooks (kept once, then fed to the same methods on every call)."""
+    import cafin
+    model = copy.deepcopy(ctx.base)
+    pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=NEVER,
+                                   backend=backend, **KW)
+    calls = []
+    take_input, take_grad = pre._input_statistics, pre._grad_statistics
+    pre._input_statistics = lambda layer, x, step: calls.append(
+        (take_input, layer, x.detach().clone(), step))
+    pre._grad_statistics = lambda layer, g, step: calls.append(
+        (take_grad, layer, g.detach().clone(), step))
+    loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
+    pre.remove_hooks()
+    if not calls:
+        raise RuntimeError("no registered layer took statistics")
+
+    def run():
+        for method, layer, t, step in calls:
+            method(layer, t, step)
+    return run
+
+
+def precondition_flops(base) -> int:
+    """The floating-point operations of the eigenbasis products of one preconditioning step,
+    Q_G (Q_G^T V Q_A ⊘ (d_G d_A^T + λ)) Q_A^T, over the registered layers: four GEMMs, i.e.
+    4 d_g d_a (d_g + d_a) per group of each layer. The fused and reference backends run the
+    same products (in torch); only the work around them differs."""
+    import cafin
+    from cafin import factors as kf
+    pre = cafin.KFACPreconditioner(copy.deepcopy(base), backend="reference")
+    pre.remove_hooks()
+    total = 0
+    for layer in pre.layers:
+        groups, d_a, d_g = kf.factor_sizes(layer.module)
+        total += groups * 4 * d_g * d_a * (d_g + d_a)
+    return total
+
+
+def run_details(ctx: "Context") -> None:
+    from .speed import Skip, measure
+    run, progress = ctx.run, ctx.progress
+    run.floor["kfac_precondition_flop"] = precondition_flops(ctx.base)
+    member = "kfac"
+    # The compiled preconditioner only on request (--variants ...,fused-compiled): a compile.
+    selected = ctx.selected(next(m for m in ctx.members if m.name == member)) | (
+        {"fused-compiled"} & ctx.requested)
+    have_kfac = kfac_pytorch() is not None
+    why_no_kfac = ("kfac-pytorch is not installed (it is not on PyPI: install "
+                   "gpauloski/kfac-pytorch yourself to time it here)")
+
+    def row(phase, variant, build):
+        if variant.startswith("fused") and not ctx.fused_ok:
+            run.skipped.append(Skip(run.model, phase, variant, ctx.why_not_fused, optimizer=member))
+            return
+        if variant == KFAC_PYTORCH and not have_kfac:
+            run.skipped.append(Skip(run.model, phase, variant, why_no_kfac, optimizer=member))
+            return
+        before = len(run.skipped)
+        measure(run, progress, phase, member, variant, build)
+        if variant == KFAC_PYTORCH:  # its failures are not cafin's
+            for s in run.skipped[before:]:
+                s.error = False
+                s.reason = "kfac-pytorch raised " + s.reason
+
+    if "step" in ctx.phases:
+        # kfac-pytorch + SGD beside the member's own step rows (same phase, same restoring).
+        row("step", KFAC_PYTORCH, lambda: prepared(ctx, KFAC_PYTORCH, NEVER, True))
+        for variant in ("reference", "fused", "fused-compiled", KFAC_PYTORCH):
+            if variant in selected or variant == KFAC_PYTORCH:
+                row(PRECONDITION, variant,
+                    lambda v=variant: prepared(ctx, v, NEVER, False))
+        for variant in ("reference", "fused", KFAC_PYTORCH):
+            if variant in selected or variant == KFAC_PYTORCH:
+                row(INVERSE, variant, lambda v=variant: prepared(ctx, v, EVERY, True))
+    if "statistics" in ctx.phases:
+        for variant in ("reference", "fused"):
+            if variant in selected:
+                row(FACTORS, variant, lambda v=variant: captured_statistics(ctx, v))
+
+
+def amortised(step_ms: float, inverse_ms: float, every: int = AMORTISE_EVERY) -> float:
+    """One step in a cycle of `every`: (every - 1) plain steps and one that decomposes."""
+    return ((every - 1) * step_ms + inverse_ms) / every
+
+
+def targets(run) -> list[dict]:
+    """The K-FAC targets: the amortised preconditioner + SGD step at inv_update_steps=10 against
+    AdamW(fused=True)'s step, and against the same amortised step of the reference backend."""
+    from .report import fmt_ms, fmt_ratio
+
+    def ms(phase, variant, optimizer="kfac"):
+        r = run.result(phase, variant, optimizer)
+        return r.median_ms if r else None
+
+    def cycle(variant):
+        s, i = ms("step", variant), ms(INVERSE, variant)
+        return amortised(s, i) if s is not None and i is not None else None
+
+    out = []
+    fused, ref, adamw = cycle("fused"), cycle("reference"), ms("step", "adamw-fused", "adamw")
+
+    def add(name, measured, goal, ok, **numbers):
+        out.append({"target": name, "measured": measured, "goal": goal,
+                    "verdict": "n/a" if ok is None else ("met" if ok else "missed"), **numbers})
+
+    how = f"(9 x step + inverse step) / {AMORTISE_EVERY}"
+    both = fused is not None and adamw is not None
+    flop, step = run.floor.get("kfac_precondition_flop"), ms("step", "fused")
+    # Why the gap: the preconditioner's GEMMs against AdamW's elementwise pass over the weights.
+    gemms = (f"; the eigenbasis GEMMs alone: {flop / 1e9:.2f} GFLOP per step "
+             f"({flop / step / 1e6:.0f} GFLOP/s in the fused step)" if flop and step else "")
+    add(f"K-FAC + SGD fused: amortised step (inv_update_steps={AMORTISE_EVERY}) vs adamw-fused",
+        f"{fmt_ms(fused)} ms {how} = {fmt_ratio(fused / adamw)} AdamW's {fmt_ms(adamw)} ms{gemms}"
+        if both else "-", "<= 2x its time", (fused <= 2 * adamw) if both else None,
+        amortised_ms=fused, adamw_fused_ms=adamw, precondition_flop=flop)
+    both = fused is not None and ref is not None
+    add(f"K-FAC + SGD fused vs reference: amortised step (inv_update_steps={AMORTISE_EVERY})",
+        f"{fmt_ratio(ref / fused)} faster ({fmt_ms(ref)} vs {fmt_ms(fused)} ms)" if both else "-",
+        ">= 3x faster", (ref / fused >= 3) if both else None,
+        amortised_ms=fused, reference_amortised_ms=ref)
+    return out
