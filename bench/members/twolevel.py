@@ -4,8 +4,8 @@ Its `details` phase times what the member adds to K-FAC on a curvature step: the
 assembled the cheap way (fused: one N x L matrix of per-sample projections, F_c = U^T U / B) and
 the published way (reference: cafin.reference.coarse_matrix_pairwise, entry by entry, each Conv2d
 projection through an N' x N' matrix). It runs on a small CNN of its own whatever --model is
-(the statistics of every layer are stored per location), and shows in the statistics table
-as "two-level" (a short label: a longer one makes the table wrap its variant column)."""
+(the statistics of every layer are stored per location), and shows in a table of its own,
+"coarse assembly", as "two-level" (a short label: a longer one makes the table wrap)."""
 from __future__ import annotations
 
 from . import Member
@@ -80,8 +80,9 @@ def details(ctx) -> None:
 
     def cheap():
         return lambda: pre._assemble(vectors)
-    measure(ctx.run, ctx.progress, "statistics", "twolevel", "reference", published)
-    measure(ctx.run, ctx.progress, "statistics", "twolevel", "fused", cheap)
+    # A phase of its own: beside AdaFisher's statistics its floor and totals would mean nothing.
+    measure(ctx.run, ctx.progress, "coarse assembly", "twolevel", "reference", published)
+    measure(ctx.run, ctx.progress, "coarse assembly", "twolevel", "fused", cheap)
 
 
 MEMBER = Member(
