@@ -42,6 +42,26 @@ from torch import nn
 VARIANTS = ("published", "reference", "reference-compiled", "fused", "fused-compiled", "cuda-graph")
 
 
+class PreconditionerWithSGD:
+    """A preconditioner that rewrites `.grad` (K-FAC, two-level K-FAC) and the torch SGD its users
+    run after it, as one optimizer. The step phase repeats `step()` on the same gradients, so they
+    are restored after each step (two copies of the gradients, counted in the step's time)."""
+
+    def __init__(self, params, pre, opt):
+        self.params, self.pre, self.opt = params, pre, opt
+
+    def step(self):
+        grads = [p for p in self.params if p.grad is not None]
+        saved = [p.grad.clone() for p in grads]
+        self.pre.step()
+        self.opt.step()
+        for p, g in zip(grads, saved):
+            p.grad.copy_(g)
+
+    def zero_grad(self, set_to_none: bool = True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+
 @dataclass(frozen=True)
 class Member:
     name: str  # the --optimizers name

@@ -6,34 +6,19 @@ eigendecomposes, the factor statistics, and kfac-pytorch when it is installed; i
 amortised step at inv_update_steps=10 against AdamW and against the reference backend."""
 from __future__ import annotations
 
-from . import Member
+from . import Member, PreconditionerWithSGD
 
 
-class KFACWithSGD:
-    """A preconditioner and its SGD as one optimizer. The step phase repeats `step()` on the same
-    gradients, and the preconditioner rewrites them: they are restored after each step (two
-    copies of the gradients, counted in the step's time)."""
-
-    def __init__(self, model, backend: str, curvature_every: int):
-        import torch
-        import cafin
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.SGD(self.params, lr=0.1, momentum=0.9, weight_decay=5e-4)
-        # The factors every curvature_every steps, the eigendecompositions as rarely.
-        self.pre = cafin.KFACPreconditioner(
-            model, factor_update_steps=curvature_every, inv_update_steps=curvature_every,
-            damping=3e-3, kl_clip=1e-3, lr=0.1, backend=backend)
-
-    def step(self):
-        grads = [p for p in self.params if p.grad is not None]
-        saved = [p.grad.clone() for p in grads]
-        self.pre.step()
-        self.opt.step()
-        for p, g in zip(grads, saved):
-            p.grad.copy_(g)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.opt.zero_grad(set_to_none=set_to_none)
+def _build(model, backend: str, curvature_every: int) -> PreconditionerWithSGD:
+    import torch
+    import cafin
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=5e-4)
+    # The factors every curvature_every steps, the eigendecompositions as rarely.
+    pre = cafin.KFACPreconditioner(
+        model, factor_update_steps=curvature_every, inv_update_steps=curvature_every,
+        damping=3e-3, kl_clip=1e-3, lr=0.1, backend=backend)
+    return PreconditionerWithSGD(params, pre, opt)
 
 
 def details(ctx) -> None:
@@ -48,7 +33,7 @@ def targets(run) -> list[dict]:
 
 MEMBER = Member(
     name="kfac", label="K-FAC + SGD",
-    build=lambda model, backend, every: KFACWithSGD(model, backend, every),
+    build=_build,
     # The step rows. Compiled: only the preconditioner alone, a `details` row (--variants
     # fused-compiled); a compiled step of this class would eigendecompose on every step.
     backends=("fused", "reference"), compiles=False, captures=False,

@@ -8,37 +8,23 @@ projection through an N' x N' matrix). It runs on a small CNN of its own whateve
 "coarse assembly", as "two-level" (a short label: a longer one makes the table wrap)."""
 from __future__ import annotations
 
-from . import Member
+from . import Member, PreconditionerWithSGD
 
 # The details' network: 3 Conv2d and 2 Linear on 3 x 8 x 8 inputs, batch 16.
 BATCH, CHANNELS, SIDE = 16, 8, 8
 
 
-class TwoLevelWithSGD:
-    """The preconditioner and its SGD as one optimizer. The step phase repeats `step()` on the
-    same gradients, which the preconditioner rewrites: they are restored after each step."""
-
-    def __init__(self, model, backend: str, curvature_every: int):
-        import torch
-        import cafin
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.SGD(self.params, lr=0.05, momentum=0.9)
-        # The published clipping on (constraint_norm), and damping 1e-2: without them the bench
-        # models diverge within a few steps and eigh fails on the non-finite factors.
-        self.pre = cafin.TwoLevelKFAC(model, damping=1e-2, T_cov=curvature_every, T_inv=curvature_every,
-                                      constraint_norm=True, backend=backend)
-        self.pre.update_stats = True  # the hooks keep each pass's statistics; T_cov steps use them
-
-    def step(self):
-        grads = [p for p in self.params if p.grad is not None]
-        saved = [p.grad.clone() for p in grads]
-        self.pre.step()
-        self.opt.step()
-        for p, g in zip(grads, saved):
-            p.grad.copy_(g)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.opt.zero_grad(set_to_none=set_to_none)
+def _build(model, backend: str, curvature_every: int) -> PreconditionerWithSGD:
+    import torch
+    import cafin
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    # The published clipping on (constraint_norm), and damping 1e-2: without them the bench
+    # models diverge within a few steps and eigh fails on the non-finite factors.
+    pre = cafin.TwoLevelKFAC(model, damping=1e-2, T_cov=curvature_every, T_inv=curvature_every,
+                             constraint_norm=True, backend=backend)
+    pre.update_stats = True  # the hooks keep each pass's statistics; T_cov steps use them
+    return PreconditionerWithSGD(params, pre, opt)
 
 
 def _coarse_inputs(device):
@@ -87,7 +73,7 @@ def details(ctx) -> None:
 
 MEMBER = Member(
     name="twolevel", label="two-level",
-    build=lambda model, backend, every: TwoLevelWithSGD(model, backend, every),
+    build=_build,
     backends=("fused", "reference"), compiles=False, captures=False,
     # A plain run shows only the coarse assembly (details); the step rows on request
     # (--optimizers twolevel --variants fused): GPT's 3-D Linear inputs are not supported.
