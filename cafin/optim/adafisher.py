@@ -143,10 +143,6 @@ class AdaFisher(CurvatureOptimizer):
         self._hooks = Hooks(self, self._curvature)
         self._ranks_checked = False
 
-    def _layout(self) -> list[list]:
-        return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
-                for r in self._curvature]
-
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         work = state_dtype(p.dtype)
         expected = {"step": ((), torch.float32), "exp_avg": (tuple(p.shape), work)}
