@@ -16,6 +16,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import cafin
+from cafin.reference import dykaf as math
 from dykaf_oracle import Oracle
 
 BACKENDS = ["fused", "reference"]
@@ -76,11 +77,13 @@ def run_pair(kind, steps, kw, backend, groups=None, lr_change=False, zero_first=
     model = build(kind)
     twin = copy.deepcopy(model)
     if groups is None:
-        opt = cafin.DyKAF(model.parameters(), **kw, backend=backend)
+        # The oracle is the published code: its 4-D factor step, bug included.
+        opt = cafin.DyKAF(model.parameters(), **kw, backend=backend, published_bugs=True)
         oracles = [Oracle(twin.parameters(), **kw, starts=starts())]
     else:  # groups: list of (slice of the parameter list, overrides)
         ps, qs = list(model.parameters()), list(twin.parameters())
-        opt = cafin.DyKAF([dict(params=ps[s], **o) for s, o in groups], **kw, backend=backend)
+        opt = cafin.DyKAF([dict(params=ps[s], **o) for s, o in groups], **kw, backend=backend,
+                          published_bugs=True)
         oracles = [Oracle(qs[s], **{**kw, **o}, starts=starts()) for s, o in groups]
     worst = 0.0
     for t, (x, y) in enumerate(batches(kind, steps)):
@@ -542,3 +545,23 @@ def test_ddp_ranks_stay_identical_and_equal_one_process(tmp_path, float64_defaul
     for a, b, p in zip(rank0, rank1, model.parameters()):
         assert torch.equal(a, b)
         assert rel(a, p.detach()) <= 1e-10
+
+
+def test_four_d_factor_step_stays_an_average():
+    """The 4-D factor step (the default, not the published one): for a constant gradient the weight
+    settles below |g|^2, the Frobenius norm of the target vec(g)vec(g)^T; the published step from
+    the same start squares its weight every step and overflows."""
+    g = torch.randn(5, 4, 3, 3, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
+    F = math.tensor_proj_split(math.hopm_start(g, 0), g, 0.95)
+    weights = []
+    for _ in range(300):
+        F = math.tensor_proj_split(F, g, 0.95)
+        weights.append(float(F[0].norm() ** 4))
+    target = float(g.norm() ** 2)
+    assert all(torch.isfinite(f).all() for f in F)
+    assert abs(weights[-1] - weights[-2]) <= 1e-6 * weights[-1]
+    assert 0.1 * target < weights[-1] <= target * (1 + 1e-12)
+    F = math.tensor_proj_split(math.hopm_start(g, 0, published=True), g, 0.95, published=True)
+    for _ in range(10):
+        F = math.tensor_proj_split(F, g, 0.95, published=True)
+    assert not all(torch.isfinite(f).all() and f.norm() < 1e30 for f in F)

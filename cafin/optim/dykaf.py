@@ -47,6 +47,10 @@ class DyKAF(torch.optim.Optimizer):
             restarts from the uniform direction instead of turning NaN.
         seed: the starting vectors of the "kron" and 4-D (HOPM) power iterations are drawn from a
             CPU generator seeded with this (the published code uses the global torch.randn).
+        published_bugs: False (default): the 4-D (conv kernel) factor step keeps unit factors and
+            carries the weight as the norm of each mode's update, and the HOPM start takes |s|.
+            True: the published step, whose weight roughly squares every step (it overflows to NaN
+            on a small CNN within 13 steps) and whose start is NaN for a negative s.
     The first step of each parameter only builds its state (no update, no decay), as published.
     lr and betas are kept as 0-dim float64 tensors on the parameters' device, so schedulers change
     them in place (for betas: `group["betas"][i].fill_(x)`) and a compiled step does not recompile.
@@ -58,7 +62,8 @@ class DyKAF(torch.optim.Optimizer):
                  merge_dims: bool = False, precondition_1d: bool = False,
                  normalize_grads: bool = False, data_format: str = "channels_first",
                  correct_bias: bool = True, init: str = "kron", adam_rank_one: bool = True, *,
-                 backend: str = "fused", rank_one_eps: float = 0.0, seed: int = 0):
+                 backend: str = "fused", rank_one_eps: float = 0.0, seed: int = 0,
+                 published_bugs: bool = False):
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
         if data_format not in ("channels_first", "channels_last"):
@@ -76,6 +81,7 @@ class DyKAF(torch.optim.Optimizer):
         self.backend = backend
         self.rank_one_eps = float(rank_one_eps)
         self.seed = int(seed)
+        self.published_bugs = bool(published_bugs)
         self._impl = _BACKENDS[backend]
         super().__init__(params, defaults)
         self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
@@ -134,7 +140,8 @@ class DyKAF(torch.optim.Optimizer):
         if kind == "kron2d":
             factors = self._start_2d(g, group, beta)
         elif kind == "kron4d":
-            factors = math.tensor_proj_split(math.hopm_start(g, self.seed), g, beta)
+            factors = math.tensor_proj_split(math.hopm_start(g, self.seed, self.published_bugs), g, beta,
+                                                 self.published_bugs)
         else:
             shape = merged if merged is not None else p.shape
             if p.dim() == 1 and not group["precondition_1d"]:
@@ -325,7 +332,7 @@ class DyKAF(torch.optim.Optimizer):
                 state["factors"] = [None if L is None else math.one_sided(L, g, True),
                                     None if R is None else math.one_sided(R, g, False)]
         elif kind == "kron4d":
-            state["factors"] = math.tensor_proj_split(factors, g, beta)
+            state["factors"] = math.tensor_proj_split(factors, g, beta, self.published_bugs)
         else:
             merged = self._merged_shape(p, group)
             self._ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)

@@ -155,7 +155,7 @@ _TENSOR_SPLIT_RULES = ("ijkl,sabc,ja,kb,lc->is", "ijkl,asbc,ia,kb,lc->js",
                        "ijkl,absc,ia,jb,lc->ks", "ijkl,abcs,ia,jb,kc->ls")
 
 
-def hopm_start(g: torch.Tensor, seed: int) -> list[torch.Tensor]:
+def hopm_start(g: torch.Tensor, seed: int, published: bool = False) -> list[torch.Tensor]:
     """The published 4-D start: rank-1 higher-order power method, each factor v v^T with v scaled
     so that the four factors' product scales like s (the rank-1 component's weight)."""
     v = start_vectors(list(g.shape), seed, g.dtype, g.device)
@@ -164,7 +164,9 @@ def hopm_start(g: torch.Tensor, seed: int) -> list[torch.Tensor]:
             v[k] = torch.einsum(_HOPM_RULES[k], g, *[v[t] for t in range(4) if t != k])
             v[k] = v[k] / v[k].norm()
     s = (g * torch.einsum("i,j,k,l->ijkl", *v)).sum()
-    root = s ** 0.25
+    # Published: s ** 0.25, NaN when the power iteration ends on a negative component; the sign
+    # is the vectors' (v v^T does not see it), so the weight is |s|.
+    root = (s if published else s.abs()) ** 0.25
     return [torch.outer(x * root, x * root) for x in v]
 
 
@@ -198,10 +200,29 @@ def one_sided_start(n: int, like: torch.Tensor) -> torch.Tensor:
     return eye / (eye.norm() * ONE_SIDED_START)
 
 
-def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float) -> list[torch.Tensor]:
-    """The published 4-D factor step: sequential per-mode updates (each sees the modes already
-    updated), the weight S carried as S_hat - ||L_i * C|| (the norm of an elementwise product, as
-    published), the four factors scaled by S^(1/4) at the end."""
+def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
+                      published: bool = False) -> list[torch.Tensor]:
+    """The 4-D factor step: the four factors hold S^(1/4) u_t (unit u_t, weight S) of the rank-1
+    approximation S (x) u_t of F <- beta F + (1-beta) vec(g)vec(g)^T; sequential per-mode updates,
+    each seeing the modes already updated: K_i = beta S u_i + (1-beta) C_i(u), u_i = K_i / |K_i|,
+    S = |K_i| (the target's weight on the new rank-1 term, up to the other modes' overlaps).
+
+    published=True: the published step, which multiplies S by the stored factors (norm S^(1/4)
+    each, not unit) and carries S as |K_i| - |u_i * C_i| (the norm of an elementwise product):
+    the weight then roughly squares every step from above 1 (overflow, then NaN: the digits CNN
+    diverges at step 13) and collapses from below 1."""
+    if not published:
+        S = factors[0].norm() ** 4 * beta
+        u = [x / x.norm() for x in factors]
+        if beta != 1:
+            g = g * (1 - beta) ** 0.5
+        for i in range(4):
+            C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[u[t] for t in range(4) if t != i])
+            K = S * u[i] + C
+            S = K.norm()
+            u[i] = K / S
+        root = S ** 0.25
+        return [x * root for x in u]
     L = list(factors)
     S = L[0].norm() ** 4
     L = [x * beta ** 0.25 for x in L]
