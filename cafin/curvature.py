@@ -385,6 +385,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                                    type(self).__name__)
         if self.process_group is None:
             self.process_group = mesh_group
+        self._sharded = mesh_group is not None
         self._attached = True
         self._attach()
         if distributed():

@@ -457,16 +457,9 @@ class Hierarchical(Structure):
 
     @classmethod
     def product_parts(cls, p, q):
-        a, b, c, dd, e = p
-        a2, b2, c2, d2, e2 = q
-        mid = c.shape[0]
-        b_c, b_e = b.split([mid, e.shape[0]], dim=1)
-        b2_c, b2_e = b2.split([mid, e2.shape[0]], dim=1)
-        return ((a @ a2,
-                 torch.cat([a @ b2_c + b_c * c2 + b_e @ d2, a @ b2_e + b_e @ e2], dim=1),
-                 c2,  # the diagonal middle: c * c2 in the op
-                 dd * c2 + e @ d2,
-                 e @ e2), (False, False, True, False, False))
+        km = list(cls.product(p, q))
+        km[2] = q[2]  # the diagonal middle: c * c2 in the op
+        return tuple(km), (False, False, True, False, False)
 
 
 # ---------------------------------------------------------------------------------- Toeplitz

@@ -28,7 +28,7 @@ from ..curvature import (CurvatureOptimizer, Hooks, Layer, average_over_ranks, c
                          discover, distributed, hyperparameter_tensor, on, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
-from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows, rows
+from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
@@ -129,12 +129,9 @@ class SINGD(CurvatureOptimizer):
                         exact_block_transposes=exact_block_transposes)
         if params is None:
             params = self._trainable(unwrap(model), warn_unsupported)
-        self._sharded = False
         super().__init__(model, params, defaults, process_group)
         # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
         # DDP, and the natural gradient of a whole layer is taken from its gathered gradient.
-        self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
-                                      "SINGD") is not None
         if self._sharded:
             self._ddp = True
 
