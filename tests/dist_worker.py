@@ -1,7 +1,7 @@
 """One rank of the 2-process CPU/gloo runs of tests/test_distributed.py.
 
-Run as `python tests/dist_worker.py SCENARIO BACKEND OUTDIR` with RANK and WORLD_SIZE in the
-environment; the ranks meet through a file in OUTDIR (no port to pick). Everything the test
+Started by tests/two_ranks.py's `launch` as `python tests/dist_worker.py SCENARIO BACKEND OUTDIR`;
+the ranks meet through a file in OUTDIR. Everything the test
 asserts on is written to OUTDIR as `{case}_rank{r}.pt` (and `{case}_ckpt.pt`, saved by rank 0).
 
 Scenarios:
@@ -18,7 +18,6 @@ single-process oracle and the resumes on the same definitions.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 import sys
 import traceback
@@ -27,13 +26,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import two_ranks
+from two_ranks import CALLS
+
 TCOV = 2
 STEPS = 3 * TCOV + 1  # curvature steps at k = 0, 2, 4, 6
 CONTINUE = TCOV + 1   # after the checkpoint at k = STEPS: covers the curvature step k = 8
 HP = dict(lr=1e-3, beta=0.9, Lambda=1e-3, weight_decay=0.05, gamma=0.8)
 BATCH = 8  # per rank
 WORLD = 2
-GLOO_TIMEOUT_S = 90
 # (name, how the optimizer sees the model, micro-batches per step)
 #   ddp:           AdaFisher(ddp_model), one backward per step
 #   ddp_module:    AdaFisher(ddp_model.module)
@@ -112,25 +113,6 @@ def train_step(net, opt, model, batch, n_micro, *, no_sync=False, allreduce=Fals
     if record is not None:
         record["step"].append(list(CALLS))
     CALLS.clear()
-
-
-# ------------------------------------------------------------------------- counting collectives
-CALLS: list[tuple[str, int, str]] = []  # (collective, numel of the tensor, dtype)
-
-
-def _count_collectives() -> None:
-    import torch.distributed as dist
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def wrapper(*args, __original=original, __name=name, **kwargs):
-            t = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            CALLS.append((__name, -1 if t is None else t.numel(), "" if t is None else str(t.dtype)))
-            return __original(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
 
 
 # ------------------------------------------------------------------------------ scenarios
@@ -221,20 +203,11 @@ def scenario_mismatch(rank: int, backend: str, outdir: str) -> None:
 
 def main() -> None:
     scenario, backend, outdir = sys.argv[1:4]
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
+    rank, world = two_ranks.join(outdir)
     assert world == WORLD
-    torch.set_num_threads(1)  # 2 ranks on 2 cores; also makes CPU reductions reproducible
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=GLOO_TIMEOUT_S))
-    _count_collectives()
-    try:
-        {"train": scenario_train, "mismatch": scenario_mismatch}[scenario](rank, backend, outdir)
-        dist.barrier()  # tear gloo down together: a rank leaving early can abort the other's exit
-    finally:
-        dist.destroy_process_group()
+    two_ranks.count_collectives(COLLECTIVES)
+    {"train": scenario_train, "mismatch": scenario_mismatch}[scenario](rank, backend, outdir)
+    two_ranks.leave()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """One rank of the 2-process CPU/gloo FSDP2 runs of tests/test_fsdp.py.
 
-Run as `python tests/fsdp_worker.py OUTDIR` with RANK and WORLD_SIZE in the environment; the ranks
-meet through a file in OUTDIR. For every member and dtype (MEMBERS x DTYPES) it trains the same
+Started by tests/two_ranks.py's `launch` as `python tests/fsdp_worker.py OUTDIR`; the ranks meet
+through a file in OUTDIR. For every member and dtype (MEMBERS x DTYPES) it trains the same
 model twice on the same per-rank batches, once under DDP and once with `fully_shard` on every
 layer and on the root, and records: the full parameters of both runs, the collectives each
 `step()` made under FSDP (name, elements, dtype), a checkpoint round trip through
@@ -12,7 +12,6 @@ fresh optimizer survives DCP's zero-gradient initialisation step. Results go to
 """
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import tempfile
@@ -21,6 +20,9 @@ import traceback
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import two_ranks
+from two_ranks import CALLS, COUNTING
 
 WORLD = 2
 BATCH = 6  # per rank
@@ -167,31 +169,6 @@ def factors(objs) -> list[torch.Tensor]:
     return []
 
 
-# ------------------------------------------------------------------------------ counting collectives
-CALLS: list[tuple[str, int, str]] = []
-COUNTING = [False]
-
-
-def _count_collectives() -> None:
-    import torch.distributed as dist
-    for name in COLLECTIVES:
-        original = getattr(dist, name, None)
-        if original is None:
-            continue
-
-        def wrapper(*args, __original=original, __name=name, **kwargs):
-            if COUNTING[0]:
-                # all_gather_into_tensor(out, in): count what this rank sends
-                t = args[1] if __name.startswith("all_gather_") else (args[0] if args else None)
-                if isinstance(t, torch.Tensor):
-                    CALLS.append((__name, t.numel(), str(t.dtype).replace("torch.", "")))
-                else:
-                    CALLS.append((__name, -1, ""))
-            return __original(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
-
-
 # ------------------------------------------------------------------------------ training
 def shard(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
@@ -303,39 +280,34 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
 def main() -> None:
     outdir = sys.argv[1]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(MEMBERS)
-    rank = int(os.environ["RANK"])
-    assert int(os.environ["WORLD_SIZE"]) == WORLD
-    torch.set_num_threads(1)
+    rank, world = two_ranks.join(outdir)
+    assert world == WORLD
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
-                            rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=90))
-    _count_collectives()
+    two_ranks.count_collectives(COLLECTIVES)
+    COUNTING[0] = False
     group = dist.group.WORLD
-    try:
-        for name in only:
-            for dname, dtype in DTYPES.items():
-                case = f"{name}-{dname}"
-                try:
-                    result = run_case(MEMBERS[name], dtype, rank, outdir, group)
-                    result["error"] = None
-                except Exception:
-                    result = {"error": traceback.format_exc()}
-                    torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
-                    sys.stderr.write(result["error"])
-                    sys.stderr.flush()
-                    os._exit(3)
-                torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
-        refused = {}
-        for name, make in REFUSED.items():
+    for name in only:
+        for dname, dtype in DTYPES.items():
+            case = f"{name}-{dname}"
             try:
-                make(shard(make_model(torch.float64)))
-                refused[name] = None
-            except Exception as e:
-                refused[name] = (type(e).__name__, str(e))
-        torch.save(refused, os.path.join(outdir, f"refused_rank{rank}.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+                result = run_case(MEMBERS[name], dtype, rank, outdir, group)
+                result["error"] = None
+            except Exception:
+                result = {"error": traceback.format_exc()}
+                torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+                sys.stderr.write(result["error"])
+                sys.stderr.flush()
+                os._exit(3)
+            torch.save(result, os.path.join(outdir, f"{case}_rank{rank}.pt"))
+    refused = {}
+    for name, make in REFUSED.items():
+        try:
+            make(shard(make_model(torch.float64)))
+            refused[name] = None
+        except Exception as e:
+            refused[name] = (type(e).__name__, str(e))
+    torch.save(refused, os.path.join(outdir, f"refused_rank{rank}.pt"))
+    two_ranks.leave()
 
 
 if __name__ == "__main__":

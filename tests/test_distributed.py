@@ -1,7 +1,7 @@
 """Distributed training and gradient accumulation (issue "Distributed factors", DESIGN.md 2.4).
 
 Distributed: two CPU processes on the gloo backend (tests/dist_worker.py, started with
-subprocess, meeting through a file; gloo timeout 90 s; each launch killed after LAUNCH_TIMEOUT_S).
+subprocess by tests/two_ranks.py, meeting through a file, every exit bounded).
 One launch per backend runs every case (4 ways of wiring data parallelism x 2 optimizers) and
 writes what it saw; the tests below assert on it:
 - parameters and factors bit-identical on both ranks after 3*TCov+1 steps and after more;
@@ -26,9 +26,6 @@ raw statistics once per step; statistics="per_pass" folds every pass (as publish
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -40,6 +37,7 @@ import cafin
 from cafin import AdaFisher, AdaFisherW
 
 import dist_worker as W
+import two_ranks
 from oracle import (SUPPORTED, Oracle, adafisher_update, normalise, raw_statistics,
                     takes_statistics)
 
@@ -47,7 +45,6 @@ BACKENDS = ["reference", "fused"]
 OPTIMIZERS = [pytest.param(AdaFisher, id="AdaFisher"), pytest.param(AdaFisherW, id="AdaFisherW")]
 CASES = [pytest.param(wrap, opt, id=f"{wrap}-{opt}") for wrap in W.WRAPS for opt in W.OPTIMIZERS]
 TOL = 1e-5  # float32 cafin against a float64 oracle, max|a - b| / max|b|
-LAUNCH_TIMEOUT_S = 240
 WORKER = Path(__file__).with_name("dist_worker.py")
 
 
@@ -71,49 +68,13 @@ def one_thread():
 _LAUNCHES: dict[tuple[str, str], tuple[Path, str | None]] = {}
 
 
-def _launch(scenario: str, backend: str, outdir: Path) -> str | None:
-    """Run both ranks; None when both exited 0, else what went wrong with their logs."""
-    env = {**os.environ, "WORLD_SIZE": str(W.WORLD), "OMP_NUM_THREADS": "1",
-           # the ranks import this checkout's cafin, as the test does
-           "PYTHONPATH": os.pathsep.join([str(WORKER.parent.parent), os.environ.get("PYTHONPATH", "")])}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the loopback, whatever the hostname resolves to
-    procs, logs = [], []
-    for rank in range(W.WORLD):
-        log = open(outdir / f"log{rank}.txt", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, backend, str(outdir)],
-            env={**env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
-            cwd=WORKER.parent.parent))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    timed_out = False
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    codes = [p.returncode for p in procs]
-    if not timed_out and all(c == 0 for c in codes):
-        return None
-    text = "\n".join(f"--- rank {r} (exit {c}) ---\n{(outdir / f'log{r}.txt').read_text()[-4000:]}"
-                     for r, c in enumerate(codes))
-    return f"{'timed out after %d s; ' % LAUNCH_TIMEOUT_S if timed_out else ''}{text}"
-
-
 def launched(scenario: str, backend: str, tmp_path_factory) -> tuple[Path, str | None]:
     """One launch per (scenario, backend) per session, shared by the tests that read it."""
     key = (scenario, backend)
     if key not in _LAUNCHES:
         outdir = tmp_path_factory.mktemp(f"dist-{scenario}-{backend}")
         start = time.monotonic()
-        failure = _launch(scenario, backend, outdir)
+        failure = two_ranks.launch(lambda rank: [WORKER, scenario, backend, outdir], outdir, W.WORLD)
         print(f"\n[{scenario}/{backend}: 2 ranks in {time.monotonic() - start:.1f} s]")
         _LAUNCHES[key] = (outdir, failure)
     return _LAUNCHES[key]
@@ -235,7 +196,7 @@ def test_one_flat_all_reduce_per_curvature_step(wrap, opt_name, backend, tmp_pat
         expected_numel = r["flat_numel"]  # every S and H of every supported layer
         for k, calls in enumerate(r["step"]):
             if k % W.TCOV == 0:
-                assert calls == [("all_reduce", expected_numel, "torch.float32")], \
+                assert calls == [("all_reduce", expected_numel, "float32")], \
                     f"rank {rank}, step {k}: {calls}"
             else:
                 assert calls == [], f"rank {rank}, step {k} (no curvature update): {calls}"

@@ -19,6 +19,8 @@ import cafin
 from cafin.reference import dykaf as math
 from dykaf_oracle import Oracle
 
+import two_ranks
+
 BACKENDS = ["fused", "reference"]
 
 
@@ -499,46 +501,37 @@ def test_grad_scaler_skips_inf_steps_and_unscales():
 
 
 # ----------------------------------------------------------------------------------- DDP
-def _ddp_worker(rank, world, init_file, out_dir, steps):
-    import torch.distributed as dist
+DDP_STEPS = 6
+
+
+def _ddp_worker(outdir):
     torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(1)
-        model = nn.parallel.DistributedDataParallel(mlp())
-        opt = cafin.DyKAF(model.parameters(), eps=1e-4, lr=1e-2)  # default init="kron"
-        for x, y in batches("mlp", steps):
-            opt.zero_grad()
-            half = x.shape[0] // world
-            part = slice(rank * half, (rank + 1) * half)
-            nn.functional.cross_entropy(model(x[part]), y[part]).backward()
-            opt.step()
-        torch.save([p.detach() for p in model.module.parameters()], f"{out_dir}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    rank, world = two_ranks.join(outdir)
+    torch.manual_seed(1)
+    model = nn.parallel.DistributedDataParallel(mlp())
+    opt = cafin.DyKAF(model.parameters(), eps=1e-4, lr=1e-2)  # default init="kron"
+    for x, y in batches("mlp", DDP_STEPS):
+        opt.zero_grad()
+        half = x.shape[0] // world
+        part = slice(rank * half, (rank + 1) * half)
+        nn.functional.cross_entropy(model(x[part]), y[part]).backward()
+        opt.step()
+    torch.save([p.detach() for p in model.module.parameters()], f"{outdir}/rank{rank}.pt")
+    del model, opt
+    two_ranks.leave()
 
 
 def test_ddp_ranks_stay_identical_and_equal_one_process(tmp_path, float64_default):
     """No hooks and no collective of its own: DDP averages the gradients, and the deterministic
     starts (the published ones draw from each rank's global generator) keep every rank's factors,
     and so its parameters, identical; the run equals one process on the whole batch."""
-    import torch.multiprocessing as mp
-    steps = 6
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_ddp_worker, args=(r, 2, tmp_path / "init", tmp_path, steps))
-             for r in range(2)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=240)
-        if proc.is_alive():
-            proc.kill()
-    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    failure = two_ranks.launch(lambda rank: [__file__, "--dist-worker", tmp_path], tmp_path)
+    assert failure is None, failure
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     torch.manual_seed(1)
     model = mlp()
     opt = cafin.DyKAF(model.parameters(), eps=1e-4, lr=1e-2)
-    for x, y in batches("mlp", steps):
+    for x, y in batches("mlp", DDP_STEPS):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -565,3 +558,9 @@ def test_four_d_factor_step_stays_an_average():
     for _ in range(10):
         F = math.tensor_proj_split(F, g, 0.95, published=True)
     assert not all(torch.isfinite(f).all() and f.norm() < 1e30 for f in F)
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:2] == ["--dist-worker"]:
+        _ddp_worker(sys.argv[2])

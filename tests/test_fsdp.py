@@ -14,9 +14,6 @@ it wrote:
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,10 +21,9 @@ import pytest
 import torch
 
 import fsdp_worker as W
+import two_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("fsdp_worker.py")
-LAUNCH_TIMEOUT_S = 300
 TOL = {"float64": 1e-10, "float32": 1e-5}
 CASES = [pytest.param(m, d, id=f"{m}-{d}") for m in W.MEMBERS for d in W.DTYPES]
 
@@ -70,42 +66,11 @@ TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 _LAUNCH: dict = {}
 
 
-def _launch(outdir: Path) -> str | None:
-    env = {**os.environ, "WORLD_SIZE": str(W.WORLD), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    for rank in range(W.WORLD):
-        log = open(outdir / f"log{rank}.txt", "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), str(outdir)],
-                                      env={**env, "RANK": str(rank)}, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=ROOT))
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    for log in logs:
-        log.close()
-    codes = [p.returncode for p in procs]
-    if all(c == 0 for c in codes):
-        return None
-    return "\n".join(f"--- rank {r} (exit {c}) ---\n{(outdir / f'log{r}.txt').read_text()[-4000:]}"
-                     for r, c in enumerate(codes))
-
-
 def results(member: str, dtype: str, tmp_path_factory) -> list[dict]:
     if "out" not in _LAUNCH:
         outdir = tmp_path_factory.mktemp("fsdp")
         start = time.monotonic()
-        _LAUNCH["failure"] = _launch(outdir)
+        _LAUNCH["failure"] = two_ranks.launch(lambda rank: [WORKER, outdir], outdir, W.WORLD)
         _LAUNCH["out"] = outdir
         print(f"\n[fsdp: 2 ranks in {time.monotonic() - start:.1f} s]")
     outdir, failure = _LAUNCH["out"], _LAUNCH["failure"]

@@ -25,6 +25,8 @@ import cafin
 from cafin import ops
 from cafin import reference as ref
 
+import two_ranks
+
 CUDA = torch.cuda.is_available() and cafin.cuda_kernels_built()
 CUDA_SKIP = ("no CUDA device" if not torch.cuda.is_available() else "cafin built without CUDA kernels")
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=CUDA_SKIP))]
@@ -777,28 +779,23 @@ def rank_batch(step, rank):
     return torch.randn(5, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (5,), generator=g)
 
 
-def _dist_worker(rank: int, outdir: str) -> None:
+def _dist_worker(outdir: str) -> None:
     """One of two gloo ranks: DDP over cnn() in float64, K-FAC with kfac-pytorch's KAISA options."""
-    import datetime
     import os
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=90))
-    try:
-        model = base_model("cnn", torch.float64)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
-        pre = cafin.KFACPreconditioner(ddp, inv_dtype=torch.float64, decompose_dtype=torch.float64,
-                                       grad_worker_fraction=0.5, factor_update_steps=1, inv_update_steps=2)
-        for step in range(DIST_STEPS):
-            opt.zero_grad()
-            loss_of(ddp, *rank_batch(step, rank)).backward()
-            pre.step()
-            opt.step()
-        torch.save({"params": flat(model), "state": pre.state_dict()}, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    rank, _ = two_ranks.join(outdir)
+    model = base_model("cnn", torch.float64)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(ddp, inv_dtype=torch.float64, decompose_dtype=torch.float64,
+                                   grad_worker_fraction=0.5, factor_update_steps=1, inv_update_steps=2)
+    for step in range(DIST_STEPS):
+        opt.zero_grad()
+        loss_of(ddp, *rank_batch(step, rank)).backward()
+        pre.step()
+        opt.step()
+    torch.save({"params": flat(model), "state": pre.state_dict()}, os.path.join(outdir, f"rank{rank}.pt"))
+    del ddp, opt, pre
+    two_ranks.leave()
 
 
 def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
@@ -806,29 +803,8 @@ def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
     each rank's statistics separately and averages them (kfac-pytorch averages each factor over
     the ranks after its update; cafin averages every factor once per factor step, in one
     collective: the same numbers, because the previous factors are equal on every rank)."""
-    import subprocess
-    import sys
-    import os
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           # the workers import the cafin this test imported
-           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    # Output goes to files, not pipes: a rank blocked on a full pipe while the test waits on the
-    # other rank would stall both in their next collective.
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
-                              cwd=str(Path(__file__).parents[1]), stdout=open(logs[r], "wb"),
-                              stderr=subprocess.STDOUT)
-             for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            p.kill()
-    outs = [log.read_text() for log in logs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(outs)
+    failure = two_ranks.launch(lambda rank: [__file__, "--dist-worker", tmp_path], tmp_path)
+    assert failure is None, failure
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     assert torch.equal(r0["params"], r1["params"])
     for name, layer in r0["state"]["layers"].items():
@@ -851,4 +827,4 @@ def test_ddp_two_ranks_equal_the_rank_averaged_oracle(tmp_path):
 if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["--dist-worker"]:
-        _dist_worker(int(sys.argv[2]), sys.argv[3])
+        _dist_worker(sys.argv[2])

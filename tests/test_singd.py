@@ -24,6 +24,8 @@ from torch.testing._internal.optests import generate_opcheck_tests
 import cafin
 from cafin import structures as S
 
+import two_ranks
+
 STRUCTS = ["dense", "diagonal", "block30diagonal", "hierarchical15_15", "triltoeplitz", "triutoeplitz"]
 
 
@@ -813,12 +815,12 @@ def test_cached_preconditioner_equals_uncached(structures):
 
 # ------------------------------------------------------------------------------ two ranks
 _WORKER = r'''
-import sys, torch, torch.distributed as dist
+import os, sys, torch
 from torch import nn
 import torch.nn.functional as F
 import cafin
-rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+import two_ranks
+rank, _ = two_ranks.join(sys.argv[1])
 results = {}
 for wrap in ("ddp", "plain"):
     torch.manual_seed(0)
@@ -835,37 +837,18 @@ for wrap in ("ddp", "plain"):
     results[wrap] = [p.detach().clone() for p in m.parameters()]
     del opt, model
 if rank == 0:
-    torch.save(results, out)
-import gc
-gc.collect()  # the DDP reducers (they hold the group) go before the group does
-dist.barrier()  # tear gloo down together: a rank leaving early can abort the other's exit
-dist.destroy_process_group()
+    torch.save(results, os.path.join(sys.argv[1], "out.pt"))
+two_ranks.leave()
 '''
 
 
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     """Two gloo ranks, each with half of every batch: the averaged H terms and gradients (DDP
     wrapper) or natural gradients (no wrapper, as singd) give the one-process full-batch run."""
-    import os
-    import subprocess
-    import sys
     script = tmp_path / "worker.py"
     script.write_text(_WORKER)
-    root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    # Output to files, not pipes: a rank blocked on a full pipe would stall the other rank.
-    logs = [tmp_path / f"rank{r}.log" for r in (0, 1)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "store"),
-                               str(tmp_path / "out.pt")], env=env, cwd=root,
-                              stdout=open(logs[r], "wb"), stderr=subprocess.STDOUT) for r in (0, 1)]
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            p.kill()
-    for p, log in zip(procs, logs):
-        assert p.returncode == 0, log.read_text()[-3000:]
+    failure = two_ranks.launch(lambda rank: [script, tmp_path], tmp_path)
+    assert failure is None, failure
     results = torch.load(tmp_path / "out.pt")
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()

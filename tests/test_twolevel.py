@@ -12,6 +12,8 @@ from torch import nn
 
 import cafin
 
+import two_ranks
+
 DAMP, ALPHA = 1e-2, 0.9
 C1 = 1.0 / (1.0 + 1e-8)  # the published ones vector after its inf-norm normalisation
 
@@ -414,38 +416,28 @@ def dist_train(coarse, net, batches, on_step=lambda: None):
     return opt
 
 
-def _dist_worker(rank: int, outdir: str) -> None:
-    """One of two gloo ranks: DDP over cnn() in float64, each coarse space of DIST_CASES, every
-    Python-level all_reduce counted per step."""
-    import datetime
+def _dist_worker(outdir: str) -> None:
+    """One of two gloo ranks: DDP over cnn() in float64, each coarse space of DIST_CASES, the
+    all_reduce calls of each step counted."""
     import os
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"), rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=90))
-    calls, real = [0], dist.all_reduce
+    rank, _ = two_ranks.join(outdir)
+    two_ranks.count_collectives(["all_reduce"])
+    out = {}
+    for coarse in DIST_CASES:
+        model = cnn(True)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        per_step = []
 
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return real(*args, **kwargs)
-    dist.all_reduce = counted
-    try:
-        out = {}
-        for coarse in DIST_CASES:
-            model = cnn(True)
-            ddp = nn.parallel.DistributedDataParallel(model)
-            per_step = []
-
-            def on_step():
-                per_step.append(calls[0])
-                calls[0] = 0
-            opt = dist_train(coarse, ddp, [dist_batch(s, rank) for s in range(DIST_STEPS)], on_step)
-            out[coarse] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
-                           "f_coarse": opt.f_coarse.clone(), "collectives": per_step}
-        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
-    finally:
-        dist.all_reduce = real
-        dist.destroy_process_group()
+        def on_step():
+            per_step.append(len(two_ranks.CALLS))
+            two_ranks.CALLS.clear()
+        two_ranks.CALLS.clear()
+        opt = dist_train(coarse, ddp, [dist_batch(s, rank) for s in range(DIST_STEPS)], on_step)
+        out[coarse] = {"params": torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                       "f_coarse": opt.f_coarse.clone(), "collectives": per_step}
+        del ddp, opt
+    torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+    two_ranks.leave()
 
 
 def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
@@ -454,25 +446,8 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     are averaged in one collective per step for the ones-vector spaces (nicolaides,
     tpselepedis, whose two factor sums are averaged apart); the residual space needs the
     averaged factors for its vectors and the whole batch's Fisher product: three."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(Path(cafin.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    if sys.platform.startswith("linux"):
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    logs = [tmp_path / f"rank{r}.log" for r in range(2)]  # files, not pipes: no stall
-    procs = [subprocess.Popen([sys.executable, __file__, "--dist-worker", str(r), str(tmp_path)], env=env,
-                              cwd=str(Path(__file__).parents[1]), stdout=open(logs[r], "wb"),
-                              stderr=subprocess.STDOUT) for r in range(2)]
-    try:
-        for p in procs:
-            p.wait(timeout=240)
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode == 0 for p in procs), "\n".join(log.read_text() for log in logs)
+    failure = two_ranks.launch(lambda rank: [__file__, "--dist-worker", tmp_path], tmp_path)
+    assert failure is None, failure
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
     for coarse in DIST_CASES:
         assert torch.equal(r0[coarse]["params"], r1[coarse]["params"]), coarse
@@ -491,4 +466,4 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
 if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["--dist-worker"]:
-        _dist_worker(int(sys.argv[2]), sys.argv[3])
+        _dist_worker(sys.argv[2])
