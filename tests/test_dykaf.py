@@ -121,6 +121,7 @@ CONFIGS = {
     "mlp-kron-start": ("mlp", dict(init="kron")),
     "cnn-rank-one": ("cnn", {}),
     "equal-shapes-batched": ("deep", dict(precondition_frequency=4)),
+    "equal-shapes-one-by-one": ("deep", dict(precondition_frequency=4)),
     "equal-shapes-full-second-moment": ("deep", dict(adam_rank_one=False, shampoo_beta=0.9)),
     "cnn-full-precondition-1d": ("cnn", dict(adam_rank_one=False, precondition_1d=True)),
 }
@@ -128,15 +129,43 @@ CONFIGS = {
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_matches_oracle_float64(name, backend, float64_default):
+def test_matches_oracle_float64(name, backend, float64_default, monkeypatch):
     kind, kw = CONFIGS[name]
     kw = {**dict(lr=1e-2, eps=1e-4, init="eps"), **kw}
+    # fused: equal shapes run as one batched GEMM each on a GPU, one by one on a CPU; both here
+    batched = kind == "deep" and name != "equal-shapes-one-by-one"
+    monkeypatch.setattr(cafin.DyKAF, "_batch_on_cpu", batched)
     worst, opt = run_pair(kind, 13, kw, backend)  # 12 updates: the refresh at 10 (at 3, 6, 9, 12)
     assert worst <= 1e-10, worst
-    if kind == "deep" and backend == "fused":  # the equal shapes really were batched
+    if kind == "deep" and backend == "fused":  # the equal shapes really were batched (or not)
         params = [p for p in opt.param_groups[0]["params"]]
         stacks = opt._stacks(params, [opt.state[p] for p in params])
-        assert sorted(len(idx) for idx, _, _ in stacks) == [1, 2, 2, 2]
+        want = [1, 2, 2, 2] if batched else [1] * 7
+        assert sorted(len(idx) for idx, _, _ in stacks) == want
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_rotated_moment_cache_follows_the_projection(batched, float64_default, monkeypatch):
+    """The fused path keeps each matrix's rotated moment Q_L^T exp_avg Q_R between refreshes and
+    averages it with the rotated gradient instead of projecting exp_avg again: it stays equal to
+    the projection, is dropped at a refresh and rebuilt by projection at the next step."""
+    monkeypatch.setattr(cafin.DyKAF, "_batch_on_cpu", batched)
+    torch.manual_seed(0)
+    net = deep()
+    opt = cafin.DyKAF(net.parameters(), lr=1e-2, eps=1e-4, init="eps", precondition_frequency=4)
+    matrices = [p for p in net.parameters() if p.dim() == 2]
+    for t, (x, y) in enumerate(batches("deep", 9)):
+        opt.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        for p in matrices:
+            st = opt.state[p]
+            if t == 0 or st["step"] % 4 == 0:  # state built, or refreshed at the end of the step
+                assert st["exp_avg_rot_step"] == -1
+                continue
+            assert st["exp_avg_rot_step"] == st["step"]
+            QL, QR = st["bases"]
+            assert rel(st["exp_avg_rot"], QL.T @ st["exp_avg"] @ QR) <= 1e-12
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -264,8 +293,12 @@ def test_zero_first_gradient_on_a_conv_kernel():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+@pytest.mark.parametrize("row_major", [False, True], ids=["as-saved", "row-major"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_state_dict_round_trip_is_bit_identical(backend):
+def test_state_dict_round_trip_is_bit_identical(backend, row_major):
+    """Saved mid-cycle (fused: the rotated moment cached), resumed bit-identically, also when the
+    checkpoint comes back with every tensor row-major (as torch.distributed.checkpoint restores
+    LAPACK's column-major bases)."""
     torch.manual_seed(0)
     model = cnn()
     kw = dict(init="eps", precondition_frequency=3, lr=1e-2, backend=backend)
@@ -278,8 +311,15 @@ def test_state_dict_round_trip_is_bit_identical(backend):
             nn.functional.cross_entropy(net(x), y).backward()
             o.step()
 
-    train(model, opt, data[:4])
+    train(model, opt, data[:5])  # 4 updates: refreshed at 3, the moment cached at 4
+    if backend == "fused":
+        assert opt.state[model[-1].weight]["exp_avg_rot_step"] == 4
     saved = copy.deepcopy(opt.state_dict())
+    if row_major:
+        for st in saved["state"].values():
+            for k, v in st.items():
+                st[k] = [t if t is None else t.contiguous() for t in v] if isinstance(v, list) else \
+                    (v.contiguous() if torch.is_tensor(v) else v)
     twin = copy.deepcopy(model)
     opt2 = cafin.DyKAF(twin.parameters(), **kw)
     opt2.load_state_dict(saved)
@@ -538,6 +578,24 @@ def test_ddp_ranks_stay_identical_and_equal_one_process(tmp_path, float64_defaul
     for a, b, p in zip(rank0, rank1, model.parameters()):
         assert torch.equal(a, b)
         assert rel(a, p.detach()) <= 1e-10
+
+
+@pytest.mark.parametrize("shape", [(3, 9, 4), (2, 4, 9), (2, 6, 6), (1, 13, 7), (1, 5, 11)],
+                         ids=["tall", "wide", "square", "tall-1", "wide-1"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batched_split_equals_the_published_split(shape, backend, float64_default):
+    """proj_split_batched (the fused path's factor step: the weight's inner product through the
+    thin side's Gram matrix on tall and wide matrices) equals the published two-sided split of
+    each matrix of the stack."""
+    gen = torch.Generator().manual_seed(sum(shape))
+    B, m, n = shape
+    sym = lambda d: (lambda a: a @ a.mT + 0.1 * torch.eye(d))(torch.randn(B, d, d, generator=gen))
+    L, R, g = sym(m), sym(n), torch.randn(B, m, n, generator=gen)
+    ops = cafin.ops if backend == "fused" else cafin.reference
+    U, V = math.proj_split_batched(L, R, g, 0.95, ops)
+    for b in range(B):
+        u, v = math.proj_split(L[b], R[b], g[b], 0.95)
+        assert rel(U[b], u) <= 1e-13 and rel(V[b], v) <= 1e-13
 
 
 def test_four_d_factor_step_stays_an_average():

@@ -301,8 +301,28 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: 
     gt = g.mT
     U = g @ R @ gt
     V = gt @ L @ g
-    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
-    ops.dykaf_split_scale_([U], [V], [L], [R], [g @ V @ gt], [sigma])
+    # The weight needs <U, g V g^T> only. With U = K / |K|, K = sigma L + g R g^T, and
+    # V = M / |M|, M = sigma R + g^T L g, a Gram matrix of the thin side replaces a product
+    # over the long one: g V g^T = (sigma g R g^T + W L W) / |M| with W = g g^T (m x m), and
+    # <U, g V g^T> = <V, g^T U g> with g^T U g = (sigma g^T L g + Z R Z) / |K|, Z = g^T g.
+    # Taken when it needs fewer multiply-adds (one side over sqrt(2) x the other); equal up to
+    # rounding.
+    m, n = g.shape[-2:]
+    direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
+    s = sigma.reshape(-1, 1, 1)
+    if wide < min(direct, tall):
+        W = g @ gt
+        C = (s * U + W @ L @ W) / fro(s * R + V)
+        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+        ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
+    elif tall < direct:
+        Z = gt @ g
+        C = (s * V + Z @ R @ Z) / fro(s * L + U)
+        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+        ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])  # the same weight, sides swapped
+    else:
+        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+        ops.dykaf_split_scale_([U], [V], [L], [R], [g @ V @ gt], [sigma])
     return U, V
 
 

@@ -7,21 +7,46 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
 
 #include "dykaf_checks.h"
 #include "dykaf_math.h"
+#include "vectorize.h"
 
 namespace cafin {
 namespace {
 
+// sum a[k] * b[k] in fixed-width lanes of T (the compiler vectorises them without -ffast-math),
+// each lane's partial sum of at most kRun terms folded into double.
+template <typename T>
+CAFIN_CPU_CLONES double dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int64_t kLanes = 64 / sizeof(T), kRun = 1024;
+  double total = 0;
+  int64_t k = 0;
+  while (n - k >= kLanes) {
+    T acc[kLanes] = {};
+    const int64_t end = k + std::min<int64_t>((n - k) / kLanes, kRun) * kLanes;
+    for (; k < end; k += kLanes) {
+      for (int64_t j = 0; j < kLanes; ++j) acc[j] += a[k + j] * b[k + j];
+    }
+    for (int64_t j = 0; j < kLanes; ++j) total += static_cast<double>(acc[j]);
+  }
+  for (; k < n; ++k) total += static_cast<double>(a[k]) * static_cast<double>(b[k]);
+  return total;
+}
+
 template <typename T>
 double norm_of(const T* x, int64_t n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(x[i]) * static_cast<double>(x[i]);
-  return std::sqrt(s);
+  return std::sqrt(dot(x, x, n));
+}
+
+// x[k] *= s.
+template <typename T>
+CAFIN_CPU_CLONES void scale(T* __restrict x, T s, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) x[k] *= s;
 }
 
 // x / |x|, or the uniform direction when |x| = 0 and the guard is on.
@@ -35,6 +60,33 @@ void unit(std::vector<T>& out, const T* x, int64_t n, double norm, bool guard) {
   }
 }
 
+// sq[j] = row[j]^2, and cols[j] += sq[j] * w when cols is given.
+template <typename T>
+CAFIN_CPU_CLONES void square_row(T* __restrict sq, T* __restrict cols, const T* __restrict row, T w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) sq[j] = row[j] * row[j];
+  if (cols != nullptr) {
+    for (int64_t j = 0; j < n; ++j) cols[j] += sq[j] * w;
+  }
+}
+
+// row[j] = dykaf_rank_one_precondition(row[j], l, r[j], guard).
+template <typename T>
+CAFIN_CPU_CLONES void precondition_row(T* __restrict row, T l, const T* __restrict r, T guard, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) row[j] = dykaf_rank_one_precondition(row[j], l, r[j], guard);
+}
+
+// x[k] = dykaf_split_sum(f[k], x[k], sigma).
+template <typename T>
+CAFIN_CPU_CLONES void split_sum(T* __restrict x, const T* __restrict f, T sigma, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) x[k] = dykaf_split_sum(f[k], x[k], sigma);
+}
+
+// x[k] /= d.
+template <typename T>
+CAFIN_CPU_CLONES void divide(T* __restrict x, T d, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) x[k] = x[k] / d;
+}
+
 template <typename T>
 void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool guard) {
   const double l_norm = norm_of(l, m), r_norm = norm_of(r, n);
@@ -42,16 +94,10 @@ void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool g
   unit(l_hat, l, m, l_norm, guard);
   unit(r_hat, r, n, r_norm, guard);
   // Row sums (gp^2) r_hat and column sums (gp^2)^T l_hat in one pass over gp.
-  std::vector<T> rows(m), cols(n, T(0));
+  std::vector<T> rows(m), cols(n, T(0)), sq(n);
   for (int64_t i = 0; i < m; ++i) {
-    const T* row = gp + i * n;
-    T acc = 0;
-    for (int64_t j = 0; j < n; ++j) {
-      const T sq = row[j] * row[j];
-      acc += sq * r_hat[j];
-      cols[j] += sq * l_hat[i];
-    }
-    rows[i] = acc;
+    square_row(sq.data(), cols.data(), gp + i * n, l_hat[i], n);
+    rows[i] = static_cast<T>(dot(sq.data(), r_hat.data(), n));
   }
   const T np = static_cast<T>(l_norm) * static_cast<T>(r_norm);
   std::vector<T> l_new(m), r_new(n);
@@ -64,10 +110,8 @@ void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool g
   for (int64_t i = 0; i < m; ++i) ll += lu[i] * l_hat[i];
   for (int64_t j = 0; j < n; ++j) rr += ru[j] * r_hat[j];
   for (int64_t i = 0; i < m; ++i) {
-    const T* row = gp + i * n;
-    T acc = 0;
-    for (int64_t j = 0; j < n; ++j) acc += row[j] * row[j] * ru[j];
-    quad += lu[i] * acc;
+    square_row(sq.data(), static_cast<T*>(nullptr), gp + i * n, T(0), n);
+    quad += lu[i] * static_cast<T>(dot(sq.data(), ru.data(), n));
   }
   const T c = beta2 * ll * rr * static_cast<T>(l_norm) * static_cast<T>(r_norm) + (T(1) - beta2) * quad;
   const T root = std::sqrt(c);
@@ -102,10 +146,7 @@ void precondition_cpu(at::TensorList mps, at::TensorList ls, at::TensorList rs, 
       const scalar_t* r = rs[t].data_ptr<scalar_t>();
       const scalar_t g = static_cast<scalar_t>(guard);
       at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          scalar_t* row = x + i * n;
-          for (int64_t j = 0; j < n; ++j) row[j] = dykaf_rank_one_precondition(row[j], l[i], r[j], g);
-        }
+        for (int64_t i = begin; i < end; ++i) precondition_row(x + i * n, l[i], r, g, n);
       });
     });
   }
@@ -177,14 +218,8 @@ void split_normalize_cpu(at::TensorList K, at::TensorList M, at::TensorList L, a
         at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
           for (int64_t b = begin; b < end; ++b) {
             T* xb = xp + b * d2;
-            const T* fb = fp + b * d2;
-            double sq = 0;
-            for (int64_t k = 0; k < d2; ++k) {
-              xb[k] = dykaf_split_sum(fb[k], xb[k], s[b]);
-              sq += static_cast<double>(xb[k]) * static_cast<double>(xb[k]);
-            }
-            const T norm = static_cast<T>(std::sqrt(sq));
-            for (int64_t k = 0; k < d2; ++k) xb[k] = xb[k] / norm;
+            split_sum(xb, fp + b * d2, s[b], d2);
+            divide(xb, static_cast<T>(norm_of(xb, d2)), d2);
           }
         });
       }
@@ -214,16 +249,12 @@ void split_scale_cpu(at::TensorList U, at::TensorList V, at::TensorList L, at::T
         for (int64_t b = begin; b < end; ++b) {
           T* ub = u + b * m2;
           T* vb = v + b * n2;
-          double lu = 0, uc = 0, rv = 0;
-          for (int64_t k = 0; k < m2; ++k) {
-            lu += static_cast<double>(l[b * m2 + k]) * ub[k];
-            uc += static_cast<double>(ub[k]) * c[b * m2 + k];
-          }
-          for (int64_t k = 0; k < n2; ++k) rv += static_cast<double>(r[b * n2 + k]) * vb[k];
+          const double lu = dot(l + b * m2, ub, m2), uc = dot(ub, c + b * m2, m2);
+          const double rv = dot(r + b * n2, vb, n2);
           const T root = std::sqrt(dykaf_split_weight(static_cast<T>(lu), static_cast<T>(rv),
                                                       static_cast<T>(uc), s[b]));
-          for (int64_t k = 0; k < m2; ++k) ub[k] *= root;
-          for (int64_t k = 0; k < n2; ++k) vb[k] *= root;
+          scale(ub, root, m2);
+          scale(vb, root, n2);
         }
       });
     });
