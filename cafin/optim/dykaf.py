@@ -269,20 +269,19 @@ class DyKAF(torch.optim.Optimizer):
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
                 stacked = QL.mT @ _stack([exp_avgs[i] for i in idx]) @ QR
+            stacked_moments.append(stacked)
             for i, x in zip(idx, stacked.unbind(0)):
+                moments[i] = x
                 st = states[i]
-                if compiling or st["step"] % st["precondition_frequency"] == 0:
-                    st["exp_avg_rot_step"] = -1  # no count to follow, or refreshed at the end
+                if compiling or _refresh_due(st):
+                    st["exp_avg_rot_step"] = -1  # no host count, or the bases change after this step
                     continue
                 if not cached:
                     if "exp_avg_rot" in st:
                         st["exp_avg_rot"].copy_(x)
-                    else:
+                    else:  # a checkpoint of the reference backend
                         st["exp_avg_rot"] = x.clone()
                 st["exp_avg_rot_step"] = st["step"]
-            stacked_moments.append(stacked)
-            for i, x in zip(idx, stacked.unbind(0)):
-                moments[i] = x
         rank_one = [i for i, st in enumerate(states) if "l" in st]
         full = [i for i, st in enumerate(states) if "l" not in st]
         if rank_one:
@@ -377,7 +376,7 @@ class DyKAF(torch.optim.Optimizer):
             # the refresh is a torch.cond on the device count.
             due = torch.fmod(state["device_step"], state["precondition_frequency"]) == 0
             self._refresh(p, state, group, due)
-        elif state["step"] % state["precondition_frequency"] == 0:
+        elif _refresh_due(state):
             self._refresh(p, state, group)
 
     def _refresh(self, p, state, group, due: torch.Tensor | None = None) -> None:
@@ -385,8 +384,6 @@ class DyKAF(torch.optim.Optimizer):
         entries permuted along with the basis columns; with `due` (a device bool) the old basis
         and order are kept where it is false."""
         bases = list(state["bases"])
-        if "exp_avg_rot_step" in state:
-            state["exp_avg_rot_step"] = -1  # rotated in the old bases
         merged = self._merged_shape(p, group)
         v = state.get("exp_avg_sq")
         if v is not None and merged is not None:
@@ -456,6 +453,11 @@ class DyKAF(torch.optim.Optimizer):
                 elif key == "betas":
                     value = tuple(_scalar(b, device) for b in value)
                 group[key] = value
+
+
+def _refresh_due(state) -> bool:
+    """Whether an eager step refreshes the eigenbases at its end (host step count)."""
+    return state["step"] % state["precondition_frequency"] == 0
 
 
 def _stack(xs: list[torch.Tensor]) -> torch.Tensor:

@@ -310,19 +310,20 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: 
     m, n = g.shape[-2:]
     direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
     s = sigma.reshape(-1, 1, 1)
+    C, swapped = None, False
     if wide < min(direct, tall):
         W = g @ gt
         C = (s * U + W @ L @ W) / fro(s * R + V)
-        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
-        ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
     elif tall < direct:
         Z = gt @ g
-        C = (s * V + Z @ R @ Z) / fro(s * L + U)
-        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
-        ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])  # the same weight, sides swapped
+        C, swapped = (s * V + Z @ R @ Z) / fro(s * L + U), True
+    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+    if C is None:
+        C = g @ V @ gt
+    if swapped:  # the same weight, sides swapped
+        ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])
     else:
-        ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
-        ops.dykaf_split_scale_([U], [V], [L], [R], [g @ V @ gt], [sigma])
+        ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
     return U, V
 
 

@@ -60,13 +60,16 @@ void unit(std::vector<T>& out, const T* x, int64_t n, double norm, bool guard) {
   }
 }
 
-// sq[j] = row[j]^2, and cols[j] += sq[j] * w when cols is given.
+// sq[j] = row[j]^2.
 template <typename T>
-CAFIN_CPU_CLONES void square_row(T* __restrict sq, T* __restrict cols, const T* __restrict row, T w, int64_t n) {
+CAFIN_CPU_CLONES void square(T* __restrict sq, const T* __restrict row, int64_t n) {
   for (int64_t j = 0; j < n; ++j) sq[j] = row[j] * row[j];
-  if (cols != nullptr) {
-    for (int64_t j = 0; j < n; ++j) cols[j] += sq[j] * w;
-  }
+}
+
+// acc[j] += x[j] * w.
+template <typename T>
+CAFIN_CPU_CLONES void add_scaled(T* __restrict acc, const T* __restrict x, T w, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) acc[j] += x[j] * w;
 }
 
 // row[j] = dykaf_rank_one_precondition(row[j], l, r[j], guard).
@@ -96,7 +99,8 @@ void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool g
   // Row sums (gp^2) r_hat and column sums (gp^2)^T l_hat in one pass over gp.
   std::vector<T> rows(m), cols(n, T(0)), sq(n);
   for (int64_t i = 0; i < m; ++i) {
-    square_row(sq.data(), cols.data(), gp + i * n, l_hat[i], n);
+    square(sq.data(), gp + i * n, n);
+    add_scaled(cols.data(), sq.data(), l_hat[i], n);
     rows[i] = static_cast<T>(dot(sq.data(), r_hat.data(), n));
   }
   const T np = static_cast<T>(l_norm) * static_cast<T>(r_norm);
@@ -110,7 +114,7 @@ void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool g
   for (int64_t i = 0; i < m; ++i) ll += lu[i] * l_hat[i];
   for (int64_t j = 0; j < n; ++j) rr += ru[j] * r_hat[j];
   for (int64_t i = 0; i < m; ++i) {
-    square_row(sq.data(), static_cast<T*>(nullptr), gp + i * n, T(0), n);
+    square(sq.data(), gp + i * n, n);
     quad += lu[i] * static_cast<T>(dot(sq.data(), ru.data(), n));
   }
   const T c = beta2 * ll * rr * static_cast<T>(l_norm) * static_cast<T>(r_norm) + (T(1) - beta2) * quad;
