@@ -194,9 +194,7 @@ class _ForwardHook:
             return None
         if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
             return None
-        # Activation checkpointing recomputes the forward inside backward: that pass is the same
-        # pass again, and its output's gradient is never computed, so it takes no statistics.
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
+        if not torch.compiler.is_compiling() and _recomputing_saved_tensors():
             return None
         x = inputs[0].detach()
         if not can_take_statistics(module, x):
@@ -219,8 +217,20 @@ class _ForwardHook:
                 target = base
             else:
                 target = returned = output.clone()
-        target.register_hook(_GradHook(self.owner, self.layer, step, output.shape))
+        target.register_hook(_GradHook(self, step, output.shape))
         return returned
+
+
+def _recomputing_saved_tensors() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing recomputing tensors for
+    backward. That pass repeats one whose statistics were taken, and its outputs' gradients are
+    never computed, so it takes none. Reentrant checkpointing is the other way round: its first
+    pass runs without grad (no statistics), and its recompute inside backward is followed by a
+    backward through the recomputed outputs, so that pass takes them."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
 
 
 def _resolve_inert():
@@ -228,13 +238,17 @@ def _resolve_inert():
 
 
 class _GradHook:
-    def __init__(self, owner_ref, layer: Layer, step, shape) -> None:
-        self.owner, self.layer, self.step, self.shape = owner_ref, layer, step, shape
+    """The output-gradient hook of one forward call. It reaches the owner through the forward
+    hook's weak reference: a weak reference created while torch.compile traces the forward is
+    rebuilt by Dynamo as a strong reference to its referent, which then is not callable."""
+
+    def __init__(self, forward: _ForwardHook, step, shape) -> None:
+        self.forward, self.step, self.shape = forward, step, shape
 
     def __call__(self, grad: torch.Tensor) -> None:
-        owner = self.owner()
+        owner = self.forward.owner()
         if owner is not None:
-            owner._grad_statistics(self.layer, grad.reshape(self.shape), self.step)
+            owner._grad_statistics(self.forward.layer, grad.reshape(self.shape), self.step)
 
 
 class Hooks:
@@ -290,6 +304,19 @@ def average_over_ranks(tensors: list[torch.Tensor], group=None, *, summed: bool 
         flat.div_(dist.get_world_size(group))
     pieces = [piece.view_as(t) for piece, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
     torch._foreach_copy_(tensors, pieces)
+
+
+def run_closure(closure, pass_state: list[torch.Tensor]):
+    """`closure()` with grad enabled. If it raises, the tensors its passes add to (statistics
+    accumulators, counters) are put back as they were: a step that raises leaves no trace."""
+    saved = [t.clone() for t in pass_state]
+    try:
+        with torch.enable_grad():
+            return closure()
+    except BaseException:
+        if pass_state:
+            torch._foreach_copy_(pass_state, saved)
+        raise
 
 
 def on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

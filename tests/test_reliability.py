@@ -509,19 +509,31 @@ def test_scheduler_after_optimizer_step_is_silent():
         sched.step()
 
 
-def test_one_cycle_lr():
-    """OneCycleLR cycles momentum by default, which AdaFisher's beta is not: torch's own error
-    names cycle_momentum; with cycle_momentum=False it schedules lr."""
-    model = tiny_mlp()
+def test_one_cycle_lr_cycles_beta_as_adams_beta1():
+    """OneCycleLR and CyclicLR cycle Adam's beta1 through `betas`; AdaFisher's beta is that
+    decay: a run under OneCycleLR equals one that sets lr and beta by hand to the same values."""
+    model, twin = tiny_mlp(), tiny_mlp()
     opt = AdaFisher(model, lr=1e-2)
-    with pytest.raises(ValueError, match="cycle_momentum"):
-        torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10, cycle_momentum=False)
-    for x, y in data(3):
-        backward(model, x, y)
-        opt.step()
+    by_hand = AdaFisher(twin, lr=1e-2)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10)
+    betas = []
+    for x, y in data(4):
+        by_hand.param_groups[0]["lr"] = float(opt.param_groups[0]["lr"])
+        by_hand.param_groups[0]["beta"] = opt.param_groups[0]["betas"][0]
+        for m, o in ((model, opt), (twin, by_hand)):
+            backward(m, x, y)
+            o.step()
+        betas.append(float(opt.param_groups[0]["beta"]))
         sched.step()
-    assert float(opt.param_groups[0]["lr"]) == pytest.approx(sched.get_last_lr()[0])
+    assert betas[0] == pytest.approx(0.95) and betas[-1] < betas[0]  # max_momentum, then down
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    with pytest.raises(ValueError, match="betas"):
+        opt.param_groups[0]["betas"] = (1.5,)
+        backward(model, *data(1)[0])
+        opt.step()
+    with pytest.raises(ValueError, match="'beta'"):
+        opt.add_param_group({"params": [], "betas": (0.9, 0.99)})
 
 
 def test_multihead_attention_out_proj_uses_identity_curvature():

@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import ops, reference
 from ..curvature import (
-    CurvatureOptimizer, Hooks, Layer, average_over_ranks, check_int, check_range, discover,
-    distributed, on,
+    CurvatureOptimizer, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
+    check_range, discover, distributed, on, run_closure,
 )
 from ..layers import supported_types
 from ..sharding import is_sharded, local, module_class, rows
@@ -69,7 +69,7 @@ class AdaFisher(CurvatureOptimizer):
         "weight_decay": (0.0, math.inf, False, True, torch.float64),
     }
     checkpoint_settings = ("TCov", "gamma")
-    finite_state = ("fisher_S", "fisher_H", "stat_S", "stat_H")
+    finite_state = ("exp_avg", "fisher_S", "fisher_H", "stat_S", "stat_H")
 
     decoupled_weight_decay = False
     # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` device tensors
@@ -104,8 +104,47 @@ class AdaFisher(CurvatureOptimizer):
         self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
-        defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay)
+        defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay, betas=(beta,))
         super().__init__(model, params, defaults, process_group)
+
+    # ------------------------------------------------------------------ beta for LR schedulers
+    # torch's OneCycleLR and CyclicLR cycle Adam's beta1, which they find as `betas` in an
+    # optimizer's defaults. beta is AdaFisher's beta1 (the same first-moment decay), so every
+    # group mirrors it as `betas = (beta,)`; a tuple a scheduler (or a user) writes there in its
+    # place becomes beta at the next step.
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if isinstance(param_group, dict) and "betas" in param_group:
+            raise ValueError(f"{type(self).__name__} takes 'beta' (a param group's 'betas' only "
+                             "mirrors it for LR schedulers)")
+        super().add_param_group(param_group)
+        self.param_groups[-1]["betas"] = _BetaMirror((self.param_groups[-1]["beta"],))
+
+    def _take_scheduled_betas(self) -> None:
+        for index, group in enumerate(self.param_groups):
+            betas = group["betas"]
+            if type(betas) is _BetaMirror:  # untouched: it follows beta (after the checks)
+                continue
+            if not isinstance(betas, (tuple, list)) or len(betas) != 1:
+                raise ValueError(f"param group {index}: betas mirrors beta for LR schedulers and "
+                                 f"must be a 1-tuple (beta,), got {betas!r}")
+            if not torch.compiler.is_compiling():
+                try:
+                    check_hyperparameter(betas[0], "betas[0] (beta)", *self.hyperparameters["beta"][:4])
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"param group {index}: {e}") from None
+            group["beta"] = betas[0]
+            group["betas"] = _BetaMirror((betas[0],))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        for group in sd["param_groups"]:  # a plain tuple: torch.load(weights_only=True) takes it
+            group["betas"] = tuple(group["betas"])
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["betas"] = _BetaMirror((group["beta"],))
 
     # ------------------------------------------------------------------ param groups and state
     def _attach(self) -> None:
@@ -280,15 +319,24 @@ class AdaFisher(CurvatureOptimizer):
         """One optimizer step; a closure is evaluated with grad enabled and its loss returned."""
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            # What the closure's passes add to (per pass, the factors too) is put back if it raises.
+            keys = ("stat_S", "stat_H")
+            if self.statistics == "per_pass":
+                keys += ("fisher_S", "fisher_H")
+            pass_state = [self.state[r.anchor][key] for r in self._curvature for key in keys]
+            loss = run_closure(closure, pass_state + list(self._skipped.values()))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and self.statistics == "per_pass":
             raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
                                "already folded scaled gradient statistics into the factors: "
                                "use statistics='per_step' (the default) with a GradScaler")
+        self._take_scheduled_betas()
         self._begin_step()  # checks everything before anything is written
+        if not torch.compiler.is_compiling():  # a compiled step would guard on the identity
+            for group in self.param_groups:
+                if group["betas"][0] is not group["beta"]:
+                    group["betas"] = _BetaMirror((group["beta"],))
         groups = []
         for group in self.param_groups:
             lists: tuple[list, ...] = ([], [], [], [], [], [], [])
@@ -321,6 +369,10 @@ class AdaFisher(CurvatureOptimizer):
     def _layout(self) -> list[list]:
         return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
                 for r in self._curvature]
+
+class _BetaMirror(tuple):
+    """A group's `betas` as AdaFisher wrote it (a scheduler writes a plain tuple)."""
+
 
 class AdaFisherW(AdaFisher):
     """AdaFisherW: decoupled weight decay, m <- beta*m + (1-beta)*g,

@@ -1,0 +1,411 @@
+"""The contract every member keeps, run over the table in tests/members.py (float64, CPU).
+
+- a step that raises changes nothing; a setting a user breaks between steps is refused at the
+  next step at the latest, naming it; callables of the step are checked when they are called;
+- checkpoints: a good one resumes bit-identically through torch.save/torch.load(weights_only=True),
+  a bad one is refused with the state_dict left bit-identical;
+- copies train identically; a deleted member is freed and its hooks are gone;
+- torch.compile(model) under every backend and activation checkpointing (reentrant or not) train
+  like the plain eager model;
+- a NaN statistic is dropped with a warning, never stored;
+- awkward models (frozen parameters, an unused layer, batch size 1, bf16): correct, or refused at
+  construction.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from members import DELETE, HOOKED, IDS, MEMBERS, OPTIMIZERS, Run
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def mlp(seed=0, dtype=torch.float64, bias_last=False):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 6, bias=bias_last), nn.Tanh(),
+                         nn.Linear(6, 3)).to(dtype)
+
+
+def batches(n, seed=1, batch=6, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 5, generator=g, dtype=dtype), torch.randint(0, 3, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def clone_tree(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, dict):
+        return {k: clone_tree(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(clone_tree(v) for v in x)
+    return copy.deepcopy(x)
+
+
+def assert_tree_equal(a, b, path="") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), path
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), (path, list(a), list(b))
+        for k in a:
+            assert_tree_equal(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), path
+        for i, (u, v) in enumerate(zip(a, b)):
+            assert_tree_equal(u, v, f"{path}/{i}")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), path
+    else:
+        assert a == b, (path, a, b)
+
+
+def everything(run: Run):
+    """All a step may write: parameters and every object's state_dict."""
+    return clone_tree(([p for p in run.model.parameters()], run.checkpoint()))
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def assert_params_equal(a, b, tol=0.0):
+    for p, q in zip(a, b):
+        if tol == 0.0:
+            assert torch.equal(p, q)
+        else:
+            torch.testing.assert_close(p, q, rtol=tol, atol=tol)
+
+
+def train(member, model, data, **kwargs):
+    run = Run(member, model, **kwargs)
+    for x, y in data:
+        run.step(x, y)
+    return run
+
+
+# ----------------------------------------------------------------------------- steps that raise
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_bad_setting_between_steps_is_refused_and_changes_nothing(member):
+    data = batches(3)
+    for label, set_bad in member.bad_between_steps:
+        run = train(member, mlp(), data[:2])
+        run.backward(*data[2])
+        before = everything(run)
+        try:
+            set_bad(run)  # refused here, or at the next step
+        except (ValueError, TypeError):
+            assert_tree_equal(everything(run), before, label)
+            continue
+        before = everything(run)
+        with pytest.raises((ValueError, TypeError)):
+            run.update()
+        assert_tree_equal(everything(run), before, label)
+
+
+@pytest.mark.parametrize("member", [m for m in MEMBERS if m.callables], ids=lambda m: m.name)
+def test_callable_settings_are_checked_when_called(member):
+    """kfac-pytorch style callables of the step: a bad value raises at the step that reads it,
+    naming the argument, before anything is written."""
+    data = batches(3)
+    for name, good in member.callables.items():
+        for bad in (-1.0, math.nan, math.inf, "0.1", 0 if isinstance(good, int) else 2.0):
+            run = train(member, mlp(), data[:2],
+                        **{name: (lambda k, good=good, bad=bad: good if k < 2 else bad)})
+            run.backward(*data[2])
+            before = everything(run)
+            with pytest.raises((ValueError, TypeError), match=name):
+                run.update()
+            assert_tree_equal(everything(run), before, f"{name}={bad!r}")
+
+
+@pytest.mark.parametrize("member", [m for m in OPTIMIZERS if m.closure], ids=lambda m: m.name)
+def test_closure_that_raises_changes_nothing(member):
+    """Statistics the aborted pass took are gone too: the next clean step equals a run that
+    never saw the failing closure."""
+    data = batches(4)
+    clean = train(member, mlp(), data)
+    run = train(member, mlp(), data[:2])
+    before = everything(run)
+
+    def closure():
+        run.backward(*data[3])
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        run.curvature.step(closure)
+    assert_tree_equal(everything(run)[1], before[1])
+    for x, y in data[2:]:
+        run.step(x, y)
+    assert_params_equal(params_of(run.model), params_of(clean.model))
+
+
+@pytest.mark.parametrize("member", [m for m in OPTIMIZERS if m.float_settings], ids=lambda m: m.name)
+def test_plain_float_assigned_to_a_group_setting_works(member):
+    data = batches(4)
+    for name in member.float_settings:
+        runs = [train(member, mlp(), data[:2]) for _ in range(2)]
+        value = 0.05 if name != "beta" else 0.8
+        runs[0].curvature.param_groups[0][name] = value
+        current = runs[1].curvature.param_groups[0][name]
+        if isinstance(current, torch.Tensor):
+            current.fill_(value)
+        else:
+            runs[1].curvature.param_groups[0][name] = value
+        for x, y in data[2:]:
+            for run in runs:
+                run.step(x, y)
+        assert_params_equal(params_of(runs[0].model), params_of(runs[1].model))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _round_trip(checkpoint):
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_checkpoint_resumes_bit_identically(member):
+    data = batches(5)
+    original = train(member, mlp(), data[:3])
+    saved = _round_trip(original.checkpoint())
+    resumed = Run(member, mlp(seed=7))
+    with torch.no_grad():
+        for p, q in zip(resumed.model.parameters(), original.model.parameters()):
+            p.copy_(q)
+    resumed.restore(saved)
+    for x, y in data[3:]:
+        original.step(x, y)
+        resumed.step(x, y)
+    assert_params_equal(params_of(resumed.model), params_of(original.model))
+    assert_tree_equal(resumed.checkpoint(), original.checkpoint())
+
+
+def _corruptions(member, checkpoint):
+    """(label, corrupted copy): the member's own bad settings, and for every floating state
+    tensor a NaN in it and, for square ones (factors, bases), the wrong size."""
+    found = []
+
+    def walk(x, path):
+        if isinstance(x, torch.Tensor):
+            if x.is_floating_point() and x.numel() > 1:
+                found.append(path)
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                if k != "param_groups":
+                    walk(v, path + (k,))
+        elif isinstance(x, (list, tuple)):
+            for i, v in enumerate(x):
+                walk(v, path + (i,))
+
+    walk(checkpoint, ())
+    for label, path, value in member.bad_checkpoint:
+        yield label, _with(checkpoint, path, value)
+    for path in found:
+        t = _at(checkpoint, path)
+        bad = t.clone()
+        bad.view(-1)[0] = math.nan
+        yield f"NaN at {path}", _with(checkpoint, path, bad)
+        if t.dim() == 2 and t.shape[0] == t.shape[1]:
+            yield f"shape at {path}", _with(checkpoint, path, t[:-1, :-1].clone())
+
+
+def _at(tree, path):
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _with(tree, path, value):
+    tree = clone_tree(tree)
+    parent = _at(tree, path[:-1])
+    if isinstance(parent, tuple):
+        raise AssertionError(f"cannot corrupt inside a tuple at {path}")
+    if value is DELETE:
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = value
+    return tree
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_rejected_checkpoint_changes_nothing(member):
+    data = batches(3)
+    source = train(member, mlp(), data)
+    checkpoint = source.checkpoint()[0]
+    target = train(member, mlp(seed=3), batches(2, seed=5))
+    before = clone_tree(target.curvature.state_dict())
+    accepted = []
+    for label, bad in _corruptions(member, checkpoint):
+        try:
+            target.curvature.load_state_dict(bad)
+        except (ValueError, TypeError, KeyError):
+            pass
+        else:
+            accepted.append(label)
+            target.curvature.load_state_dict(before)
+            continue
+        assert_tree_equal(target.curvature.state_dict(), before, label)
+    assert not accepted, f"{member.name} accepted corrupt checkpoints: {accepted}"
+
+
+# ----------------------------------------------------------------------------- copies, lifetime
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_deepcopy_of_model_and_member_trains_identically(member):
+    data = batches(5)
+    run = train(member, mlp(), data[:2])
+    twin = copy.deepcopy(run)
+    assert twin.model is not run.model
+    for x, y in data[2:]:
+        run.step(x, y)
+        twin.step(x, y)
+    assert_params_equal(params_of(twin.model), params_of(run.model))
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_deleted_member_is_freed_and_unhooked(member):
+    model = mlp()
+    run = train(member, model, batches(2))
+    ref = weakref.ref(run.curvature)
+    del run
+    gc.collect()
+    assert ref() is None
+    assert all(len(m._forward_hooks) == 0 and len(m._backward_hooks) == 0 for m in model.modules())
+
+
+# ----------------------------------------------------------------------------- compile, checkpointing
+@pytest.mark.parametrize("backend", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_compiled_model_trains_like_eager(member, backend):
+    torch._dynamo.reset()
+    data = batches(3)
+    eager = train(member, mlp(), data)
+    model = mlp()
+    run = Run(member, model)
+    compiled = torch.compile(model, backend=backend)
+    for x, y in data:
+        run.step(x, y, model=compiled)
+    assert_params_equal(params_of(model), params_of(eager.model), tol=1e-10)
+    torch._dynamo.reset()
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner, reentrant):
+        super().__init__()
+        self.inner, self.reentrant = inner, reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.inner(x)
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=self.reentrant)
+
+
+def checkpointed_mlp(reentrant):
+    model = mlp()
+    return nn.Sequential(model[0], model[1], _Checkpointed(nn.Sequential(model[2], model[3]), reentrant),
+                         model[4])
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_activation_checkpointing_takes_statistics_once(member, reentrant):
+    data = batches(3)
+    plain = train(member, checkpointed_mlp(None), data)
+    ckpt = train(member, checkpointed_mlp(reentrant), data)
+    assert_params_equal(params_of(ckpt.model), params_of(plain.model))
+    assert_tree_equal(ckpt.checkpoint(), plain.checkpoint())
+
+
+# ----------------------------------------------------------------------------- NaN statistics
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_nan_statistic_is_dropped_with_a_warning(member):
+    """A pass on a NaN batch whose step is skipped (as a GradScaler skips one): its statistics
+    are dropped when they would be folded, and the factors stay finite."""
+    data = batches(4)
+    run = train(member, mlp(), data[:2])
+    x, y = data[2]
+    run.backward(torch.full_like(x, math.nan), y)
+    run.model.zero_grad(set_to_none=True)
+    run.backward(*data[3])
+    with pytest.warns(Warning):
+        run.update()
+
+    def finite(tree):
+        if isinstance(tree, torch.Tensor):
+            return not tree.is_floating_point() or bool(torch.isfinite(tree).all())
+        if isinstance(tree, dict):
+            return all(finite(v) for v in tree.values())
+        if isinstance(tree, (list, tuple)):
+            return all(finite(v) for v in tree)
+        return True
+
+    assert finite(run.curvature.state_dict())
+    run.step(*data[0])
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+# ----------------------------------------------------------------------------- awkward models
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_frozen_parameter_stays_put_or_is_refused_at_construction(member):
+    model = mlp()
+    model[2].weight.requires_grad_(False)
+    frozen = model[2].weight.detach().clone()
+    try:
+        run = Run(member, model)
+    except (ValueError, TypeError) as e:
+        assert "frozen" in str(e) or "requires_grad" in str(e) or "optimised" in str(e)
+        return
+    for x, y in batches(3):
+        run.step(x, y)
+    assert torch.equal(model[2].weight, frozen)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = mlp()
+        self.spare = nn.Linear(3, 3).double()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_unused_layer_stays_put(member):
+    model = _Unused()
+    spare = [p.detach().clone() for p in model.spare.parameters()]
+    run = train(member, model, batches(3))
+    assert all(torch.equal(p, q) for p, q in zip(model.spare.parameters(), spare))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_batch_of_one(member):
+    run = train(member, mlp(), batches(3, batch=1))
+    assert all(torch.isfinite(p).all() for p in run.model.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_low_precision_model_trains_or_is_refused_at_construction(member, dtype):
+    model = mlp(dtype=dtype)
+    try:
+        run = Run(member, model)
+    except (ValueError, TypeError) as e:
+        assert str(dtype).split(".")[-1] in str(e)
+        return
+    for x, y in batches(3, dtype=dtype):
+        run.step(x, y)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
