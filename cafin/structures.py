@@ -552,7 +552,7 @@ STRUCTURES: dict[str, type[Structure]] = {
 
 
 def structure(name: str, exact_transposes: bool = False) -> type[Structure]:
-    if name not in STRUCTURES:
+    if not isinstance(name, str) or name not in STRUCTURES:
         raise ValueError(f"structure must be one of {sorted(STRUCTURES)}, got {name!r}")
     if name == "block30diagonal" and exact_transposes:
         return Block30DiagonalExact

@@ -885,3 +885,253 @@ def test_deepcopy_trains_a_copy_of_the_model():
         o2.step()
     for p, q in zip(m.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------ contract: bad input
+def assert_same(a, b, where="state_dict"):
+    """Bit-identical nested checkpoints: tensors by torch.equal (and dtype), the rest by ==."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def two_group_singd(m, **kw):
+    groups = [{"params": list(m[0].parameters())},
+              {"params": list(m[2].parameters()), "structures": ("diagonal", "triltoeplitz"),
+               "preconditioner_dtype": (torch.float32, None), "T": 1}]
+    return cafin.SINGD(m, groups, T=2, lr=0.05, lr_cov=0.1, **kw)
+
+
+def train(opt, m, data, closure=False):
+    for x, y in data:
+        def loss_fn():
+            opt.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            return loss
+        if closure:
+            opt.step(loss_fn)
+        else:
+            loss_fn()
+            opt.step()
+
+
+@pytest.mark.parametrize("key, value, match", [
+    ("T", 0, "T"), ("T", 1.5, "T"), ("structures", ("dense", "lowrank"), "structure"),
+    ("structures", ("diagonal", "dense"), "structures"), ("loss_average", "mean", "loss_average"),
+    ("preconditioner_dtype", (torch.float32, None), "preconditioner_dtype"),
+    ("preconditioner_dtype", (torch.int32, None), "preconditioner_dtype"),
+    ("kfac_approx", "x", "kfac_approx"), ("alpha1", math.nan, "alpha1"), ("alpha1", -0.5, "alpha1"),
+    ("lr_cov", math.nan, "lr_cov"), ("lr_cov", "0.1", "lr_cov"), ("kfac_like", "yes", "kfac_like"),
+    ("kfac_like", True, "kfac_like"), ("normalize_lr_cov", 1, "normalize_lr_cov"),
+    ("exact_block_transposes", "no", "exact_block_transposes"), ("lr", -1.0, "lr")])
+def test_load_state_dict_validates_group_settings(key, value, match):
+    """A checkpoint whose group settings the constructor would reject, or that do not fit the
+    factors this optimizer built, is rejected before anything is replaced."""
+    torch.manual_seed(0)
+    m = mlp().double()
+    o = two_group_singd(m)
+    gen = torch.Generator().manual_seed(4)
+    train(o, m, [batch("mlp", gen, torch.float64) for _ in range(3)])
+    before = copy.deepcopy(o.state_dict())
+    bad = copy.deepcopy(before)
+    bad["param_groups"][0][key] = value
+    with pytest.raises((ValueError, TypeError), match=match):
+        o.load_state_dict(bad)
+    assert_same(o.state_dict(), before)
+    train(o, m, [batch("mlp", gen, torch.float64)])  # and it still steps
+
+
+def test_load_state_dict_resumes_bit_identically_through_torch_save(tmp_path):
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    o = two_group_singd(m, init_grad_scale=4.0)
+    gen = torch.Generator().manual_seed(5)
+    data = [batch("mlp", gen, torch.float64) for _ in range(7)]
+    train(o, m, data[:3])
+    torch.save(o.state_dict(), tmp_path / "opt.pt")
+    m2.load_state_dict(m.state_dict())
+    o2 = two_group_singd(m2, init_grad_scale=4.0)
+    o2.load_state_dict(torch.load(tmp_path / "opt.pt", weights_only=True))
+    assert_same(o2.state_dict(), o.state_dict())
+    train(o, m, data[3:])
+    train(o2, m2, data[3:])
+    assert_same(o2.state_dict(), o.state_dict())
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, -1.0, math.nan, math.inf, "1", None, True])
+def test_grad_scale_arguments(value):
+    m = nn.Linear(3, 2).double()
+    with pytest.raises((ValueError, TypeError), match="init_grad_scale"):
+        cafin.SINGD(m, init_grad_scale=value)
+    o = cafin.SINGD(m, T=1, init_grad_scale=2.0)
+    o.set_current_grad_scale(2.0)
+    with pytest.raises((ValueError, TypeError), match="grad_scale"):
+        o.set_current_grad_scale(value)
+    # the rejected call wrote nothing: the step divides by the scale set before it
+    torch.manual_seed(0)
+    m2 = copy.deepcopy(m)
+    o2 = cafin.SINGD(m2, T=1, init_grad_scale=2.0)
+    o2.set_current_grad_scale(2.0)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for opt, model in ((o, m), (o2, m2)):
+        model(x).square().sum().backward()
+        opt.step()
+    assert torch.equal(m.weight, m2.weight)
+
+
+@pytest.mark.parametrize("value", [math.nan, -1.0, math.inf, "0.1", None, torch.tensor([0.1, 0.2])])
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_lr_cov_callable_bad_value_raises_before_any_write(value, backend):
+    torch.manual_seed(0)
+    m = mlp().double()
+    calls = []
+
+    def lr_cov(k):
+        calls.append(k)
+        return 0.1 if k < 2 else value
+
+    o = cafin.SINGD(m, T=1, lr_cov=lr_cov, backend=backend, structures=("dense", "diagonal"))
+    gen = torch.Generator().manual_seed(6)
+    train(o, m, [batch("mlp", gen, torch.float64) for _ in range(2)])
+    x, y = batch("mlp", gen, torch.float64)
+    o.zero_grad()
+    F.mse_loss(m(x), y).backward()
+    before = copy.deepcopy(o.state_dict())
+    params = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises((ValueError, TypeError), match="lr_cov"):
+        o.step()
+    assert_same(o.state_dict(), before)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+    assert calls[-1] == 2
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_failed_closure_leaves_no_statistics(backend, T):
+    """A closure that raises after its backward pass: the statistics that pass added are taken
+    back, so the next step equals one in a run that never had the failing closure."""
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    kw = dict(T=T, lr=0.05, lr_cov=0.1, backend=backend, structures=("hierarchical15_15", "dense"))
+    o, o2 = cafin.SINGD(m, **kw), cafin.SINGD(m2, **kw)
+    gen = torch.Generator().manual_seed(7)
+    data = [batch("mlp", gen, torch.float64) for _ in range(4)]
+    x_bad, y_bad = batch("mlp", gen, torch.float64)
+
+    def failing():
+        o.zero_grad()
+        F.mse_loss(m(x_bad), y_bad).backward()
+        m(x_bad)  # a forward pass whose backward never runs
+        raise RuntimeError("data loader failed")
+
+    for i in range(len(data)):
+        if i in (0, 2):
+            before = copy.deepcopy(o.state_dict())
+            with pytest.raises(RuntimeError, match="data loader"):
+                o.step(failing)
+            assert_same(o.state_dict(), before)
+        train(o, m, data[i:i + 1], closure=True)
+        train(o2, m2, data[i:i + 1], closure=True)
+        assert_same(o.state_dict(), o2.state_dict())
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("lr", -1.0), ("lr", math.nan), ("lr", torch.tensor(math.inf, dtype=torch.float64)),
+    ("momentum", "0.9"), ("damping", "x"), ("weight_decay", math.inf), ("T", 0),
+    ("lr_cov", -0.1), ("alpha1", math.nan), ("loss_average", "mean"),
+    ("structures", ("diagonal", "dense")), ("preconditioner_dtype", (torch.float32, None)),
+    ("kfac_like", "yes"), ("normalize_lr_cov", None)])
+@pytest.mark.parametrize("closure", [False, True])
+def test_bad_setting_between_steps_changes_nothing(key, value, closure):
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    o, o2 = (cafin.SINGD(model, T=1, lr=0.05, lr_cov=0.1) for model in (m, m2))
+    gen = torch.Generator().manual_seed(9)
+    data = [batch("mlp", gen, torch.float64) for _ in range(3)]
+    train(o, m, data[:1])
+    train(o2, m2, data[:1])
+    good = o.param_groups[0][key]
+    o.param_groups[0][key] = value
+    if not closure:  # the pass's statistics are the user's: they stay for the retried step
+        o.zero_grad()
+        if key in ("T", "loss_average", "structures", "preconditioner_dtype"):
+            # read by the statistics hooks: the forward pass raises already
+            with pytest.raises(ValueError, match=key):
+                m(data[1][0])
+            o.param_groups[0][key] = good
+        F.mse_loss(m(data[1][0]), data[1][1]).backward()
+        o.param_groups[0][key] = value
+    before = copy.deepcopy(o.state_dict()["state"])
+    params = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises((ValueError, TypeError), match=key):
+        if closure:
+            train(o, m, data[1:2], closure=True)
+        else:
+            o.step()
+    assert_same(o.state_dict()["state"], before)
+    assert o.state_dict()["param_groups"][0]["curvature"]["k"] == 1
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), params))
+    o.param_groups[0][key] = good
+    if closure:
+        train(o, m, data[1:], closure=True)
+    else:
+        o.step()
+        train(o, m, data[2:])
+    train(o2, m2, data[1:], closure=closure)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("structures", [("dense", "dense"), ("diagonal", "diagonal")])
+def test_python_float_hyperparameters_between_steps(dtype, structures):
+    torch.manual_seed(0)
+    m = mlp().to(dtype)
+    m2 = copy.deepcopy(m)
+    o, o2 = (cafin.SINGD(model, T=1, lr=0.05, lr_cov=0.1, structures=structures) for model in (m, m2))
+    gen = torch.Generator().manual_seed(10)
+    data = [batch("mlp", gen, dtype) for _ in range(4)]
+    train(o, m, data[:1])
+    train(o2, m2, data[:1])
+    start = m[0].weight.detach().clone()
+    o.param_groups[0]["lr"] = 0.03
+    o.param_groups[0]["weight_decay"] = 0.01
+    o2.param_groups[0]["lr"].fill_(0.03)
+    o2.param_groups[0]["weight_decay"].fill_(0.01)
+    train(o, m, data[1:])
+    train(o2, m2, data[1:])
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)
+    assert not torch.equal(m[0].weight, start)
+
+
+def test_deepcopy_with_callable_lr_cov_trains_identically():
+    torch.manual_seed(0)
+    m = mlp().double()
+    o = cafin.SINGD(m, T=1, lr=0.05, lr_cov=lambda k: 0.1 / (k + 1), structures=("dense", "triutoeplitz"))
+    gen = torch.Generator().manual_seed(11)
+    data = [batch("mlp", gen, torch.float64) for _ in range(4)]
+    train(o, m, data[:2], closure=True)
+    o2 = copy.deepcopy(o)
+    m2 = o2.model
+    train(o, m, data[2:], closure=True)
+    train(o2, m2, data[2:], closure=True)
+    for p, q in zip(m.parameters(), m2.parameters()):
+        assert torch.equal(p, q)

@@ -42,6 +42,24 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
+def _grad_scale(value, name: str) -> float:
+    v = real_number(value, name)
+    if not (math.isfinite(v) and v > 0.0):
+        raise ValueError(f"{name} must be a finite number > 0, got {v}")
+    return v
+
+
+def _lr_cov_value(value, where: str = "") -> None:
+    """A value of lr_cov (beta1): a real number >= 0 (a tensor off the CPU is not read: no sync)."""
+    if isinstance(value, Tensor) and (value.numel() != 1 or not value.is_floating_point()):
+        raise ValueError(f"{where}lr_cov must be a number, a 0-dim float tensor or a callable "
+                         f"of the step, got a {value.dtype} tensor of shape {tuple(value.shape)}")
+    if not isinstance(value, Tensor) or value.device.type == "cpu":
+        v = real_number(value, f"{where}lr_cov")
+        if not (math.isfinite(v) and v >= 0.0):
+            raise ValueError(f"{where}lr_cov must be a finite number >= 0, got {v}")
+
+
 def _scalar_tensor(value, device, dtype) -> Tensor:
     """A 0-dim tensor of `value` in `dtype` (a Python float is not rounded through float32)."""
     if isinstance(value, Tensor):
@@ -60,7 +78,9 @@ class SINGD(CurvatureOptimizer):
     "block30diagonal", "hierarchical15_15", "triltoeplitz", "triutoeplitz"); kfac_approx
     ("expand", "reduce"); kfac_like (IKFAC; forces alpha1 = 0); preconditioner_dtype ((K's, C's)
     storage dtype, None = the weight's); init_grad_scale; normalize_lr_cov.
-    Every one but model, params and warn_unsupported may differ per param group.
+    Every one but model, params and warn_unsupported may differ per param group. structures,
+    preconditioner_dtype and a zero alpha1 are fixed once a group's factors are built: a group
+    entry or a checkpoint that changes them is rejected.
     lr, momentum, damping, weight_decay and a numeric lr_cov are 0-dim tensors in the groups
     (schedules change them in place or assign numbers; a compiled step does not recompile).
     alpha1 stays a number: whether it is 0 decides whether m_K and m_C are kept at all.
@@ -117,8 +137,10 @@ class SINGD(CurvatureOptimizer):
         self._group_of: dict[Tensor, int] = {}
         self._pending: dict[int, list] = {}
         self._empty: dict[tuple, Tensor] = {}
-        self._init_scale = real_number(init_grad_scale, "init_grad_scale")
+        self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
+        self._built: list[tuple] = []  # per group: the settings its factors were built with
+        self._lr_cov_now: dict[int, Any] = {}  # this step's value of each callable lr_cov
         self.grad_scaler = grad_scaler
         self.cache_preconditioner = bool(cache_preconditioner)
         self._grad_scale_prev = self._init_scale
@@ -165,6 +187,8 @@ class SINGD(CurvatureOptimizer):
                 param_group["alpha1"] = real_number(param_group["alpha1"], "alpha1")
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        for name in ("structures", "preconditioner_dtype"):  # tuples: the hooks compare them
+            group[name] = tuple(group[name])
         if not callable(group["lr_cov"]):
             group["lr_cov"] = hyperparameter_tensor(group["lr_cov"], group["params"])
 
@@ -176,17 +200,13 @@ class SINGD(CurvatureOptimizer):
             v = real_number(group["alpha1"], "alpha1")
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"alpha1 must be a finite number >= 0, got {v}")
-            lr_cov = group["lr_cov"]
-            if not callable(lr_cov):
-                if isinstance(lr_cov, Tensor) and (lr_cov.numel() != 1 or not lr_cov.is_floating_point()):
-                    raise ValueError(f"lr_cov must be a number, a 0-dim float tensor or a callable "
-                                     f"of the step, got a {lr_cov.dtype} tensor of shape "
-                                     f"{tuple(lr_cov.shape)}")
-                if not isinstance(lr_cov, Tensor) or lr_cov.device.type == "cpu":
-                    v = real_number(lr_cov, "lr_cov")
-                    if not (math.isfinite(v) and v >= 0.0):
-                        raise ValueError(f"lr_cov must be >= 0 or a callable of the step, got {v}")
+            if not callable(group["lr_cov"]):
+                _lr_cov_value(group["lr_cov"])
             check_int(group["T"], "T", 1)
+            for name in ("kfac_like", "normalize_lr_cov", "exact_block_transposes"):
+                if not isinstance(group[name], bool):
+                    raise TypeError(f"{name} must be True or False, got "
+                                    f"{type(group[name]).__name__} {group[name]!r}")
             if group["loss_average"] not in _LOSS_AVERAGES:
                 raise ValueError(f"loss_average must be one of {_LOSS_AVERAGES}, got "
                                  f"{group['loss_average']!r}")
@@ -211,6 +231,30 @@ class SINGD(CurvatureOptimizer):
         super()._check_group(index, group)
         if not torch.compiler.is_compiling():
             self._check_settings(group, index)
+            self._check_built(group, index)
+
+    @staticmethod
+    def _build_settings(group: dict[str, Any]) -> tuple:
+        """What a group's factors were built with: their structures, their dtypes, whether the
+        Riemannian momenta m_K, m_C exist."""
+        return tuple(group["structures"]), tuple(group["preconditioner_dtype"]), group["alpha1"] != 0.0
+
+    def _check_built(self, group: dict[str, Any], index: int, where: str = "") -> None:
+        """The settings that decide the factors' layout must stay what the factors were built
+        with (the settings themselves are checked already)."""
+        where = f"{where}param group {index}: "
+        structures, dtypes, momenta = self._built[index]
+        for name, built in (("structures", structures), ("preconditioner_dtype", dtypes)):
+            if tuple(group[name]) != built:
+                raise ValueError(f"{where}{name} is {tuple(group[name])!r}, but the factors were "
+                                 f"built with {built!r}; it is fixed at construction")
+        if group["alpha1"] != 0.0 and not momenta:
+            raise ValueError(f"{where}alpha1 is {group['alpha1']}, but the factors were built "
+                             "with alpha1 = 0 (no Riemannian momentum kept); a zero alpha1 is "
+                             "fixed at construction")
+        if group["kfac_like"] and group["alpha1"] != 0.0:
+            raise ValueError(f"{where}kfac_like=True needs alpha1 = 0, got alpha1 = "
+                             f"{group['alpha1']}")
 
     def _attach(self) -> None:
         """Find the layers, create every state tensor eagerly (a compiled or captured step needs
@@ -242,6 +286,10 @@ class SINGD(CurvatureOptimizer):
                     # Always kept: momentum is a tensor a schedule may move away from 0.
                     self.state[p]["momentum_buffer"] = torch.zeros_like(
                         p, memory_format=torch.contiguous_format)
+        # Groups keep the settings of their first build (a group removed by a rejected
+        # add_param_group drops its entry).
+        del self._built[len(self.param_groups):]
+        self._built += [self._build_settings(g) for g in self.param_groups[len(self._built):]]
         self._pending = {id(layer): [] for layer in layers}
         self._hooks = Hooks(self, layers)
         self._ranks_checked = False
@@ -308,7 +356,26 @@ class SINGD(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ hooks (core protocol)
     def _statistics_gate(self, layer: Layer, device: torch.device):
-        return self._steps.due(self._group(layer)["T"], device)
+        group = self._group(layer)
+        if not torch.compiler.is_compiling():
+            self._check_statistics_settings(group, self._group_of[layer.anchor])
+        return self._steps.due(group["T"], device)
+
+    def _check_statistics_settings(self, group: dict[str, Any], index: int) -> None:
+        """The settings the statistics hooks read, which a user may have set between steps:
+        checked in the forward pass, before its statistics are taken (the step checks the rest)."""
+        where = f"param group {index}: "
+        check_int(group["T"], f"{where}T", 1)
+        if group["loss_average"] not in _LOSS_AVERAGES:
+            raise ValueError(f"{where}loss_average must be one of {_LOSS_AVERAGES}, got "
+                             f"{group['loss_average']!r}")
+        if group["kfac_approx"] not in ("expand", "reduce"):
+            raise ValueError(f"{where}kfac_approx must be 'expand' or 'reduce', got "
+                             f"{group['kfac_approx']!r}")
+        structures, dtypes, _ = self._built[index]
+        if group["structures"] != structures or group["preconditioner_dtype"] != dtypes:
+            self._check_settings(group, index)
+            self._check_built(group, index)
 
     def _input_statistics(self, layer: Layer, x: Tensor, step) -> None:
         # H_K is formed in the backward pass, from the input of the call whose output gradient
@@ -343,9 +410,22 @@ class SINGD(CurvatureOptimizer):
     def _lr_cov(self, group, device, dtype) -> Tensor:
         lr_cov = group["lr_cov"]
         if callable(lr_cov):
-            k = self._steps.host_due(1)  # None once device gated
-            lr_cov = lr_cov(self._steps.host if k is not None else self._steps.tensor(device))
+            lr_cov = self._lr_cov_now.get(id(group))
+            if lr_cov is None:  # device gated: the callable takes the step tensor, unchecked
+                lr_cov = group["lr_cov"](self._steps.tensor(device))
         return _scalar_tensor(lr_cov, device, dtype)
+
+    def _evaluate_lr_cov(self) -> dict[int, Any]:
+        """Each callable lr_cov of a group with a preconditioner update due at this step, called
+        once with the step count and checked, before the step writes anything (while the host
+        counts the steps; once the device decides, the callable takes the step tensor)."""
+        values = {}
+        for index, group in enumerate(self.param_groups):
+            if callable(group["lr_cov"]) and self._steps.host_due(group["T"]):
+                value = group["lr_cov"](self._steps.host)
+                _lr_cov_value(value, f"param group {index}: the value of the callable ")
+                values[id(group)] = value
+        return values
 
     @staticmethod
     def _layer_params(layer: Layer) -> list[Tensor]:
@@ -502,26 +582,19 @@ class SINGD(CurvatureOptimizer):
     def step(self, closure: Callable[[], Any] | None = None):
         """One SINGD step; a closure is evaluated with grad enabled and its loss returned."""
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._begin_step()  # checks everything before anything is written
-        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
-        found_inf = getattr(self, "found_inf", None)
-        if self._manual_scale is not None:  # set_current_grad_scale, as singd
-            scale, divide = self._manual_scale, self._manual_scale
-        elif grad_scale is not None:
-            scale = divide = float(grad_scale)
-        elif found_inf is not None:
-            # scaler.unscale_(opt) ran before the step (clipping): the gradients are unscaled,
-            # but the H_C taken from scaled gradients still needs this step's scale.
-            if self.grad_scaler is None:
-                raise RuntimeError("SINGD: gradients were unscaled before step() (scaler.unscale_), "
-                                   "so H_C, taken from scaled gradients, needs the scale: pass "
-                                   "grad_scaler=scaler to SINGD")
-            scale, divide = float(self.grad_scaler.get_scale()), 1.0
+        if closure is None:
+            scale, divide, found_inf = self._prepare_step()
         else:
-            scale = divide = 1.0
+            # A closure that raises, or a step rejected after it ran, must not leave the
+            # statistics of its passes behind (the step will be retried, closure and all).
+            saved = self._save_statistics()
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+                scale, divide, found_inf = self._prepare_step()
+            except BaseException:
+                self._restore_statistics(saved)
+                raise
         self._manual_scale = None
         if scale != 1.0 and self._init_scale == 1.0 and self._steps.value() == 0:
             warnings.warn(f"Detected non-zero gradient scaling ({scale} at step 0). Consider passing "
@@ -541,10 +614,53 @@ class SINGD(CurvatureOptimizer):
         self._steps.advance()
         return loss
 
+    def _prepare_step(self) -> tuple[float, float, Tensor | None]:
+        """Everything that can reject the step, before it writes anything: the groups, this
+        step's callable lr_cov values and the gradient scale (H_C's, the gradients' divisor)."""
+        self._begin_step()
+        self._lr_cov_now = self._evaluate_lr_cov()
+        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
+        found_inf = getattr(self, "found_inf", None)
+        if self._manual_scale is not None:  # set_current_grad_scale, as singd
+            scale, divide = self._manual_scale, self._manual_scale
+        elif grad_scale is not None:
+            scale = divide = float(grad_scale)
+        elif found_inf is not None:
+            # scaler.unscale_(opt) ran before the step (clipping): the gradients are unscaled,
+            # but the H_C taken from scaled gradients still needs this step's scale.
+            if self.grad_scaler is None:
+                raise RuntimeError("SINGD: gradients were unscaled before step() (scaler.unscale_), "
+                                   "so H_C, taken from scaled gradients, needs the scale: pass "
+                                   "grad_scaler=scaler to SINGD")
+            scale, divide = float(self.grad_scaler.get_scale()), 1.0
+        else:
+            scale = divide = 1.0
+        return scale, divide, found_inf
+
+    def _save_statistics(self) -> list[tuple[Tensor, Tensor]]:
+        """Copies of the accumulators that passes of this step can add to (the layers whose
+        statistics are taken at this step), to take a failed closure's passes back."""
+        saved = []
+        for layer in self._curvature:
+            T = self._group(layer)["T"]
+            valid = isinstance(T, int) and not isinstance(T, bool) and T >= 1  # else: rejected later
+            if valid and self._steps.host_due(T) is False:
+                continue  # no pass of this step takes statistics for it
+            state = self.state[layer.anchor]
+            for t in self._parts(layer, "H_K") + self._parts(layer, "H_C") + (state["H_count"],):
+                saved.append((t, t.clone()))
+        return saved
+
+    def _restore_statistics(self, saved: list[tuple[Tensor, Tensor]]) -> None:
+        if saved:
+            torch._foreach_copy_([t for t, _ in saved], [copy for _, copy in saved])
+        for pending in self._pending.values():  # inputs of forward passes whose backward never ran
+            pending.clear()
+
     def set_current_grad_scale(self, grad_scale: float) -> None:
         """The gradient scale of this step's backward pass (singd's API, for a scaler driven by
         hand); the gradients are divided by it."""
-        self._manual_scale = real_number(grad_scale, "grad_scale")
+        self._manual_scale = _grad_scale(grad_scale, "grad_scale")
 
     def _step(self, scale: float, grad_scale: float) -> None:
         c_g = self._grad_scale_prev / scale ** 2
@@ -716,10 +832,26 @@ class SINGD(CurvatureOptimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The core's validated load (nothing replaced unless everything checks), plus H_C's
-        previous gradient scale; a numeric lr_cov comes back as a tensor on the group's device."""
+        previous gradient scale; a numeric lr_cov comes back as a tensor on the group's device.
+        SINGD's group settings are checked by the constructor's rules first, and those that
+        decide the factors' layout must be the ones this optimizer's factors were built with."""
         curvature = None
         if isinstance(state_dict, dict):
             groups = state_dict.get("param_groups")
+            if isinstance(groups, list):
+                for index, (saved, group) in enumerate(zip(groups, self.param_groups)):
+                    if not isinstance(saved, dict):
+                        raise TypeError(f"checkpoint param group {index} must be a dict, got "
+                                        f"{type(saved).__name__}")
+                    merged = {**group, **{k: v for k, v in saved.items()
+                                          if k not in ("params", "curvature")}}
+                    if isinstance(merged["lr_cov"], Tensor):  # read it (no step waits on a load)
+                        merged["lr_cov"] = merged["lr_cov"].detach().cpu()
+                    try:
+                        self._check_settings(merged, index)
+                    except (TypeError, ValueError) as e:
+                        raise type(e)(f"checkpoint {e}") from None
+                    self._check_built(merged, index, where="checkpoint ")
             curvature = state_dict.get("curvature")
             if curvature is None and isinstance(groups, list) and groups and isinstance(groups[0], dict):
                 curvature = groups[0].get("curvature")
@@ -730,6 +862,7 @@ class SINGD(CurvatureOptimizer):
                              f"got {prev}")
         super().load_state_dict(state_dict)
         for group in self.param_groups:
+            group["alpha1"] = real_number(group["alpha1"], "alpha1")
             if not callable(group["lr_cov"]):
                 group["lr_cov"] = hyperparameter_tensor(group["lr_cov"], group["params"])
         self._grad_scale_prev = prev
