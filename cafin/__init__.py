@@ -11,8 +11,9 @@ def cuda_kernels_built() -> bool:
     """Whether this build of cafin._C carries the CUDA kernels."""
     return torch._C._dispatch_has_kernel_for_dispatch_key("cafin::adafisher_step_", "CUDA")
 
-from .optim import SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner, TwoLevelKFAC  # noqa: E402
+from .optim import (SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner, LambdaParamScheduler,  # noqa: E402
+                    TwoLevelKFAC)
 from .layers import LayerType, register, supported_types  # noqa: E402
 
-__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "SINGD", "TwoLevelKFAC",
+__all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "LambdaParamScheduler", "SINGD", "TwoLevelKFAC",
            "LayerType", "register", "supported_types", "cuda_kernels_built"]

@@ -770,6 +770,333 @@ def test_decompose_outside_the_step():
     assert rel_error(plain, model, flat(base)) <= 1e-12
 
 
+# ------------------------------------------------------------------------------- compatibility arguments
+def test_compat_arguments_live_in_one_module():
+    import dataclasses
+    from cafin.optim import kfac, kfac_compat
+    for name in ("ComputeMethod", "AssignmentStrategy", "DistributedStrategy"):
+        assert getattr(kfac, name) is getattr(kfac_compat, name)
+    opts = kfac_compat.kaisa_options(
+        allreduce_bucket_cap_mb=10, assignment_strategy="memory", colocate_factors=True,
+        grad_worker_fraction=kfac_compat.DistributedStrategy.HYBRID_OPT, symmetry_aware=False,
+        compute_method=kfac_compat.ComputeMethod.EIGEN, compute_eigenvalue_outer_product=True)
+    assert (opts.allreduce_bucket_cap_mb, opts.assignment_strategy, opts.grad_worker_fraction) == \
+        (10.0, kfac_compat.AssignmentStrategy.MEMORY, 0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        opts.symmetry_aware = True
+    pre = cafin.KFACPreconditioner(mlp(), assignment_strategy="memory", allreduce_bucket_cap_mb=5)
+    assert pre.assignment_strategy is kfac_compat.AssignmentStrategy.MEMORY and pre.allreduce_bucket_cap_mb == 5.0
+    for kwargs, match in [(dict(symmetry_aware="no"), "symmetry_aware"), (dict(colocate_factors=1), "colocate_factors"),
+                          (dict(allreduce_bucket_cap_mb="25"), "allreduce_bucket_cap_mb"),
+                          (dict(allreduce_bucket_cap_mb=float("nan")), "allreduce_bucket_cap_mb")]:
+        with pytest.raises((TypeError, ValueError), match=match):
+            cafin.KFACPreconditioner(mlp(), **kwargs)
+
+
+# ------------------------------------------------------------------------------- LambdaParamScheduler
+def _precond_snapshot(pre):
+    """Everything a rejected call must leave alone: counters, intervals, values, every tensor."""
+    tensors = [t.clone() for st in pre._state.values()
+               for t in (st.A, st.G, st.stat_A, st.stat_G, st.count_A, st.count_G, *st.second.values())]
+    tensors += [t.clone() for ts in pre._tensors.values() for t in ts.values()]
+    return (pre.steps, pre._factor_update_steps, pre._inv_update_steps, dict(pre._values),
+            [st.seen for st in pre._state.values()], tensors)
+
+
+def _same_snapshot(a, b):
+    assert a[:5] == b[:5]
+    assert len(a[5]) == len(b[5]) and all(torch.equal(x, y) for x, y in zip(a[5], b[5]))
+
+
+def _same_state_dict(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        if key == "layers":
+            assert a[key].keys() == b[key].keys()
+            for name in a[key]:
+                for f in ("A", "G"):
+                    x, y = a[key][name][f], b[key][name][f]
+                    assert (x is None and y is None) or torch.equal(x, y), (name, f)
+        else:
+            assert a[key] == b[key], key
+
+
+def test_lambda_param_scheduler_hand_computed():
+    assert cafin.LambdaParamScheduler is cafin.optim.LambdaParamScheduler and "LambdaParamScheduler" in cafin.__all__
+    pre = cafin.KFACPreconditioner(mlp(), factor_update_steps=2, inv_update_steps=4, damping=0.01, factor_decay=0.9,
+                                   kl_clip=1e-3, lr=0.1)
+    sched = cafin.LambdaParamScheduler(
+        pre, factor_update_steps_lambda=lambda k: 2 if k == 1 else 1, inv_update_steps_lambda=lambda k: 1.5,
+        damping_lambda=lambda k: 0.5, factor_decay_lambda=lambda k: 1.0 if k < 2 else 1.05,
+        kl_clip_lambda=lambda k: 10.0, lr_lambda=lambda k: 0.1 * (k + 1))
+    want = {0: (2, 6, 0.005, 0.9, 1e-2, 0.01), 1: (4, 9, 0.0025, 0.9, 1e-1, 0.002),
+            2: (4, 13, 0.00125, 0.945, 1.0, 0.0006)}
+    for k in range(3):
+        sched.step(k)
+        got = (pre.factor_update_steps, pre.inv_update_steps, pre.damping, pre.factor_decay, pre.kl_clip, pre.lr)
+        assert got[:2] == want[k][:2] and got[2:] == pytest.approx(want[k][2:], rel=1e-12), (k, got)
+    ts = pre._tensors[torch.device("cpu")]
+    assert ts["damping"].item() == pytest.approx(0.00125, rel=1e-12)
+    assert ts["lr"].item() == pytest.approx(6e-4, rel=1e-12)
+    # without a step given, the lambdas see the preconditioner's step count
+    model = mlp().double()
+    pre = cafin.KFACPreconditioner(model, damping=0.01)
+    seen = []
+    sched = cafin.LambdaParamScheduler(pre, damping_lambda=lambda k: seen.append(k) or 0.5)
+    for x, y in (b[0] for b in data("mlp", torch.float64, 2)):
+        model.zero_grad()
+        loss_of(model, x, y).backward()
+        pre.step()
+        sched.step()
+    assert seen == [1, 2] and pre.damping == pytest.approx(0.0025, rel=1e-12)
+
+
+def test_lambda_param_scheduler_refuses_callables_and_clipping_off():
+    with pytest.raises(ValueError, match="damping"):
+        cafin.LambdaParamScheduler(cafin.KFACPreconditioner(mlp(), damping=lambda k: 1e-3), damping_lambda=lambda k: 1)
+    with pytest.raises(ValueError, match="inv_update_steps"):
+        cafin.LambdaParamScheduler(cafin.KFACPreconditioner(mlp(), inv_update_steps=lambda k: 2),
+                                   inv_update_steps_lambda=lambda k: 1)
+    with pytest.raises(ValueError, match="kl_clip"):
+        cafin.LambdaParamScheduler(cafin.KFACPreconditioner(mlp(), kl_clip=None), kl_clip_lambda=lambda k: 1)
+    with pytest.raises(TypeError, match="lr_lambda"):
+        cafin.LambdaParamScheduler(cafin.KFACPreconditioner(mlp()), lr_lambda=0.5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(damping_lambda=lambda k: -1.0), "damping"), (dict(factor_decay_lambda=lambda k: 2.0), "factor_decay"),
+    (dict(factor_decay_lambda=lambda k: 0.0), "factor_decay"),
+    (dict(factor_update_steps_lambda=lambda k: 0), "factor_update_steps"),
+    (dict(inv_update_steps_lambda=lambda k: 0.1), "inv_update_steps"),
+    (dict(kl_clip_lambda=lambda k: float("inf")), "kl_clip"), (dict(lr_lambda=lambda k: "2"), "lr"),
+    (dict(damping_lambda=lambda k: True), "damping"),
+])
+def test_lambda_param_scheduler_bad_value_changes_nothing(bad, match):
+    """A good lambda is evaluated first (the intervals come first): nothing is written until
+    every new value is checked."""
+    pre = cafin.KFACPreconditioner(mlp(), factor_update_steps=2, inv_update_steps=4)
+    good = dict(lr_lambda=lambda k: 0.5) if "factor_update_steps_lambda" in bad else \
+        dict(factor_update_steps_lambda=lambda k: 2)
+    sched = cafin.LambdaParamScheduler(pre, **good, **bad)
+    before = _precond_snapshot(pre)
+    with pytest.raises((ValueError, TypeError), match=match):
+        sched.step(3)
+    _same_snapshot(before, _precond_snapshot(pre))
+
+
+# ------------------------------------------------------------------------------- checkpoint validation
+def _trained_cnn_preconditioner(steps=3, **kw):
+    model = base_model("cnn", torch.float64)
+    pre = cafin.KFACPreconditioner(model, inv_dtype=torch.float64, decompose_dtype=torch.float64, **kw)
+    for batch in data("cnn", torch.float64, steps):
+        model.zero_grad()
+        loss_of(model, *batch[0]).backward()
+        pre.step()
+    return model, pre
+
+
+def _poison(sd, what):
+    sd = copy.deepcopy(sd)
+    if isinstance(what, dict):
+        sd.update(what)
+    elif what == "nan_factor":
+        sd["layers"]["5"]["G"][1, 1] = float("nan")
+    elif what == "inf_factor":
+        sd["layers"]["0"]["A"][0, 0] = float("inf")
+    elif what == "int_factor":
+        sd["layers"]["0"]["A"] = sd["layers"]["0"]["A"].long()
+    elif what == "list_factor":
+        sd["layers"]["0"]["A"] = sd["layers"]["0"]["A"].tolist()
+    return sd
+
+
+@pytest.mark.parametrize("what, match", [
+    (dict(damping=-1.0), "damping"), (dict(factor_update_steps=0), "factor_update_steps"),
+    (dict(inv_update_steps="3"), "inv_update_steps"), (dict(steps=-2), "steps"), (dict(steps="4"), "steps"),
+    (dict(steps=2.5), "steps"), (dict(lr=float("nan")), "lr"), (dict(factor_decay=True), "factor_decay"),
+    ("nan_factor", "non-finite"), ("inf_factor", "non-finite"), ("int_factor", "floating"), ("list_factor", "tensor"),
+])
+def test_rejected_load_changes_nothing(what, match):
+    _, src = _trained_cnn_preconditioner(factor_update_steps=1, inv_update_steps=1)
+    good = src.state_dict()
+    model, pre = _trained_cnn_preconditioner(steps=2, factor_update_steps=2, inv_update_steps=2, damping=0.01)
+    before, snap = pre.state_dict(), _precond_snapshot(pre)
+    for compute_inverses in (True, False):
+        with pytest.raises((ValueError, TypeError), match=match):
+            pre.load_state_dict(_poison(good, what), compute_inverses=compute_inverses)
+        _same_state_dict(before, pre.state_dict())
+        _same_snapshot(snap, _precond_snapshot(pre))
+    # the good checkpoint, through torch.save / torch.load(weights_only=True), loads and trains finitely
+    import io
+    buf = io.BytesIO()
+    torch.save(good, buf)
+    buf.seek(0)
+    pre.load_state_dict(torch.load(buf, weights_only=True))
+    _same_state_dict(good, pre.state_dict())
+    model.zero_grad()
+    loss_of(model, *data("cnn", torch.float64, 1, seed=9)[0][0]).backward()
+    pre.step()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------- copies
+def test_deepcopy_is_hooked_to_the_copied_model_and_trains_identically():
+    kw = dict(inv_update_steps=2, damping=lambda k: 1e-3 * (k + 1), kl_clip=1e-4, inv_dtype=torch.float64,
+              decompose_dtype=torch.float64)
+    batches = data("cnn", torch.float64, 5)
+    base = base_model("cnn", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+
+    def run(pre, opt, model, part):
+        for batch in part:
+            opt.zero_grad()
+            loss_of(model, *batch[0]).backward()
+            pre.step()
+            opt.step()
+
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+    run(pre, opt, model, batches[:2])
+    alone = copy.deepcopy(pre)  # copies the model with it
+    assert alone.model is not model
+    assert [layer.module for layer in alone.layers] == [alone.model[i] for i in (0, 2, 5, 7)]
+    both = copy.deepcopy({"model": model, "pre": pre})  # one memo: the copy uses the model's copy
+    assert both["pre"].model is both["model"]
+    assert [layer.module for layer in both["pre"].layers] == [both["model"][i] for i in (0, 2, 5, 7)]
+    runs = [(pre, opt, model)]
+    for copy_pre, copy_model in ((alone, alone.model), (both["pre"], both["model"])):
+        copy_opt = torch.optim.SGD(copy_model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+        copy_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        runs.append((copy_pre, copy_opt, copy_model))
+    for args in runs:
+        run(*args, batches[2:])
+    for _, _, m in runs:
+        assert torch.equal(flat(m), flat(plain))
+    assert pre.steps == alone.steps == both["pre"].steps == 5
+
+
+# ------------------------------------------------------------------------------- callables checked at the step
+@pytest.mark.parametrize("kw, match", [
+    (dict(damping=lambda k: 1e-3 if k < 2 else -1.0), "damping"),
+    (dict(factor_decay=lambda k: 0.95 if k < 2 else 2.0), "factor_decay"),
+    (dict(inv_update_steps=lambda k: 1 if k < 2 else 0), "inv_update_steps"),
+    (dict(factor_update_steps=lambda k: 1 if k < 2 else 0), "factor_update_steps"),
+    (dict(lr=lambda k: 0.1 if k < 2 else float("nan")), "lr"),
+    (dict(kl_clip=lambda k: 1e-3 if k < 2 else "big"), "kl_clip"),
+    (dict(inv_update_steps=lambda k: 1 if k < 2 else 1.5), "inv_update_steps"),
+])
+@pytest.mark.parametrize("in_hook", [True, False])
+def test_bad_callable_value_raises_before_any_write(kw, match, in_hook):
+    model = base_model("mlp", torch.float64)
+    pre = cafin.KFACPreconditioner(model, update_factors_in_hook=in_hook, **kw)
+    batches = data("mlp", torch.float64, 3)
+    for batch in batches[:2]:
+        model.zero_grad()
+        loss_of(model, *batch[0]).backward()
+        pre.step()
+    before = _precond_snapshot(pre)  # a bad value may already stop the forward's hooks
+    grads = None
+    with pytest.raises((ValueError, TypeError), match=match):
+        model.zero_grad()
+        loss_of(model, *batches[2][0]).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        before = _precond_snapshot(pre)  # this pass's statistics are in: the step writes nothing
+        pre.step()
+    _same_snapshot(before, _precond_snapshot(pre))
+    if grads is not None:
+        assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+def test_skip_layers_string_is_one_pattern():
+    model = nn.ModuleDict({"enc": nn.Linear(3, 3), "dec": nn.Linear(3, 3)})
+    assert [layer.name for layer in cafin.KFACPreconditioner(model, skip_layers="enc").layers] == ["dec"]
+    assert [layer.name for layer in cafin.KFACPreconditioner(model, skip_layers=["enc"]).layers] == ["dec"]
+    with pytest.raises(TypeError, match="skip_layers"):
+        cafin.KFACPreconditioner(model, skip_layers=["enc", 3])
+    with pytest.raises(ValueError, match="skip_layers"):
+        cafin.KFACPreconditioner(model, skip_layers="(")
+
+
+class Mixed(nn.Module):
+    """A float64 layer feeding a float32 one."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(7, 6).double()
+        self.b = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x.double())).float())
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_mixed_dtype_layers_with_kl_clip(backend):
+    """The clip factor is one reduction over the float64 and the float32 layer."""
+    kw = dict(kl_clip=1e-5, lr=1.0, inv_update_steps=2)
+    batches = data("mlp", torch.float32, 4)
+    torch.manual_seed(0)
+    base = Mixed()
+    ours, _ = train(lambda m: cafin.KFACPreconditioner(m, backend=backend, **kw), copy.deepcopy(base), batches)
+    theirs, _ = train(lambda m: Oracle(m, **kw), copy.deepcopy(base), batches)
+    unclipped, _ = train(lambda m: cafin.KFACPreconditioner(m, backend=backend, **{**kw, "kl_clip": None}),
+                         copy.deepcopy(base), batches)
+    start = torch.cat([p.detach().double().reshape(-1) for p in base.parameters()])
+    as64 = lambda m: torch.cat([p.detach().double().reshape(-1) for p in m.parameters()])  # noqa: E731
+    moved = (as64(theirs) - start).abs().max()
+    assert ((as64(ours) - as64(theirs)).abs().max() / moved).item() <= 1e-4
+    assert ((as64(unclipped) - as64(theirs)).abs().max() / moved).item() > 1e-2  # clipping was active
+
+
+def test_reference_kl_clip_callable_returning_none_agrees_with_fused():
+    """kfac-pytorch turns clipping off with a callable returning None: both backends, no NaN."""
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64, kl_clip=1e-5, lr=1.0)
+    batches = data("cnn", torch.float64, 3)
+    base = base_model("cnn", torch.float64)
+    off, _ = train(lambda m: cafin.KFACPreconditioner(m, **{**kw, "kl_clip": None}), copy.deepcopy(base), batches)
+    for backend in ("fused", "reference"):
+        got, _ = train(lambda m: cafin.KFACPreconditioner(m, backend=backend, **{**kw, "kl_clip": lambda k: None}),
+                       copy.deepcopy(base), batches)
+        assert torch.isfinite(flat(got)).all(), backend
+        assert rel_error(off, got, flat(base)) <= 1e-12, backend
+    ws, bs, vs = _apply_args("cpu", torch.float64, 4)
+    want = (_clone(ws), _clone(bs))
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    ref.kfac_precondition_apply_(*want, vs, torch.tensor(1.0, dtype=torch.float64), nan)
+    ops.kfac_precondition_apply_(ws, bs, vs, torch.tensor(1.0, dtype=torch.float64), nan)
+    for a, b in zip(ws + bs, want[0] + want[1]):
+        assert torch.equal(a, b)
+
+
+def test_backend_is_chosen_at_construction(monkeypatch):
+    """fused runs the kernels for float32/float64 whatever the gradients' layout (channels_last
+    goes through a contiguous copy) and never switches to the reference ops per call; a bfloat16
+    model's ops are the reference ones, decided at construction."""
+    kw = dict(inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("cnn", torch.float64, 3)
+    base = base_model("cnn", torch.float64)
+    plain, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    calls = []
+    for name in ("kfac_precondition_apply_", "kfac_factor_ema_", "kfac_eigen_scale_"):
+        original = getattr(cafin.reference, name)
+        monkeypatch.setattr(cafin.reference, name,
+                            lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    last = copy.deepcopy(base).to(memory_format=torch.channels_last)
+    last_batches = [[(x.to(memory_format=torch.channels_last), y) for x, y in b] for b in batches]
+    last, _ = train(lambda m: cafin.KFACPreconditioner(m, **kw), last, last_batches)
+    assert not last[0].weight.is_contiguous()  # the layout really was channels_last
+    assert calls == []
+    assert rel_error(plain, last, flat(base)) <= 1e-12
+    bf = base_model("cnn", torch.float32).to(torch.bfloat16)
+    pre = cafin.KFACPreconditioner(bf, factor_dtype=torch.float32)
+    cpu = torch.device("cpu")
+    assert pre._impls[(cpu, torch.bfloat16)] is cafin.reference and pre._impls[(cpu, torch.float32)] is ops
+    x, y = data("cnn", torch.float32, 1)[0][0]
+    loss_of(bf, x.to(torch.bfloat16), y).backward()
+    pre.step()
+    assert calls == ["kfac_precondition_apply_"]  # the bf16 gradients: reference, as decided
+
+
 # ------------------------------------------------------------------------------- distributed
 DIST_STEPS = 3
 

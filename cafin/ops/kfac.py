@@ -77,8 +77,8 @@ def kfac_precondition_apply_(weight_grads: Sequence[torch.Tensor], bias_grads: S
                              precond: Sequence[torch.Tensor], lr: torch.Tensor,
                              kl_clip: torch.Tensor | None = None) -> None:
     """Gradients <- nu * precond (weight columns, then the bias column when bias_grads[i] is not
-    empty), nu = min(1, sqrt(kl_clip / |lr^2 sum <precond, grad>|)) (1 when the sum is 0 or
-    kl_clip is None), computed on the device before any gradient is written."""
+    empty), nu = min(1, sqrt(kl_clip / |lr^2 sum <precond, grad>|)) (1 when the sum is 0, or
+    kl_clip is None or NaN), computed on the device before any gradient is written."""
     if not torch.compiler.is_compiling():
         _lengths([("weight_grads", weight_grads), ("bias_grads", bias_grads), ("precond", precond)])
         if weight_grads:

@@ -13,13 +13,13 @@ eagerly, on the device after torch.compile or a CUDA-graph capture.
 """
 from __future__ import annotations
 
-import enum
+import copy
 import logging
 import math
 import re
 import warnings
 from collections import defaultdict
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -27,44 +27,17 @@ from torch import nn
 from .. import factors as kf
 from .. import ops, reference
 from ..curvature import (Hooks, Layer, average_over_ranks, StepCounter, capturing, check_int, discover, distributed,
-                         unwrap)
+                         real_number, unwrap)
 from ..reference import kfac as rk
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
+from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
+
+__all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _RULES = {"damping": (lambda v: v > 0, "> 0"), "factor_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
           "kl_clip": (lambda v: v > 0, "> 0 (or None: no clipping)"), "lr": (lambda v: v >= 0, ">= 0")}
 _HYPER = ("damping", "factor_decay", "kl_clip", "lr")
-
-
-class ComputeMethod(enum.Enum):
-    """As kfac-pytorch's `kfac.enums.ComputeMethod` (same names and values)."""
-    EIGEN = 1
-    INVERSE = 2
-
-
-class AssignmentStrategy(enum.Enum):
-    COMPUTE = 1
-    MEMORY = 2
-
-
-class DistributedStrategy(enum.Enum):
-    COMM_OPT = 1
-    MEM_OPT = 2
-    HYBRID_OPT = 3
-
-
-def _enum(value, cls, name):
-    """An enum member from itself, its name (any case) or an enum of another module with the same
-    member name (kfac-pytorch's own enums)."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str) and value.upper() in cls.__members__:
-        return cls[value.upper()]
-    if isinstance(value, enum.Enum) and value.name in cls.__members__:
-        return cls[value.name]
-    raise ValueError(f"{name} must be one of {list(cls.__members__)} (or their lower-case "
-                     f"names), got {value!r}")
 
 
 class _LayerState:
@@ -103,32 +76,49 @@ class KFACPreconditioner:
     """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see the README section "K-FAC").
 
     Args (as kfac-pytorch; callables take the step count `steps` and are evaluated by eager
-    steps):
+    steps, which check what they return before anything is written):
         model: Linear and Conv2d modules (and subclasses) whose parameters all require grad are
             registered, except those matched by `skip_layers`.
         factor_update_steps, inv_update_steps: intervals of factor updates and decompositions.
-        damping, factor_decay, kl_clip, lr: K-FAC hyperparameters; kl_clip=None turns clipping
-            off; lr is only used by the KL clip. Kept as 0-dim device tensors (assigning
-            `preconditioner.lr = x` between steps does not recompile a compiled step).
+        damping, factor_decay, kl_clip, lr: K-FAC hyperparameters; kl_clip=None (or a callable
+            returning None) turns clipping off; lr is only used by the KL clip. Kept as 0-dim
+            device tensors (assigning `preconditioner.lr = x` between steps does not recompile
+            a compiled step).
         accumulation_steps: forward/backward passes per step; their factors are averaged.
         allreduce_bucket_cap_mb, assignment_strategy, colocate_factors, grad_worker_fraction,
-            symmetry_aware: accepted and checked as kfac-pytorch does; every rank here computes
-            every layer's second-order data, so results do not depend on them.
+            symmetry_aware: accepted and checked as kfac-pytorch does (cafin.optim.kfac_compat);
+            every rank here computes every layer's second-order data, so results do not depend
+            on them.
         compute_method: "eigen"/"inverse" or a ComputeMethod (cafin's or kfac-pytorch's).
         compute_eigenvalue_outer_product: precompute 1/(d_G d_A^T + damping) at decomposition.
         grad_scaler: a GradScaler (or a callable returning the scale): gradient statistics are
             unscaled with it.
         factor_dtype: dtype of the factors (default: the layer weight's dtype).
         inv_dtype: dtype of the decompositions and of the preconditioning products.
-        skip_layers: regular expressions searched in module names and class names.
+        skip_layers: a regular expression, or a list of them, searched in module names and
+            class names.
         update_factors_in_hook: fold statistics into the factors in the hooks (True) or at the
             start of step().
         loglevel: level of the registration log lines.
     cafin's own:
-        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch).
+        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch). The choice is made
+            once, here, per (device, dtype) of the tensors each op works on (a layer's weight
+            gradients, its factors, the inv_dtype products): "fused" runs the kernels where cafin
+            has them, float32/float64 tensors on the CPU and on CUDA when this build carries the
+            CUDA kernels, and the plain-PyTorch ops of the same semantics elsewhere (a bfloat16
+            model's gradients, bfloat16 factors). Non-contiguous gradients (channels_last) are
+            written through a contiguous copy. A layer moved to another device or dtype after
+            construction is an error at the step.
         decompose_dtype: dtype eigh/inv run in (kfac-pytorch: a float32 copy; torch.float64 is
             the precise choice for float64 models).
         process_group: group the factors are averaged over when torch.distributed is initialised.
+
+    Layers of several dtypes or devices work with KL clipping: the clip factor is one reduction
+    over all of them (in float64 when any gradient is float64).
+
+    `copy.deepcopy` copies the model with the preconditioner (or uses the model's copy when one
+    deepcopy call copies both): the copy is hooked to the copied model and trains as the
+    original does. The backend modules and the process group are shared.
     """
 
     def __init__(
@@ -152,7 +142,7 @@ class KFACPreconditioner:
         grad_scaler: Any = None,
         factor_dtype: torch.dtype | None = None,
         inv_dtype: torch.dtype = torch.float32,
-        skip_layers: list[str] | None = None,
+        skip_layers: list[str] | str | None = None,
         update_factors_in_hook: bool = True,
         loglevel: int = logging.DEBUG,
         backend: str = "fused",
@@ -163,23 +153,25 @@ class KFACPreconditioner:
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if allreduce_bucket_cap_mb < 0:
-            raise ValueError("allreduce_bucket_cap_mb must be >= 0")
-        compute_method = _enum(compute_method, ComputeMethod, "compute_method")
-        assignment_strategy = _enum(assignment_strategy, AssignmentStrategy, "assignment_strategy")
-        if (compute_method is ComputeMethod.EIGEN and compute_eigenvalue_outer_product
-                and not colocate_factors):
-            raise ValueError("colocate_factors must be True to use compute_eigenvalue_outer_product")
-        self.grad_worker_fraction, self.distributed_strategy = _worker_fraction(grad_worker_fraction)
-        for name, value, low in (("factor_update_steps", factor_update_steps, 1),
-                                 ("inv_update_steps", inv_update_steps, 1)):
+        compute_method = as_enum(compute_method, ComputeMethod, "compute_method")
+        for name, flag in (("compute_eigenvalue_outer_product", compute_eigenvalue_outer_product),
+                           ("update_factors_in_hook", update_factors_in_hook)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        kaisa = kaisa_options(
+            allreduce_bucket_cap_mb=allreduce_bucket_cap_mb, assignment_strategy=assignment_strategy,
+            colocate_factors=colocate_factors, grad_worker_fraction=grad_worker_fraction,
+            symmetry_aware=symmetry_aware, compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product)
+        for name, value in (("factor_update_steps", factor_update_steps),
+                            ("inv_update_steps", inv_update_steps)):
             if not callable(value):
-                check_int(value, name, low)
+                check_int(value, name, 1)
         check_int(accumulation_steps, "accumulation_steps", 1)
         for name, value in (("damping", damping), ("factor_decay", factor_decay),
                             ("kl_clip", kl_clip), ("lr", lr)):
-            if value is not None or name != "kl_clip":
-                _check_hyper(name, value, *_RULES[name])
+            if not callable(value):
+                _check_hyper(name, value)
         for name, dt in (("inv_dtype", inv_dtype), ("decompose_dtype", decompose_dtype)):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
@@ -188,6 +180,7 @@ class KFACPreconditioner:
         if factor_dtype is not None and not (isinstance(factor_dtype, torch.dtype)
                                              and factor_dtype.is_floating_point):
             raise TypeError(f"factor_dtype must be None or a floating torch.dtype, got {factor_dtype!r}")
+        skip_layers = _patterns(skip_layers)
         if (not callable(inv_update_steps) and not callable(factor_update_steps)
                 and inv_update_steps % factor_update_steps != 0):
             warnings.warn("It is suggested that inv_update_steps be an integer multiple of "
@@ -200,20 +193,16 @@ class KFACPreconditioner:
         mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
         if process_group is None:
             process_group = mesh_group
-        self.allreduce_bucket_cap_mb = allreduce_bucket_cap_mb
-        self.assignment_strategy = assignment_strategy
-        self.colocate_factors = colocate_factors
+        self._kaisa = kaisa
         self.compute_method = compute_method
         self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.symmetry_aware = symmetry_aware
         self.grad_scaler = grad_scaler
         self.factor_dtype = factor_dtype
         self.inv_dtype = inv_dtype
         self.decompose_dtype = decompose_dtype
-        self.skip_layers = [] if skip_layers is None else list(skip_layers)
+        self.skip_layers = skip_layers
         self.backend = backend
         self.process_group = process_group
-        self._impl = _BACKENDS[backend]
         self._accumulation_steps = accumulation_steps
         self._update_factors_in_hook = update_factors_in_hook
         self._factor_update_steps = factor_update_steps
@@ -222,6 +211,9 @@ class KFACPreconditioner:
         self._steps = StepCounter()
         self._mini_steps: dict[str, int] = defaultdict(int)
         self._tensors: dict[torch.device, dict[str, torch.Tensor]] = {}
+        # Whether the tensors of callable hyperparameters must be refilled for the current step
+        # count (done, after checking every value, before the next eager use).
+        self._stale = True
         # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
         # CUDA-graph-captured step cannot hold eigh).
         self.decompose_in_step = True
@@ -246,6 +238,13 @@ class KFACPreconditioner:
                 compute_eigenvalue_outer_product, inv_dtype)
             log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
         self._stack_second_order()
+        # The backend decision, made once: the implementation of the ops for every (device,
+        # dtype) that a layer's gradients, factors or inv_dtype products have.
+        self._impls: dict[tuple[torch.device, torch.dtype], Any] = {}
+        for layer in self._layers:
+            device = layer.module.weight.device
+            for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, inv_dtype):
+                self._impls[(device, dtype)] = _implementation(backend, device, dtype)
         for layer in self._layers:  # device state created now: a compiled step cannot create it
             self._hyper(layer.module.weight.device)
             self._steps.tensor(layer.module.weight.device)
@@ -276,44 +275,55 @@ class KFACPreconditioner:
 
     # ------------------------------------------------------------------ hyperparameters
     def _current(self, name: str):
+        """The value of a hyperparameter at the current step count; a callable's result is
+        checked (an error naming `name`)."""
         value = self._values[name]
-        return value(self.steps) if callable(value) else value
+        if not callable(value):
+            return value
+        v = value(self.steps)
+        _check_hyper(name, v, f" (returned by its callable at step {self.steps})")
+        return v
 
     def _hyper(self, device: torch.device) -> dict[str, torch.Tensor]:
         """The 0-dim float64 tensors the ops read on `device` (float64: a Python float exactly)."""
         if device not in self._tensors:
             ts = {}
             for name in _HYPER:
-                v = self._current(name)
-                ts[name] = torch.tensor(math.nan if v is None else float(v), dtype=torch.float64,
-                                        device=device)
+                ts[name] = torch.tensor(_as_float(self._current(name)), dtype=torch.float64, device=device)
                 torch._dynamo.mark_static_address(ts[name], guard=False)
             self._tensors[device] = ts
         return self._tensors[device]
 
-    def _refresh(self) -> None:
-        """Callables see the step count: refill their tensors (eager steps only)."""
-        if torch.compiler.is_compiling():
+    def _sync(self, quiet: bool = False) -> None:
+        """Refill the tensors of callable hyperparameters for the current step count (eager
+        only: a compiled step reads the tensors as they are). Every callable is evaluated and
+        checked before any tensor is written; with `quiet`, a bad value leaves them stale (the
+        next eager use raises)."""
+        if torch.compiler.is_compiling() or not self._stale:
             return
-        for name in _HYPER:
-            if callable(self._values[name]):
-                v = self._current(name)
-                for ts in self._tensors.values():
-                    ts[name].fill_(math.nan if v is None else float(v))
+        try:
+            values = {name: self._current(name) for name in _HYPER if callable(self._values[name])}
+        except (TypeError, ValueError):
+            if quiet:
+                return
+            raise
+        for name, v in values.items():
+            for ts in self._tensors.values():
+                ts[name].fill_(_as_float(v))
+        self._stale = False
 
     def _set(self, name, value):
-        if not (name == "kl_clip" and value is None):
-            ok, what = _RULES[name]
-            _check_hyper(name, value, ok, what)
+        if not callable(value):
+            _check_hyper(name, value)
         self._values[name] = value
         if not callable(value):
             for ts in self._tensors.values():
                 if isinstance(value, torch.Tensor):
-                    ts[name].copy_(value)
+                    ts[name].copy_(value.detach().reshape(()))
                 else:
-                    ts[name].fill_(math.nan if value is None else float(value))
+                    ts[name].fill_(_as_float(value))
         else:
-            self._refresh()
+            self._stale = True
 
     damping = property(lambda self: self._current("damping"), lambda self, v: self._set("damping", v))
     factor_decay = property(lambda self: self._current("factor_decay"),
@@ -321,15 +331,31 @@ class KFACPreconditioner:
     kl_clip = property(lambda self: self._current("kl_clip"), lambda self, v: self._set("kl_clip", v))
     lr = property(lambda self: self._current("lr"), lambda self, v: self._set("lr", v))
 
+    def _interval(self, name: str) -> int:
+        value = getattr(self, "_" + name)
+        if not callable(value):
+            return value
+        v = value(self.steps)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r} (returned by its callable at "
+                             f"step {self.steps})")
+        return v
+
     @property
     def factor_update_steps(self) -> int:
-        v = self._factor_update_steps
-        return v(self.steps) if callable(v) else v
+        return self._interval("factor_update_steps")
 
     @property
     def inv_update_steps(self) -> int:
-        v = self._inv_update_steps
-        return v(self.steps) if callable(v) else v
+        return self._interval("inv_update_steps")
+
+    # kfac-pytorch's KAISA options, as checked at construction (cafin.optim.kfac_compat).
+    allreduce_bucket_cap_mb = property(lambda self: self._kaisa.allreduce_bucket_cap_mb)
+    assignment_strategy = property(lambda self: self._kaisa.assignment_strategy)
+    colocate_factors = property(lambda self: self._kaisa.colocate_factors)
+    grad_worker_fraction = property(lambda self: self._kaisa.grad_worker_fraction)
+    distributed_strategy = property(lambda self: self._kaisa.distributed_strategy)
+    symmetry_aware = property(lambda self: self._kaisa.symmetry_aware)
 
     @property
     def steps(self) -> int:
@@ -349,10 +375,26 @@ class KFACPreconditioner:
                  ("update_factors_in_hook", self._update_factors_in_hook)]
         return "KFACPreconditioner(\n" + "\n".join(f"  {k}={v}," for k, v in items) + "\n)"
 
+    def __deepcopy__(self, memo):
+        """A copy preconditions a copy of the model (the one in `memo` when the same deepcopy
+        call copies the model too), with hooks of its own; backends and the process group are
+        shared."""
+        for shared in (ops, reference, self.process_group):
+            if shared is not None:
+                memo.setdefault(id(shared), shared)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if key != "_hooks":
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._hooks = Hooks(new, new._layers) if self._hooks is not None else None
+        return new
+
     # ------------------------------------------------------------------ statistics hooks
     def _statistics_gate(self, layer: Layer, device: torch.device):
         if not layer.module.training:
             return False, None
+        self._sync()  # the hooks may fold with factor_decay: this step's value, checked
         return self._steps.due(self.factor_update_steps, device)
 
     def _host_folds(self) -> bool:
@@ -383,8 +425,25 @@ class KFACPreconditioner:
             self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
 
     def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
-        impl = self._impl if fs[0].dtype in (torch.float32, torch.float64) else reference
-        impl.kfac_factor_ema_(fs, ss, cs, self._hyper(device)["factor_decay"], step, interval)
+        """Fold statistics into factors on `device`, one op call per factor dtype."""
+        by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        for f, s, c in zip(fs, ss, cs):
+            lists = by_dtype.setdefault(f.dtype, [[], [], []])
+            lists[0].append(f)
+            lists[1].append(s)
+            lists[2].append(c)
+        decay = self._hyper(device)["factor_decay"]
+        for dtype, (f_, s_, c_) in by_dtype.items():
+            self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval)
+
+    def _impl_for(self, device: torch.device, dtype: torch.dtype):
+        """The implementation chosen at construction for tensors of this device and dtype."""
+        impl = self._impls.get((device, dtype))
+        if impl is None:
+            raise RuntimeError(f"KFACPreconditioner: a registered layer now has {dtype} tensors on "
+                               f"{device}, which it did not have at construction; move the model "
+                               "before creating the preconditioner")
+        return impl
 
     def reset_batch(self) -> None:
         """Drop the statistics taken since the last factor update."""
@@ -515,8 +574,9 @@ class KFACPreconditioner:
                 v = rk.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
             else:
                 damping = self._hyper(device)["damping"]
-                v = rk.eigen_precondition(work, s["qa"], s["qg"], da=s["da"], dg=s["dg"],
-                                          damping=damping, scale_=self._impl.kfac_eigen_scale_)
+                v = rk.eigen_precondition(
+                    work, s["qa"], s["qg"], da=s["da"], dg=s["dg"], damping=damping,
+                    scale_=self._impl_for(device, self.inv_dtype).kfac_eigen_scale_)
         else:
             v = rk.inverse_precondition(work, s["a_inv"], s["g_inv"])
         return v.to(grad.dtype).contiguous()
@@ -529,6 +589,10 @@ class KFACPreconditioner:
             raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: set "
                                "preconditioner.decompose_in_step = False, capture the step, and call "
                                "preconditioner.decompose() eagerly every inv_update_steps steps")
+        # Every value the step reads is checked before it writes anything: callables are
+        # evaluated for this step count here.
+        self._sync()
+        self.factor_update_steps, self.inv_update_steps  # noqa: B018  (checked; errors name them)
         self._update_factors()
         if self.decompose_in_step:
             due = self._steps.host_due(self.inv_update_steps)
@@ -574,17 +638,25 @@ class KFACPreconditioner:
             ws.append(w)
             bs.append(b if b is not None else _empty(w))
             vs.append(precond[layer.name])
+        # A callable kl_clip returning None is a NaN tensor, which both backends read as "off".
         kl_off = self._values["kl_clip"] is None
+        joint = None
         if len(buckets) > 1 and not kl_off:
-            raise RuntimeError("KL clipping needs every registered layer's gradient on one device "
-                               f"and of one dtype, got {sorted(str(k) for k in buckets)}")
+            joint = self._joint_kl_scale(active, precond)
         for (device, dtype), (ws, bs, vs) in buckets.items():
             ts = self._hyper(device)
-            impl = self._impl
-            if dtype not in (torch.float32, torch.float64) or not all(
-                    w.is_contiguous() and b.is_contiguous() for w, b in zip(ws, bs)):
-                impl = reference  # the kernels take float32/float64 contiguous gradients
-            impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], None if kl_off else ts["kl_clip"])
+            impl = self._impl_for(device, dtype)
+            if joint is not None:  # the clip factor is applied here, the op only writes
+                vs = [v * joint.to(device=device, dtype=v.dtype) for v in vs]
+            kl = None if kl_off or joint is not None else ts["kl_clip"]
+            if impl is ops:  # the kernels write contiguous gradients: others go through a copy
+                outs = [t if t.is_contiguous() else t.contiguous() for t in ws + bs]
+                impl.kfac_precondition_apply_(outs[:len(ws)], outs[len(ws):], vs, ts["lr"], kl)
+                for t, out in zip(ws + bs, outs):
+                    if out is not t:
+                        t.copy_(out)
+            else:
+                impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], kl)
         for name, (w, b) in self._gathered.items():  # FSDP2: each rank keeps its own rows
             m = self._module(name)
             local(m.weight.grad).copy_(own_rows(w, m.weight.grad))
@@ -593,7 +665,21 @@ class KFACPreconditioner:
         self._gathered = {}
         self._mini_steps = defaultdict(int)
         self._steps.advance()
-        self._refresh()
+        if not torch.compiler.is_compiling():
+            self._stale = True
+            self._sync(quiet=True)  # next step's values now; a bad one raises at the next use
+
+    def _joint_kl_scale(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The KL-clip factor of layers of several dtypes or devices: one sum of <V, grad> over
+        all of them (float64 when any gradient is, else float32), on the first layer's device."""
+        acc = torch.float64 if any(precond[layer.name].dtype == torch.float64 for layer in active) else torch.float32
+        device = active[0].module.weight.device
+        vg = torch.zeros((), dtype=acc, device=device)
+        for layer in active:
+            v = precond[layer.name]
+            vg = vg + (v.to(acc) * self._grad(layer).to(acc)).sum().to(device)
+        ts = self._hyper(device)
+        return rk.kl_clip_scale(vg * ts["lr"].to(acc) ** 2, ts["kl_clip"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:
@@ -619,43 +705,46 @@ class KFACPreconditioner:
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any], compute_inverses: bool = True) -> None:
-        """Load a state_dict of this class or of kfac-pytorch; checks everything before changing
-        anything, copies the factors onto the layers' devices, leaves `state_dict` unchanged."""
+        """Load a state_dict of this class or of kfac-pytorch; checks everything (steps, intervals,
+        hyperparameters, every factor's type, shape and finiteness) before changing anything,
+        copies the factors onto the layers' devices in their dtype, leaves `state_dict`
+        unchanged."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         if "steps" not in state_dict:
             raise ValueError("not a KFACPreconditioner state_dict: missing 'steps'")
+        steps = _checkpoint_steps(state_dict["steps"])
+        for key in ("factor_update_steps", "inv_update_steps"):
+            if key in state_dict:
+                check_int(state_dict[key], f"state_dict['{key}']", 1)
+        for name in _HYPER:
+            if name in state_dict:
+                _check_hyper(name, state_dict[name], " (in state_dict)")
         layers = state_dict.get("layers")
         new = {}
         if layers is not None:
+            if not isinstance(layers, Mapping):
+                raise TypeError(f"state_dict['layers'] must be a dict, got {type(layers).__name__}")
             mine = {layer.name for layer in self._layers}
             if len(layers) != len(self._layers) or set(layers) != mine:
                 raise ValueError(f"state_dict has layers {sorted(layers)}, this preconditioner "
                                  f"has {sorted(mine)}")
             for name, saved in layers.items():
-                if "A" not in saved or "G" not in saved:
-                    raise KeyError("a layer's state must contain keys 'A' and 'G'")
+                if not isinstance(saved, Mapping) or "A" not in saved or "G" not in saved:
+                    raise KeyError(f"the state of layer '{name}' must be a dict with keys 'A' and 'G'")
                 st = self._state[name]
-                pair = []
-                for key, own in (("A", st.A), ("G", st.G)):
-                    t = saved[key]
-                    if t is None:
-                        pair.append(None)
-                        continue
-                    t = t.detach()
-                    if t.dim() == 2:
-                        t = t.unsqueeze(0)
-                    if tuple(t.shape) != tuple(own.shape):
-                        raise ValueError(f"state_dict factor {key} of layer '{name}' has shape "
-                                         f"{tuple(saved[key].shape)}, expected {tuple(own.shape)}")
-                    pair.append(t)
-                new[name] = pair
-        self._steps.load(int(state_dict["steps"]))
+                new[name] = [_checkpoint_factor(saved[key], own, f"factor {key} of layer '{name}'")
+                             for key, own in (("A", st.A), ("G", st.G))]
+        # Everything is checked: from here on nothing raises on the checkpoint's account.
+        self._steps.load(steps)
         for key in ("factor_update_steps", "inv_update_steps"):
             if key in state_dict:
                 setattr(self, "_" + key, state_dict[key])
         for name in _HYPER:
             if name in state_dict:
                 self._set(name, state_dict[name])
-        self._refresh()
+        self._stale = True
+        self._sync(quiet=True)
         for name, (A, G) in new.items():
             st = self._state[name]
             if A is not None:
@@ -708,14 +797,81 @@ def _any_match(query: str, patterns: list[str]) -> bool:
     return any(re.search(p, query) for p in patterns)
 
 
-def _check_hyper(name, value, ok, what):
-    if callable(value):
+def _check_hyper(name: str, value: Any, where: str = "") -> None:
+    """A hyperparameter's value (a number, a 1-element tensor, or None for kl_clip) in its
+    range; `where` says where the value came from."""
+    if name == "kl_clip" and value is None:
         return
+    ok, what = _RULES[name]
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{name} must be a number or a callable of the step, got {value!r}")
-    v = float(value)
+        raise TypeError(f"{name} must be a number or a callable of the step, got {value!r}{where}")
+    v = real_number(value, name)
     if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name} must be {what}, got {v}")
+        raise ValueError(f"{name} must be {what}, got {v}{where}")
+
+
+def _as_float(value) -> float:
+    """A checked hyperparameter as the float its tensor holds (None, clipping off: NaN)."""
+    return math.nan if value is None else float(value)
+
+
+def _patterns(skip_layers) -> list[str]:
+    """skip_layers as a list of regular expressions (a single string is one pattern)."""
+    if skip_layers is None:
+        return []
+    patterns = [skip_layers] if isinstance(skip_layers, str) else skip_layers
+    try:
+        patterns = list(patterns)
+    except TypeError:
+        raise TypeError(f"skip_layers must be a string or a list of strings, got {skip_layers!r}") from None
+    for p in patterns:
+        if not isinstance(p, str):
+            raise TypeError(f"skip_layers must be a string or a list of strings, got the entry {p!r}")
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise ValueError(f"skip_layers holds an invalid regular expression {p!r}: {e}") from None
+    return patterns
+
+
+def _implementation(backend: str, device: torch.device, dtype: torch.dtype):
+    """The ops a (device, dtype) runs on: the kernels where cafin has them (float32/float64, on
+    the CPU, or on CUDA when this build carries the CUDA kernels), else the reference ops."""
+    if backend == "reference" or dtype not in (torch.float32, torch.float64):
+        return reference
+    if device.type == "cpu" or (device.type == "cuda" and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "cafin::kfac_precondition_apply_", "CUDA")):
+        return ops
+    return reference
+
+
+def _checkpoint_steps(value: Any) -> int:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point() \
+            and value.dtype != torch.bool:
+        value = int(value.item())
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"state_dict['steps'] must be an int >= 0, got {value!r}")
+    return value
+
+
+def _checkpoint_factor(t: Any, own: torch.Tensor, what: str) -> torch.Tensor | None:
+    """A saved factor ([d, d] or [groups, d, d]) as [groups, d, d], checked: a floating
+    tensor of the preconditioner's shape, every entry finite. None: no statistics yet."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"state_dict {what} must be a tensor or None, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"state_dict {what} must be a floating tensor, got {t.dtype}")
+    shape = tuple(t.shape)
+    t = t.detach()
+    if t.dim() == 2:
+        t = t.unsqueeze(0)
+    if tuple(t.shape) != tuple(own.shape):
+        raise ValueError(f"state_dict {what} has shape {shape}, expected {tuple(own.shape)}")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"state_dict {what} has non-finite entries")
+    return t
 
 
 def _worker_fraction(value):

@@ -55,10 +55,12 @@ def kfac_eigen_scale_(v: list[torch.Tensor], dg: list[torch.Tensor], da: list[to
 
 
 def kl_clip_scale(vg_sum: torch.Tensor, kl_clip: torch.Tensor) -> torch.Tensor:
-    """min(1, sqrt(kl_clip / |vg_sum|)), 1 when the sum is 0 (kfac-pytorch's rule), on the device."""
-    safe = torch.where(vg_sum == 0, torch.ones_like(vg_sum), vg_sum.abs())
-    return torch.where(vg_sum == 0, torch.ones_like(vg_sum),
-                       torch.sqrt(kl_clip.to(vg_sum.dtype) / safe).clamp(max=1.0))
+    """min(1, sqrt(kl_clip / |vg_sum|)), 1 when the sum is 0 (kfac-pytorch's rule), on the device.
+    A NaN kl_clip (a kl_clip callable that returned None: clipping off) gives 1, as the kernels do."""
+    one = torch.ones_like(vg_sum)
+    safe = torch.where(vg_sum == 0, one, vg_sum.abs())
+    scale = torch.sqrt(kl_clip.to(vg_sum.dtype) / safe)
+    return torch.where((vg_sum == 0) | ~(scale < 1), one, scale)
 
 
 def kfac_precondition_apply_(weight_grads: list[torch.Tensor], bias_grads: list[torch.Tensor],
@@ -68,7 +70,8 @@ def kfac_precondition_apply_(weight_grads: list[torch.Tensor], bias_grads: list[
 
     precond[i] is layer i's preconditioned gradient [groups, d_g, d_a] in its gradients' dtype,
     the last column its bias when bias_grads[i] is not empty. With kl_clip given,
-    nu = min(1, sqrt(kl_clip / |lr^2 sum_i <precond_i, grad_i>|)) (1 when the sum is 0),
+    nu = min(1, sqrt(kl_clip / |lr^2 sum_i <precond_i, grad_i>|)) (1 when the sum is 0 or
+    kl_clip is NaN),
     computed from the gradients before they are overwritten, and every gradient becomes
     nu * precond; without it, precond."""
     pieces = []
