@@ -75,7 +75,8 @@ class Member:
     float_settings: tuple[str, ...] = ()
     # (label, setter(run)) assignments a user may make between steps that must be refused
     bad_between_steps: tuple = ()
-    # constructor keywords that take a callable of the step (kfac-pytorch style) -> a good value
+    # constructor keywords that take a callable of the step (kfac-pytorch style) ->
+    # (a good value, values bad for this keyword beyond -1, nan, inf and a string)
     callables: dict = field(default_factory=dict)
     # (label, path into checkpoint()[0], value or DELETE) that load_state_dict must refuse
     bad_checkpoint: tuple = ()
@@ -123,8 +124,8 @@ MEMBERS = [
             model, **{"factor_update_steps": 1, "inv_update_steps": 1, "damping": 1e-2, **kw}),
         preconditioner=True, closure=False,
         bad_between_steps=_bad_attrs(("damping", "factor_decay", "kl_clip", "lr")),
-        callables={"damping": 1e-2, "factor_decay": 0.95, "kl_clip": 1e-3, "lr": 0.1,
-                   "factor_update_steps": 1, "inv_update_steps": 1},
+        callables={"damping": (1e-2, ()), "factor_decay": (0.95, (2.0,)), "kl_clip": (1e-3, ()),
+                   "lr": (0.1, ()), "factor_update_steps": (1, (0,)), "inv_update_steps": (1, (0,))},
         bad_checkpoint=(("damping=-1", ("damping",), -1.0),
                         ("factor_update_steps=0", ("factor_update_steps",), 0),
                         ("inv_update_steps=str", ("inv_update_steps",), "1"),
@@ -144,7 +145,7 @@ MEMBERS = [
         lambda model, **kw: cafin.SINGD(model, **{"lr": 1e-2, "T": 1, **kw}),
         float_settings=("lr", "weight_decay", "momentum", "damping"),
         bad_between_steps=_bad_group(("lr", "momentum", "damping", "weight_decay")),
-        callables={"lr_cov": 1e-2},
+        callables={"lr_cov": (1e-2, ())},
         bad_checkpoint=_bad_groups_in_checkpoint(("lr", "momentum", "damping", "weight_decay")) + (
             ("T=0", ("param_groups", 0, "T"), 0),
             ("structures=bogus", ("param_groups", 0, "structures"), ("bogus", "dense")),

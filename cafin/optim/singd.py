@@ -112,7 +112,7 @@ class SINGD(CurvatureOptimizer):
     }
     checkpoint_settings = ("cache_preconditioner",)
     finite_state = tuple(f"{f}.{i}" for f in _FACTORS for i in range(_MAX_PARTS)) + (
-        "H_count", "P_K", "P_C")
+        "H_count", "P_K", "P_C", "momentum_buffer")
 
     _step_supports_amp_scaling = True
 
