@@ -414,3 +414,90 @@ def test_low_precision_model_trains_or_is_refused_at_construction(member, dtype)
     for x, y in batches(3, dtype=dtype):
         run.step(x, y)
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+class _Twice(nn.Module):
+    """One Linear called twice in a forward (weight sharing across positions or depth)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.shared, self.out = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.tanh(self.shared(h))
+        return self.out(torch.tanh(self.shared(h)))
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_module_called_twice_trains_or_is_refused_before_any_write(member):
+    model = _Twice().double()
+    data = batches(3)
+    run = Run(member, model)
+    before = everything(run)
+    try:
+        run.step(*data[0])
+    except (ValueError, RuntimeError) as e:
+        assert "shared" in str(e) or "twice" in str(e) or "called" in str(e)
+        assert_tree_equal(everything(run)[1], before[1])
+        return
+    for x, y in data[1:]:
+        run.step(x, y)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def cnn(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.Tanh(), nn.Conv2d(4, 2, 3, bias=False),
+                         nn.Flatten(), nn.Linear(2 * 3 * 3, 3)).double()
+
+
+def image_batches(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, 3, 5, 5, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (4,), generator=g)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_channels_last_model_trains_like_contiguous_or_is_refused_at_construction(member):
+    data = image_batches(3)
+    plain = train(member, cnn(), data)
+    model = cnn().to(memory_format=torch.channels_last)
+    try:
+        run = Run(member, model)
+    except ValueError as e:
+        assert "channels_last" in str(e) or "contiguous" in str(e)
+        return
+    for x, y in data:
+        run.step(x.to(memory_format=torch.channels_last), y)
+    assert_params_equal(params_of(model), params_of(plain.model), tol=1e-10)
+
+
+# ----------------------------------------------------------------------------- compiled steps
+def _tensor_settings(group):
+    return [k for k, v in group.items() if isinstance(v, torch.Tensor) and v.dim() == 0]
+
+
+@pytest.mark.parametrize("member", [m for m in OPTIMIZERS if m.float_settings], ids=lambda m: m.name)
+def test_compiled_step_under_a_schedule_of_every_tensor_setting(member):
+    """torch.compile(opt.step, fullgraph=True) compiles once more at most while every 0-dim
+    tensor setting of every group changes each step, and equals the eager step."""
+    from torch._dynamo.utils import counters
+    data = batches(6)
+    runs = [train(member, mlp(), data[:1]) for _ in range(2)]  # first steps build state eagerly
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(runs[1].curvature.step, fullgraph=True)
+    for i, (x, y) in enumerate(data[1:]):
+        for run in runs:
+            for group in run.curvature.param_groups:
+                for name in _tensor_settings(group):
+                    group[name].mul_(0.97 - 0.01 * i)
+            run.backward(x, y)
+        runs[0].curvature.step()
+        compiled()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    assert not counters["graph_break"]
+    assert_params_equal(params_of(runs[1].model), params_of(runs[0].model), tol=1e-10)
+    torch._dynamo.reset()
