@@ -378,20 +378,394 @@ def hyperparameter_tensor(value: Any, params: list[torch.Tensor],
 _FLOAT_PARAMS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-class CurvatureOptimizer(torch.optim.Optimizer):
-    """What every hook-based member that is a torch optimizer shares: validated param groups
-    whose hyperparameters are tensors end to end, a step that checks everything before it
-    writes, a step counter, hooks held weakly, copies, and checkpoints validated field by field.
+# ------------------------------------------------------------------------------ hyperparameter rules
+class Real:
+    """A real hyperparameter in [low, high] (open ends as asked; never inf or NaN). Kept in the
+    groups as a 0-dim tensor of `dtype` on the parameters' device (None: their op-math dtype), so
+    schedules change it in place and a compiled step sees new values, not new constants; with
+    tensor=False as a Python float (a value only the host reads)."""
 
-    A member sets `hyperparameters` (name -> (low, high, low_open, high_open, dtype); dtype None
-    means the parameters' op-math dtype) and `checkpoint_settings` (constructor arguments that
-    checkpoints record), and implements `_attach()` (discover layers, create every state tensor,
-    install `Hooks`), `_layout()`, `_expected_state(p)` (key -> (shape, dtype) of a parameter's
-    state) and the three hook callbacks."""
+    def __init__(self, low: float, high: float, low_open: bool = False, high_open: bool = False,
+                 dtype: torch.dtype | None = None, tensor: bool = True) -> None:
+        self.low, self.high, self.low_open, self.high_open = low, high, low_open, high_open
+        self.dtype, self.tensor = dtype, tensor
 
-    hyperparameters: dict[str, tuple] = {}
-    checkpoint_settings: tuple[str, ...] = ()
+    def check(self, value: Any, name: str) -> None:
+        check_hyperparameter(value, name, self.low, self.high, self.low_open, self.high_open)
+
+    def check_live(self, value: Any, name: str) -> None:
+        """The value a group holds at a step (a schedule or a user may have put any number or
+        tensor there). Values are read only where that costs no sync (numbers, CPU tensors)
+        and not while compiling (they are symbolic there)."""
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0 or not value.is_floating_point():
+                raise ValueError(f"{name} must be a number or a 0-dim float tensor, got a "
+                                 f"{value.dtype} tensor of shape {tuple(value.shape)}")
+            if value.device.type != "cpu" or torch.compiler.is_compiling():
+                return
+        elif torch.compiler.is_compiling():
+            return
+        self.check(value, name)
+
+    def keep(self, value: Any, params: list[torch.Tensor], name: str) -> Any:
+        if not self.tensor:
+            return real_number(value, name)
+        return hyperparameter_tensor(value, params, self.dtype)
+
+
+class Pair:
+    """A pair of real hyperparameters (Adam's betas), each checked and kept by its own rule."""
+
+    def __init__(self, first: Real, second: Real) -> None:
+        self.rules = (first, second)
+        self.dtype = first.dtype
+
+    def _entries(self, value: Any, name: str) -> tuple:
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            raise TypeError(f"{name} must be a pair of numbers (a tuple of 2), got "
+                            f"{type(value).__name__} {value!r}")
+        return tuple(value)
+
+    def check(self, value: Any, name: str) -> None:
+        for i, (v, rule) in enumerate(zip(self._entries(value, name), self.rules)):
+            rule.check(v, f"{name}[{i}]")
+
+    def check_live(self, value: Any, name: str) -> None:
+        for i, (v, rule) in enumerate(zip(self._entries(value, name), self.rules)):
+            rule.check_live(v, f"{name}[{i}]")
+
+    def keep(self, value: Any, params: list[torch.Tensor], name: str) -> tuple:
+        return tuple(rule.keep(v, params, f"{name}[{i}]")
+                     for i, (v, rule) in enumerate(zip(value, self.rules)))
+
+
+class Setting:
+    """A setting that is not a real number (an int, a flag, a choice): kept as it is given."""
+    dtype = None
+
+    def check(self, value: Any, name: str) -> None:
+        raise NotImplementedError
+
+    def check_live(self, value: Any, name: str) -> None:
+        if not torch.compiler.is_compiling():  # a compiled step reads it as a constant
+            self.check(value, name)
+
+    def keep(self, value: Any, params: list[torch.Tensor], name: str) -> Any:
+        return value
+
+
+class Int(Setting):
+    """An int in [low, high] (high None: no upper end)."""
+
+    def __init__(self, low: int, high: int | None = None) -> None:
+        self.low, self.high = low, high
+
+    def check(self, value: Any, name: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < self.low or (self.high is not None and value > self.high):
+            upper = "" if self.high is None else f" and <= {self.high}"
+            raise ValueError(f"{name} must be an int >= {self.low}{upper}, got {value}")
+
+
+class Flag(Setting):
+    """True or False (an int 0/1 is not taken: a mistyped value would pass)."""
+
+    def check(self, value: Any, name: str) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+class Choice(Setting):
+    """One of a few values (strings)."""
+
+    def __init__(self, *options: Any) -> None:
+        self.options = options
+
+    def check(self, value: Any, name: str) -> None:
+        if not any(type(value) is type(option) and value == option for option in self.options):
+            raise ValueError(f"{name} must be one of {', '.join(map(repr, self.options))}, "
+                             f"got {value!r}")
+
+
+def as_rule(rule: Any) -> Real | Pair | Setting:
+    """A rule, or a tuple (low, high, low_open, high_open, dtype) read as a tensor `Real`."""
+    return rule if isinstance(rule, (Real, Pair, Setting)) else Real(*rule)
+
+
+class _Called:
+    """Whether a step has run, for the LR scheduler's call-order warning: a holder, because a store
+    into it from a compiled step is kept (one into the optimizer itself is not)."""
+    value = False
+
+
+# ------------------------------------------------------------------------------ the optimizer base
+class CoreOptimizer(torch.optim.Optimizer):
+    """What every member that is a torch optimizer shares, model or not: validated param groups
+    whose real hyperparameters are tensors end to end, a step that checks everything before it
+    writes, copies, and checkpoints validated field by field before anything is replaced.
+
+    A member sets `hyperparameters` (name -> rule: `Real`, `Pair`, `Int`, `Flag`, `Choice`, or a
+    tuple (low, high, low_open, high_open, dtype) for a tensor `Real`; dtype None means the
+    parameters' op-math dtype) and implements `_expected_state(p)` (key -> (shape, dtype) of a
+    parameter's state) or, for irregular state, `_checkpoint_entry`. It calls `_begin_step()`
+    first in its step."""
+
+    hyperparameters: dict[str, Any] = {}
+    _rules: dict[str, Any] = {}  # hyperparameters, every entry as a rule object
     finite_state: tuple[str, ...] = ()  # state keys a checkpoint must hold finite values in
+    contiguous_params = True  # whether parameters must be contiguous (kernels that index them flat)
+    _not_copied: tuple[str, ...] = ()  # attributes a deepcopy leaves to `_copied_from`
+    _group_records: tuple[str, ...] = ()  # saved group entries that are a member's own record
+
+    def __init__(self, params, defaults: dict[str, Any]) -> None:
+        self._ones: dict[tuple, torch.Tensor] = {}
+        self._called = _Called()
+        super().__init__(params, defaults)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
+        # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
+        # fullgraph=True)`: mark every member's step as already wrapped. `_opt_called`, which the
+        # wrapper would record for the scheduler's call-order warning, is kept by the member.
+        if "step" in cls.__dict__:
+            cls.step._wrapped_by_lr_sched = True
+        cls._rules = {name: as_rule(rule) for name, rule in cls.hyperparameters.items()}
+
+    @property
+    def _opt_called(self) -> bool:
+        return self._called.value
+
+    @_opt_called.setter
+    def _opt_called(self, value: bool) -> None:
+        self._called.value = bool(value)
+
+    # ------------------------------------------------------------------ param groups
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group after checking its parameters and settings. A rejected group leaves
+        nothing behind."""
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        params = param_group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if len({id(p) for p in params}) != len(params):
+            raise ValueError("a param group holds the same parameter twice")
+        self._check_params(params)
+        for name, rule in self._rules.items():
+            rule.check(param_group.get(name, self.defaults.get(name)), name)
+        before = len(self.param_groups)
+        try:
+            super().add_param_group(param_group)
+            group = self.param_groups[-1]
+            for name, rule in self._rules.items():
+                group[name] = rule.keep(group[name], group["params"], name)
+            self._groups_changed()
+        except BaseException:
+            del self.param_groups[before:]
+            for p in params:
+                if not any(p is q for g in self.param_groups for q in g["params"]):
+                    self.state.pop(p, None)
+            self._groups_changed()
+            raise
+
+    def _check_params(self, params: list) -> None:
+        for p in params:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params must hold Tensors, got {type(p).__name__}")
+            if p.dtype not in _FLOAT_PARAMS:
+                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; "
+                                "cafin supports float32, float64, bfloat16 and float16")
+            if self.contiguous_params and not p.is_contiguous():
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
+                                 "(e.g. channels_last); cafin needs contiguous parameters")
+
+    def _groups_changed(self) -> None:
+        """A group was added (or a rejected one removed again)."""
+
+    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
+        raise NotImplementedError
+
+    def __deepcopy__(self, memo):
+        """A copy optimises copies of the parameters, with state of its own."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            if isinstance(value, types.ModuleType):  # a backend (cafin.ops, cafin.reference): shared
+                setattr(new, key, value)
+            elif key not in self._not_copied:
+                setattr(new, key, copy.deepcopy(value, memo))
+        new._copied_from(self)
+        return new
+
+    def _copied_from(self, original: "CoreOptimizer") -> None:
+        """Set up what `_not_copied` names, in a fresh copy of `original`."""
+
+    # ------------------------------------------------------------------ step
+    def _begin_step(self) -> None:
+        """Check every group before the step writes anything (a rejected step leaves no trace)."""
+        for index, group in enumerate(self.param_groups):
+            self._check_group(index, group)
+
+    def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """Everything the kernels would reject, in what a user or a schedule may have changed
+        since the group was added."""
+        for name, rule in self._rules.items():
+            try:
+                rule.check_live(group[name], name)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {index}: {e}") from None
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            where = f"param group {index}, parameter of shape {tuple(p.shape)}"
+            if grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
+            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
+                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
+                                 f"shape {tuple(p.shape)} on {p.device}")
+            if self.contiguous_params and not p.is_contiguous():
+                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
+                                 "channels_last after the optimizer was built); cafin needs "
+                                 "contiguous parameters")
+
+    def _hyperparameter(self, group: dict[str, Any], name: str, device: torch.device,
+                        work: torch.dtype):
+        """A group's hyperparameter as the 0-dim tensor an op reads (a tuple of them for a
+        `Pair`). A number that a schedule assigned is multiplied into a cached one, not wrapped
+        with torch.tensor: under compile the number becomes symbolic after its first change,
+        and this stays one graph."""
+        rule = self._rules[name]
+        dtype = rule.dtype or work
+        if isinstance(rule, Pair):
+            return tuple(self._as_tensor(v, device, dtype) for v in group[name])
+        return self._as_tensor(group[name], device, dtype)
+
+    def _as_tensor(self, value: Any, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
+        return self._one(device, dtype) * value
+
+    def _one(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (device, dtype)
+        if key not in self._ones:  # members make them when they create state; here only for strays
+            self._ones[key] = torch.ones((), device=device, dtype=dtype)
+            if not torch.compiler.is_compiling():
+                torch._dynamo.mark_static_address(self._ones[key], guard=False)
+        return self._ones[key]
+
+    # ------------------------------------------------------------------ checkpoints
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a checkpoint of this optimizer. Everything is validated before anything is
+        replaced (a rejected checkpoint leaves the optimizer as it was); every tensor is copied
+        onto its parameter's device and `state_dict` is left unchanged."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
+        record = self._checkpoint_record(state_dict)
+        saved_groups = state_dict["param_groups"]
+        if not isinstance(saved_groups, (list, tuple)):
+            raise TypeError(f"checkpoint param_groups must be a list, got {type(saved_groups).__name__}")
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
+                             f"has {len(self.param_groups)}")
+        index_to_param = {}
+        new_groups = []
+        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
+            if not isinstance(saved, dict):
+                raise TypeError(f"checkpoint group {i} must be a dict, got {type(saved).__name__}")
+            if len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(f"checkpoint group {i} has {len(saved.get('params', ()))} "
+                                 f"parameters, this optimizer's has {len(group['params'])}")
+            values = {}
+            for name, rule in self._rules.items():
+                if name not in saved:
+                    raise ValueError(f"checkpoint group {i} has no {name}")
+                try:
+                    rule.check(saved[name], name)
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"checkpoint group {i}: {e}") from None
+                values[name] = rule.keep(saved[name], group["params"], name)
+            for key, value in saved.items():
+                if key not in ("params", *self._group_records) and key not in values:
+                    values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
+            index_to_param.update((index, (p, values)) for index, p in zip(saved["params"], group["params"]))
+            new_groups.append(values)
+        new_state = self._checkpoint_state(state_dict["state"], index_to_param, record)
+        # Everything checked: now replace.
+        self.state.clear()
+        self.state.update(new_state)
+        for values, group in zip(new_groups, self.param_groups):
+            group.update(values)
+        self._loaded(record)
+
+    def _checkpoint_record(self, state_dict: dict[str, Any]) -> Any:
+        """A member's own record in a checkpoint, found before anything else is read."""
+        return None
+
+    def _checkpoint_state(self, saved_state: Any, index_to_param: dict, record: Any) -> dict:
+        """The validated copy of a checkpoint's `state`. `index_to_param`: saved index ->
+        (parameter, its group's settings as they will be after the load)."""
+        if not isinstance(saved_state, dict):
+            raise TypeError(f"checkpoint state must be a dict, got {type(saved_state).__name__}")
+        new_state: dict[torch.Tensor, dict[str, Any]] = {}
+        for index, saved in saved_state.items():
+            if index not in index_to_param:
+                raise ValueError(f"checkpoint has state for parameter {index}, which this "
+                                 "optimizer does not have")
+            if not isinstance(saved, dict):
+                raise TypeError(f"checkpoint state of parameter {index} must be a dict, got "
+                                f"{type(saved).__name__}")
+            p, group = index_to_param[index]
+            new_state[p] = self._checkpoint_entry(index, p, saved, group)
+        return new_state
+
+    def _checkpoint_entry(self, index: Any, p: torch.Tensor, saved: dict[str, Any],
+                          group: dict[str, Any]) -> dict[str, Any]:
+        """The validated copy of one parameter's saved state, by `_expected_state(p)`."""
+        expected = self._expected_state(p)
+        if set(saved) != set(expected):
+            raise ValueError(f"checkpoint state of parameter {index} has keys {sorted(saved)}, "
+                             f"expected {sorted(expected)}")
+        entry = {}
+        for key, (shape, dtype) in expected.items():
+            value = saved[key]
+            if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = torch.tensor(float(value))  # torch.optim style: a Python number
+            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+                raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
+                                f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"checkpoint {key} of parameter {index} has shape "
+                                 f"{tuple(value.shape)}, expected {tuple(shape)}")
+            if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
+                raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
+                                 f"got {float(value)}")
+            if key in self.finite_state and not torch.isfinite(value).all():
+                raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
+            entry[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
+        return entry
+
+    def _loaded(self, record: Any) -> None:
+        """After a checkpoint replaced the state and the groups' settings."""
+
+
+class CurvatureOptimizer(CoreOptimizer):
+    """What every hook-based member that is a torch optimizer shares, beyond `CoreOptimizer`:
+    the model, its supported layers, a step counter, hooks held weakly, the layout that
+    checkpoints and ranks compare.
+
+    A member sets `hyperparameters`, `checkpoint_settings` (constructor arguments that
+    checkpoints record) and implements `_attach()` (discover layers, create every state tensor,
+    install `Hooks`), `_layout()`, `_expected_state(p)` and the three hook callbacks."""
+
+    checkpoint_settings: tuple[str, ...] = ()
+    _not_copied = ("_hooks",)
+    _group_records = ("curvature",)
 
     def __init__(self, model: nn.Module, params, defaults: dict[str, Any], process_group=None):
         if process_group is not None and not distributed():
@@ -400,7 +774,6 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self.process_group = process_group
         self._steps = StepCounter()
         self._hooks: Hooks | None = None
-        self._ones: dict[tuple, torch.Tensor] = {}
         self._curvature: list[Layer] = []
         self._attached = False
         self._ranks_checked = False
@@ -418,16 +791,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if distributed():
             self._check_ranks_agree()
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        # LR schedulers wrap `opt.step` in a function that torch.compile refuses to trace
-        # (lr_scheduler.py is skipped by Dynamo), which would break `torch.compile(opt.step,
-        # fullgraph=True)`: mark every member's step as already wrapped. `_opt_called`, which the
-        # wrapper would record for the scheduler's call-order warning, comes from the step counter
-        # (a store into the optimizer inside a compiled step is dropped; one into the counter is not).
-        if "step" in cls.__dict__:
-            cls.step._wrapped_by_lr_sched = True
-
+    # The call-order record is the step counter's (a store into it survives a compiled step).
     @property
     def _opt_called(self) -> bool:
         return self._steps.stepped
@@ -437,56 +801,24 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         self._steps.stepped = bool(value)
 
     # ------------------------------------------------------------------ param groups
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group; its parameters may belong to layers added to the model after
-        construction (they get curvature). A rejected group leaves nothing behind."""
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        params = param_group.get("params")
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
-        if len({id(p) for p in params}) != len(params):
-            raise ValueError("a param group holds the same parameter twice")
+    def _check_params(self, params: list) -> None:
         model_params = {id(p) for p in self.model.parameters()}
         for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"params must hold Tensors, got {type(p).__name__}")
-            if id(p) not in model_params:
+            if isinstance(p, torch.Tensor) and id(p) not in model_params:
                 raise ValueError(f"a parameter of shape {tuple(p.shape)} in params is not a "
                                  "parameter of the model")
-            if p.dtype not in _FLOAT_PARAMS:
-                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; "
-                                "cafin supports float32, float64, bfloat16 and float16")
-            if not p.is_contiguous():
-                raise ValueError(f"parameter of shape {tuple(p.shape)} is not contiguous "
-                                 "(e.g. channels_last); cafin needs contiguous parameters")
-        for name, rule in self.hyperparameters.items():
-            check_hyperparameter(param_group.get(name, self.defaults.get(name)), name, *rule[:4])
-        before = len(self.param_groups)
-        try:
-            super().add_param_group(param_group)
-            group = self.param_groups[-1]
-            # Tensors end to end: schedules change them in place (fill_) or assign numbers,
-            # and a compiled step sees new values, not new constants.
-            for name, rule in self.hyperparameters.items():
-                group[name] = hyperparameter_tensor(group[name], group["params"], rule[4])
-            if self._attached:  # a group added after construction
-                self._attach()
-        except BaseException:
-            del self.param_groups[before:]
-            for p in params:
-                if not any(p is q for g in self.param_groups for q in g["params"]):
-                    self.state.pop(p, None)
-            if self._attached:
-                self._attach()
-            raise
+        super()._check_params(params)
+
+    def _groups_changed(self) -> None:
+        # A group's parameters may belong to layers added to the model after construction:
+        # they get curvature.
+        if self._attached:  # a group added after construction
+            self._attach()
 
     def _attach(self) -> None:
         raise NotImplementedError
 
     def _layout(self) -> list:
-        raise NotImplementedError
-
-    def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         raise NotImplementedError
 
     def remove_hooks(self) -> None:
@@ -509,78 +841,17 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"{type(self).__name__}: ranks disagree on the model's supported "
                                  f"layers: rank 0 has {layouts[0]}, rank {rank} has {layout}")
 
-    def __deepcopy__(self, memo):
+    def _copied_from(self, original: "CurvatureOptimizer") -> None:
         """A copy optimises a copy of the model, with hooks of its own."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if isinstance(value, types.ModuleType):  # a backend (cafin.ops, cafin.reference): shared
-                setattr(new, key, value)
-            elif key != "_hooks":
-                setattr(new, key, copy.deepcopy(value, memo))
-        new._hooks = Hooks(new, new._curvature) if self._hooks is not None else None
-        return new
+        self._hooks = Hooks(self, self._curvature) if original._hooks is not None else None
 
     # ------------------------------------------------------------------ step
     def _begin_step(self) -> None:
-        """Check every group before the step writes anything (a rejected step leaves no trace),
-        and compare the ranks' layouts when they may have changed."""
-        for index, group in enumerate(self.param_groups):
-            self._check_group(index, group)
+        """Check every group before the step writes anything, and compare the ranks' layouts
+        when they may have changed."""
+        super()._begin_step()
         if not self._ranks_checked and not torch.compiler.is_compiling() and distributed():
             self._check_ranks_agree()
-
-    def _check_group(self, index: int, group: dict[str, Any]) -> None:
-        """Everything the kernels would reject. Hyperparameter values are read only where that
-        costs no sync (numbers, CPU tensors) and not while compiling (they are symbolic there)."""
-        for name, rule in self.hyperparameters.items():
-            value = group[name]
-            if isinstance(value, torch.Tensor):
-                if value.dim() != 0 or not value.is_floating_point():
-                    raise ValueError(f"param group {index}: {name} must be a number or a 0-dim "
-                                     f"float tensor, got a {value.dtype} tensor of shape "
-                                     f"{tuple(value.shape)}")
-                if value.device.type != "cpu" or torch.compiler.is_compiling():
-                    continue
-            elif torch.compiler.is_compiling():
-                continue
-            try:
-                check_hyperparameter(value, name, *rule[:4])
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"param group {index}: {e}") from None
-        for p in group["params"]:
-            grad = p.grad
-            if grad is None:
-                continue
-            where = f"param group {index}, parameter of shape {tuple(p.shape)}"
-            if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
-            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
-                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
-                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
-                                 f"shape {tuple(p.shape)} on {p.device}")
-            if not p.is_contiguous():
-                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
-                                 "channels_last after the optimizer was built); cafin needs "
-                                 "contiguous parameters")
-
-    def _hyperparameter(self, group: dict[str, Any], name: str, device: torch.device,
-                        work: torch.dtype) -> torch.Tensor:
-        """A group's hyperparameter as the 0-dim tensor an op reads. A number that a schedule
-        assigned is multiplied into a cached one, not wrapped with torch.tensor: under compile
-        the number becomes symbolic after its first change, and this stays one graph."""
-        value, dtype = group[name], self.hyperparameters[name][4] or work
-        if isinstance(value, torch.Tensor):
-            return value if value.device == device and value.dtype == dtype else value.to(device, dtype)
-        return self._one(device, dtype) * value
-
-    def _one(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        key = (device, dtype)
-        if key not in self._ones:  # members make them in _attach; here only for strays
-            self._ones[key] = torch.ones((), device=device, dtype=dtype)
-            if not torch.compiler.is_compiling():
-                torch._dynamo.mark_static_address(self._ones[key], guard=False)
-        return self._ones[key]
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -595,47 +866,16 @@ class CurvatureOptimizer(torch.optim.Optimizer):
                               for group in sd["param_groups"]]
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint of this optimizer on this model. Everything is validated before
-        anything is replaced (a rejected checkpoint leaves the optimizer as it was); every tensor
-        is copied onto its parameter's device and `state_dict` is left unchanged. Local: no
-        collective runs here (ranks are compared at the next step)."""
-        if not isinstance(state_dict, dict):
-            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-        for key in ("state", "param_groups"):
-            if key not in state_dict:
-                raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
+    def _checkpoint_record(self, state_dict: dict[str, Any]) -> dict:
         saved_groups = state_dict["param_groups"]
         # Where `curvature` lives: in the groups (this version), beside them (earlier versions).
         if "curvature" in state_dict:
-            curvature = state_dict["curvature"]
-        elif saved_groups and isinstance(saved_groups[0], dict) and "curvature" in saved_groups[0]:
-            curvature = saved_groups[0]["curvature"]
-        else:
-            raise ValueError(f"not a {type(self).__name__} checkpoint: missing 'curvature'")
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
-                             f"has {len(self.param_groups)}")
-        index_to_param = {}
-        new_groups = []
-        for i, (saved, group) in enumerate(zip(saved_groups, self.param_groups)):
-            if len(saved.get("params", ())) != len(group["params"]):
-                raise ValueError(f"checkpoint group {i} has {len(saved.get('params', ()))} "
-                                 f"parameters, this optimizer's has {len(group['params'])}")
-            index_to_param.update(zip(saved["params"], group["params"]))
-            values = {}
-            for name, rule in self.hyperparameters.items():
-                if name not in saved:
-                    raise ValueError(f"checkpoint group {i} has no {name}")
-                try:
-                    check_hyperparameter(saved[name], name, *rule[:4])
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"checkpoint group {i}: {e}") from None
-                values[name] = hyperparameter_tensor(saved[name], group["params"], rule[4])
-            for key, value in saved.items():
-                if key not in ("params", "curvature") and key not in values:
-                    values[key] = value.detach().clone() if isinstance(value, torch.Tensor) else value
-            new_groups.append(values)
+            return state_dict["curvature"]
+        if saved_groups and isinstance(saved_groups[0], dict) and "curvature" in saved_groups[0]:
+            return saved_groups[0]["curvature"]
+        raise ValueError(f"not a {type(self).__name__} checkpoint: missing 'curvature'")
+
+    def _checkpoint_state(self, saved_state: Any, index_to_param: dict, curvature: Any) -> dict:
         k = curvature.get("k") if isinstance(curvature, dict) else None
         if isinstance(k, bool) or not isinstance(k, int) or k < 0:
             raise ValueError(f"checkpoint curvature['k'] (completed steps) must be an int >= 0, "
@@ -644,34 +884,7 @@ class CurvatureOptimizer(torch.optim.Optimizer):
         if layout != self._layout():
             raise ValueError("checkpoint was saved for a different model: its curvature layers "
                              f"{layout} do not match this model's {self._layout()}")
-        new_state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for index, saved in state_dict["state"].items():
-            if index not in index_to_param:
-                raise ValueError(f"checkpoint has state for parameter {index}, which this "
-                                 "optimizer does not have")
-            p = index_to_param[index]
-            expected = self._expected_state(p)
-            if set(saved) != set(expected):
-                raise ValueError(f"checkpoint state of parameter {index} has keys {sorted(saved)}, "
-                                 f"expected {sorted(expected)}")
-            entry = {}
-            for key, (shape, dtype) in expected.items():
-                value = saved[key]
-                if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    value = torch.tensor(float(value))  # torch.optim style: a Python number
-                if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                    raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
-                                    f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
-                if tuple(value.shape) != tuple(shape):
-                    raise ValueError(f"checkpoint {key} of parameter {index} has shape "
-                                     f"{tuple(value.shape)}, expected {tuple(shape)}")
-                if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
-                    raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
-                                     f"got {float(value)}")
-                if key in self.finite_state and not torch.isfinite(value).all():
-                    raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
-                entry[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
-            new_state[p] = entry
+        new_state = super()._checkpoint_state(saved_state, index_to_param, curvature)
         missing = [layer.name for layer in self._curvature if layer.anchor not in new_state]
         if missing:
             raise ValueError(f"checkpoint has no factors for the layers {missing}")
@@ -680,11 +893,10 @@ class CurvatureOptimizer(torch.optim.Optimizer):
             if saved is not None and saved != getattr(self, name):
                 warnings.warn(f"checkpoint was saved with {name}={saved}; this optimizer keeps "
                               f"its own {name}={getattr(self, name)} (the constructor's wins)",
-                              UserWarning, stacklevel=2)
-        # Everything checked: now replace.
-        self.state.clear()
-        self.state.update(new_state)
-        for values, group in zip(new_groups, self.param_groups):
-            group.update(values)
-        self._steps.load(k)
+                              UserWarning, stacklevel=3)
+        return new_state
+
+    def _loaded(self, curvature: dict) -> None:
+        # Local: no collective runs in a load (ranks are compared at the next step).
+        self._steps.load(curvature["k"])
         self._attach()  # state for parameters the checkpoint had none for

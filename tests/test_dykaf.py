@@ -9,6 +9,7 @@ agree to ~1e-10 and no better. With eps=1e-4 the same runs agree to ~1e-14, whic
 tight (1e-10) comparisons are made.
 """
 import copy
+import io
 
 import pytest
 import torch
@@ -44,7 +45,7 @@ def deep():
 
 
 def build(kind):
-    return {"mlp": mlp, "cnn": cnn, "deep": deep}[kind]()
+    return {"mlp": mlp, "cnn": cnn, "deep": deep, "wide-cnn": wide_cnn}[kind]()
 
 
 def cnn():
@@ -52,9 +53,16 @@ def cnn():
                          nn.Flatten(), nn.Linear(4 * 6 * 7, 5))
 
 
+def wide_cnn():
+    """A conv kernel whose in-channels (10) exceed max_precond_dim=8 while its out-channels (6)
+    do not."""
+    return nn.Sequential(nn.Conv2d(10, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 4, (3, 2)), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 7, 5))
+
+
 def batches(kind, n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shape = (8, 3, 8, 8) if kind == "cnn" else (16, 7)
+    shape = {"cnn": (8, 3, 8, 8), "wide-cnn": (8, 10, 8, 8)}.get(kind, (16, 7))
     return [(torch.randn(*shape, generator=g).to(torch.get_default_dtype()),
              torch.randint(0, 5, (shape[0],), generator=g)) for _ in range(n)]
 
@@ -617,6 +625,330 @@ def test_four_d_factor_step_stays_an_average():
         F = math.tensor_proj_split(F, g, 0.95, published=True)
     assert not all(torch.isfinite(f).all() and f.norm() < 1e30 for f in F)
 
+
+
+# ----------------------------------------------------------------------------------- the core's contract
+def same(a, b):
+    """Bit-identical nested state: tensors (dtype, shape, values), lists, dicts, numbers."""
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def trained(backend="fused", steps=5, **kw):
+    """A CNN (4-D, 2-D and 1-D parameters) and its DyKAF after `steps` steps."""
+    torch.manual_seed(0)
+    model = cnn()
+    opt = cafin.DyKAF(model.parameters(), **{**dict(init="eps", precondition_frequency=3, lr=1e-2,
+                                                     backend=backend), **kw})
+    train(model, opt, batches("cnn", steps))
+    return model, opt
+
+
+def train(model, opt, data):
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_numbers_assigned_to_group_settings_work(backend):
+    """A plain float (or a float32 tensor) assigned to lr, weight_decay or a betas entry between
+    steps is used as the float64 tensor it stands for: the run equals one that keeps tensors."""
+    data = batches("mlp", 6)
+    out = []
+    for assign in (False, True):
+        torch.manual_seed(0)
+        model = mlp()
+        opt = cafin.DyKAF(model.parameters(), init="eps", eps=1e-4, lr=1e-2, backend=backend)
+        for t, (x, y) in enumerate(data):
+            if t == 2:
+                group = opt.param_groups[0]
+                beta2 = torch.tensor(0.99, dtype=torch.float32)
+                if assign:
+                    group["lr"], group["weight_decay"] = 5e-3, 0.05
+                    group["betas"] = (0.9, beta2)
+                else:
+                    group["lr"].fill_(5e-3)
+                    group["weight_decay"] = 0.05
+                    group["betas"] = tuple(torch.tensor(float(b), dtype=torch.float64) for b in (0.9, beta2))
+            train(model, opt, [(x, y)])
+        out.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+BAD_GROUP_VALUES = {
+    "lr-negative": ("lr", -1.0, ValueError, "param group 0: lr"),
+    "lr-string": ("lr", "0.1", TypeError, "lr"),
+    "lr-inf-tensor": ("lr", torch.tensor(float("inf"), dtype=torch.float64), ValueError, "lr"),
+    "betas-entry": ("betas", (1.5, 0.9), ValueError, r"betas\[0\]"),
+    "betas-not-a-pair": ("betas", 0.9, TypeError, "betas"),
+    "weight-decay": ("weight_decay", float("nan"), ValueError, "weight_decay"),
+    "eps-zero": ("eps", 0.0, ValueError, "eps"),
+    "precondition-frequency": ("precondition_frequency", 0, ValueError, "precondition_frequency"),
+    "init": ("init", "bogus", ValueError, "init"),
+    "merge-dims": ("merge_dims", "yes", TypeError, "merge_dims"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_GROUP_VALUES))
+def test_bad_group_value_is_refused_before_the_step_writes(name):
+    key, value, error, match = BAD_GROUP_VALUES[name]
+    model, opt = trained()
+    x, y = batches("cnn", 1, seed=5)[0]
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    before = copy.deepcopy(opt.state_dict())
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0][key] = value
+    with pytest.raises(error, match=match):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    opt.param_groups[0][key] = before["param_groups"][0][key]
+    assert same(opt.state_dict(), before)
+
+
+BAD_ARGUMENTS = {
+    "eps-zero": (dict(eps=0), ValueError, "eps"),
+    "eps-inf": (dict(eps=float("inf")), ValueError, "eps"),
+    "eps-string": (dict(eps="1e-8"), TypeError, "eps"),
+    "lr-inf": (dict(lr=float("inf")), ValueError, "lr"),
+    "lr-string": (dict(lr="0.1"), TypeError, "lr"),
+    "weight-decay-inf": (dict(weight_decay=float("inf")), ValueError, "weight_decay"),
+    "betas-number": (dict(betas=0.9), TypeError, "betas"),
+    "betas-three": (dict(betas=(0.9, 0.9, 0.9)), TypeError, "betas"),
+    "betas-nan": (dict(betas=(0.9, float("nan"))), ValueError, r"betas\[1\]"),
+    "shampoo-beta": (dict(shampoo_beta=1.5), ValueError, "shampoo_beta"),
+    "seed-float": (dict(seed=1.7), TypeError, "seed"),
+    "seed-negative": (dict(seed=-1), ValueError, "seed"),
+    "max-precond-dim": (dict(max_precond_dim=0), ValueError, "max_precond_dim"),
+    "precondition-frequency-float": (dict(precondition_frequency=2.0), TypeError,
+                                     "precondition_frequency"),
+    "merge-dims": (dict(merge_dims="no"), TypeError, "merge_dims"),
+    "adam-rank-one": (dict(adam_rank_one=None), TypeError, "adam_rank_one"),
+    "published-bugs": (dict(published_bugs=1), TypeError, "published_bugs"),
+    "rank-one-eps-inf": (dict(rank_one_eps=float("inf")), ValueError, "rank_one_eps"),
+    "init": (dict(init=3), ValueError, "init"),
+    "group-lr": (dict(params=None, groups=[dict(lr=-0.5)]), ValueError, "lr"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ARGUMENTS))
+def test_bad_arguments_are_named(name):
+    kw, error, match = BAD_ARGUMENTS[name]
+    params = [nn.Parameter(torch.randn(3, 2))]
+    if "groups" in kw:
+        with pytest.raises(error, match=match):
+            cafin.DyKAF([dict(params=params, **kw["groups"][0])])
+        return
+    with pytest.raises(error, match=match):
+        cafin.DyKAF(params, **kw)
+
+
+def _linear_weight(sd):
+    return sd["state"][4]  # cnn(): the Linear's weight, a kron2d state
+
+
+BAD_CHECKPOINTS = {
+    "lr-negative": (lambda sd: sd["param_groups"][0].update(lr=-1.0), ValueError, "lr"),
+    "lr-string": (lambda sd: sd["param_groups"][0].update(lr="0.1"), TypeError, "lr"),
+    "betas-entry": (lambda sd: sd["param_groups"][0].update(betas=(1.5, 0.9)), ValueError, r"betas\[0\]"),
+    "precondition-frequency": (lambda sd: sd["param_groups"][0].update(precondition_frequency=0),
+                               ValueError, "precondition_frequency"),
+    "init": (lambda sd: sd["param_groups"][0].update(init="bogus"), ValueError, "init"),
+    "missing-setting": (lambda sd: sd["param_groups"][0].pop("eps"), ValueError, "eps"),
+    "kind": (lambda sd: sd["state"][0].update(kind="bogus"), ValueError, "kind"),
+    "kind-for-shape": (lambda sd: sd["state"][1].update(kind="kron2d"), ValueError, "kind"),
+    "factor-shape": (lambda sd: sd["state"][0]["factors"].__setitem__(1, torch.eye(5)), ValueError,
+                     r"factors\[1\]"),
+    "basis-shape": (lambda sd: _linear_weight(sd)["bases"].__setitem__(0, torch.eye(4)), ValueError,
+                    r"bases\[0\]"),
+    "factor-count": (lambda sd: sd["state"][2]["factors"].pop(), ValueError, "factors"),
+    "basis-missing-where-factor-kept": (lambda sd: _linear_weight(sd)["bases"].__setitem__(1, None),
+                                        ValueError, "None"),
+    "factor-nan": (lambda sd: sd["state"][2]["factors"][3].fill_(float("nan")), ValueError, "finite"),
+    "exp-avg-nan": (lambda sd: sd["state"][0]["exp_avg"].view(-1)[3].fill_(float("nan")), ValueError,
+                    "finite"),
+    "exp-avg-shape": (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(3)), ValueError, "exp_avg"),
+    "exp-avg-int": (lambda sd: sd["state"][1].update(exp_avg=torch.zeros(6, dtype=torch.int64)),
+                    TypeError, "exp_avg"),
+    "second-moment-negative": (lambda sd: _linear_weight(sd)["l"].__setitem__(0, -1.0), ValueError,
+                               "negative"),
+    "step-negative": (lambda sd: sd["state"][0].update(step=-1), ValueError, "step"),
+    "step-float": (lambda sd: sd["state"][0].update(step=4.0), TypeError, "step"),
+    "device-step": (lambda sd: sd["state"][0]["device_step"].fill_(7.0), ValueError, "device_step"),
+    "precondition-frequency-state": (lambda sd: sd["state"][0].update(precondition_frequency=0),
+                                     ValueError, "precondition_frequency"),
+    "shampoo-beta-state": (lambda sd: sd["state"][0].update(shampoo_beta=2.0), ValueError,
+                           "shampoo_beta"),
+    "missing-key": (lambda sd: sd["state"][0].pop("bases"), ValueError, "keys"),
+    "extra-key": (lambda sd: sd["state"][0].update(junk=torch.zeros(1)), ValueError, "keys"),
+    "rotated-moment-step": (lambda sd: _linear_weight(sd).update(exp_avg_rot_step=99), ValueError,
+                            "exp_avg_rot_step"),
+    "unknown-parameter": (lambda sd: sd["state"].update({17: {}}), ValueError, "17"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CHECKPOINTS))
+def test_rejected_checkpoint_leaves_the_optimizer_as_it_was(name):
+    corrupt, error, match = BAD_CHECKPOINTS[name]
+    _, source = trained(steps=5)
+    saved = copy.deepcopy(source.state_dict())
+    corrupt(saved)
+    _, opt = trained(steps=3)  # another state, so that a partial load would show
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(error, match=match):
+        opt.load_state_dict(saved)
+    assert same(opt.state_dict(), before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_checkpoint_through_torch_save_resumes_bit_identically(backend):
+    model, opt = trained(backend, steps=5)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    twin = copy.deepcopy(model)
+    opt2 = cafin.DyKAF(twin.parameters(), init="eps", precondition_frequency=3, lr=1e-2,
+                       backend=backend)
+    opt2.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    assert same(opt2.state_dict(), opt.state_dict())
+    rest = batches("cnn", 6, seed=3)
+    train(model, opt, rest)
+    train(twin, opt2, rest)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_deepcopy_trains_identically(backend):
+    model, opt = trained(backend, steps=4)
+    twin_model, twin = copy.deepcopy((model, opt))
+    assert twin._impl is opt._impl  # the backend module is shared, not copied
+    assert all(twin.state[q]["exp_avg"].data_ptr() != opt.state[p]["exp_avg"].data_ptr()
+               for p, q in zip(model.parameters(), twin_model.parameters()))
+    rest = batches("cnn", 5, seed=4)
+    train(model, opt, rest)
+    train(twin_model, twin, rest)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_lr_scheduler_call_order_warning():
+    """The step is marked as wrapped (so it compiles under a scheduler); whether it ran is
+    recorded by the optimizer, so the scheduler warns only when it really steps first."""
+    import warnings
+    params = [nn.Parameter(torch.randn(3, 2))]
+    opt = cafin.DyKAF(params, init="eps")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    with pytest.warns(UserWarning, match="before `optimizer.step"):
+        sched.step()
+    opt = cafin.DyKAF(params, init="eps")
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2)
+    params[0].grad = torch.randn(3, 2)
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_channels_last_parameters(backend):
+    """channels_last conv kernels (from the start, or moved there after some steps) train as
+    contiguous ones, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (6, 4, 3, 3)
+    grads = [torch.randn(shape, generator=gen) for _ in range(8)]
+    out = []
+    for layout in ("contiguous", "channels_last", "moved"):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(shape))
+        if layout == "channels_last":
+            w.data = w.data.contiguous(memory_format=torch.channels_last)
+        opt = cafin.DyKAF([w], init="eps", lr=1e-2, precondition_frequency=3, backend=backend)
+        for t, g in enumerate(grads):
+            if layout == "moved" and t == 4:
+                w.data = w.data.contiguous(memory_format=torch.channels_last)
+            channels_last = not w.is_contiguous()
+            w.grad = g.contiguous(memory_format=torch.channels_last) if channels_last else g.clone()
+            opt.step()
+            assert w.is_contiguous() == (not channels_last)
+        out.append(w.detach().contiguous())
+    assert torch.equal(out[0], out[1]) and torch.equal(out[0], out[2])
+
+
+def test_tiny_first_gradient_leaves_no_half_built_state():
+    """A first gradient so small that the "kron" power iteration's squares underflow (float32):
+    its factors are not finite. The parameter keeps no state (a warning says so) and starts
+    over at its next step, which trains exactly as if the tiny gradient had never come."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.full((3, 4), 1e-30)] + [torch.randn(3, 4, generator=gen) for _ in range(5)]
+    out = []
+    for skip_first in (False, True):
+        torch.manual_seed(0)
+        w = nn.Parameter(torch.randn(3, 4))
+        opt = cafin.DyKAF([w], lr=1e-2)  # init="kron"
+        for t, g in enumerate(grads):
+            if t == 0 and skip_first:
+                continue
+            w.grad = g.clone()
+            if t == 0:
+                with pytest.warns(UserWarning, match="not built"):
+                    opt.step()
+                assert opt.state[w] == {}
+            else:
+                opt.step()
+        assert opt.state[w]["step"] == 4
+        out.append(w.detach().clone())
+    assert torch.isfinite(out[0]).all() and torch.equal(out[0], out[1])
+
+
+def test_failed_eigendecomposition_leaves_no_state(monkeypatch):
+    """eigh failing (also in float64, which eigenbasis retries) leaves no state behind; the next
+    step starts over."""
+    w = nn.Parameter(torch.randn(3, 4))
+    opt = cafin.DyKAF([w], lr=1e-2, init="eps")
+    calls = []
+    eigh = torch.linalg.eigh
+
+    def failing(m, *args, **kwargs):
+        calls.append(m.dtype)
+        raise torch.linalg.LinAlgError("linalg.eigh: The algorithm failed to converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", failing)
+    w.grad = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="eigendecomposition"):
+        opt.step()
+    assert opt.state[w] == {} and torch.float64 in calls
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    opt.step()
+    assert opt.state[w]["step"] == 0 and len(opt.state[w]["bases"]) == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_published_four_d_limit_matches_oracle(backend, float64_default):
+    """published_bugs=True: a conv kernel whose mode 0 fits max_precond_dim but mode 1 does not
+    (6x10x3x3, limit 8) takes the published 4-mode factor split over all four modes; the
+    default takes the EMA path with mode 1 unrotated."""
+    kw = dict(lr=1e-2, eps=1e-4, init="eps", max_precond_dim=8)
+    worst, opt = run_pair("wide-cnn", 13, kw, backend)
+    assert worst <= 1e-12, worst  # 1e-14 measured
+    conv = opt.param_groups[0]["params"][0]
+    assert opt.state[conv]["kind"] == "kron4d"
+    assert [tuple(b.shape) for b in opt.state[conv]["bases"]] == [(6, 6), (10, 10), (3, 3), (3, 3)]
+    torch.manual_seed(1)
+    model = wide_cnn()
+    default = cafin.DyKAF(model.parameters(), **kw, backend=backend)
+    train(model, default, batches("wide-cnn", 2))
+    assert default.state[model[0].weight]["kind"] == "ema"
+    assert [None if b is None else tuple(b.shape) for b in default.state[model[0].weight]["bases"]] \
+        == [(6, 6), None, (3, 3), (3, 3)]
 
 if __name__ == "__main__":
     import sys

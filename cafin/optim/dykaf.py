@@ -17,20 +17,33 @@ max_precond_dim); "kron4d": a conv kernel, factors by the 4-mode split; "ema": e
 """
 from __future__ import annotations
 
+import warnings
+from math import inf
 from typing import Any, Callable, Iterable
 
 import torch
 
 from .. import ops, reference
+from ..curvature import Choice, CoreOptimizer, Flag, Int, Pair, Real
 from ..reference import dykaf as math
 from ..reference import state_dtype
 from ..sharding import check_sharded, full_parameters
 
 _BACKENDS = {"fused": ops, "reference": reference}
-_INITS = ("kron", "eps", "zeros")
+_KINDS = ("kron2d", "kron4d", "ema")
+_BETA = Real(0.0, 1.0, high_open=True, dtype=torch.float64)
+# Constructor arguments that are not group settings.
+_SETTINGS = {
+    "backend": Choice(*_BACKENDS),
+    "data_format": Choice("channels_first", "channels_last"),
+    "adam_rank_one": Flag(),
+    "rank_one_eps": Real(0.0, inf, high_open=True),
+    "seed": Int(0, 2 ** 64 - 1),  # what torch.Generator.manual_seed takes
+    "published_bugs": Flag(),
+}
 
 
-class DyKAF(torch.optim.Optimizer):
+class DyKAF(CoreOptimizer):
     """DyKAF over `params` (parameters or param-group dicts), with the published signature.
 
     Args (published meaning): lr; betas (Adam's beta1, beta2); shampoo_beta (factor decay, < 0:
@@ -48,13 +61,37 @@ class DyKAF(torch.optim.Optimizer):
         seed: the starting vectors of the "kron" and 4-D (HOPM) power iterations are drawn from a
             CPU generator seeded with this (the published code uses the global torch.randn).
         published_bugs: False (default): the 4-D (conv kernel) factor step keeps unit factors and
-            carries the weight as the norm of each mode's update, and the HOPM start takes |s|.
+            carries the weight as the norm of each mode's update, and the HOPM start takes |s|; a
+            4-D weight with any mode over max_precond_dim takes the EMA path, that mode unrotated.
             True: the published step, whose weight roughly squares every step (it overflows to NaN
-            on a small CNN within 13 steps) and whose start is NaN for a negative s.
+            on a small CNN within 13 steps) and whose start is NaN for a negative s; and the
+            published limit: only mode 0 of a 4-D weight is compared with max_precond_dim, the
+            factor split then preconditions every mode whatever its size.
     The first step of each parameter only builds its state (no update, no decay), as published.
     lr and betas are kept as 0-dim float64 tensors on the parameters' device, so schedulers change
-    them in place (for betas: `group["betas"][i].fill_(x)`) and a compiled step does not recompile.
+    them in place (for betas: `group["betas"][i].fill_(x)`) and a compiled step does not recompile;
+    a number assigned instead works too. Every setting is checked at construction, at each step
+    (before anything is written) and in `load_state_dict`.
     """
+
+    hyperparameters = {
+        "lr": Real(0.0, inf, high_open=True, dtype=torch.float64),
+        "betas": Pair(_BETA, _BETA),
+        # < 0: betas[1]. Read on the host when a parameter's state is built.
+        "shampoo_beta": Real(-inf, 1.0, tensor=False),
+        # The rank-one moment starts at eps * 1 (0 would make it 0/0) and eps is the full second
+        # moment's epsilon: > 0 and finite.
+        "eps": Real(0.0, inf, low_open=True, high_open=True, tensor=False),
+        "weight_decay": Real(0.0, inf, high_open=True, tensor=False),  # the kernel takes a number
+        "precondition_frequency": Int(1),
+        "max_precond_dim": Int(1),
+        "merge_dims": Flag(),
+        "precondition_1d": Flag(),
+        "normalize_grads": Flag(),
+        "correct_bias": Flag(),
+        "init": Choice("kron", "eps", "zeros"),
+    }
+    contiguous_params = False  # channels_last weights work (the apply writes a contiguous copy)
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 3e-3, betas=(0.95, 0.95),
                  shampoo_beta: float = -1, eps: float = 1e-8, weight_decay: float = 0.01,
@@ -64,42 +101,25 @@ class DyKAF(torch.optim.Optimizer):
                  correct_bias: bool = True, init: str = "kron", adam_rank_one: bool = True, *,
                  backend: str = "fused", rank_one_eps: float = 0.0, seed: int = 0,
                  published_bugs: bool = False):
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
-        if data_format not in ("channels_first", "channels_last"):
-            raise ValueError(f"data_format must be 'channels_first' or 'channels_last', "
-                             f"got {data_format!r}")
-        if not rank_one_eps >= 0.0:
-            raise ValueError(f"rank_one_eps must be >= 0, got {rank_one_eps}")
+        given = dict(backend=backend, data_format=data_format, adam_rank_one=adam_rank_one,
+                     rank_one_eps=rank_one_eps, seed=seed, published_bugs=published_bugs)
+        for name, rule in _SETTINGS.items():
+            rule.check(given[name], name)
         defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
                         weight_decay=weight_decay, precondition_frequency=precondition_frequency,
                         max_precond_dim=max_precond_dim, merge_dims=merge_dims,
                         precondition_1d=precondition_1d, normalize_grads=normalize_grads,
                         correct_bias=correct_bias, init=init)
-        self.adam_rank_one = bool(adam_rank_one)
+        self.adam_rank_one = adam_rank_one
         self.data_format = data_format
         self.backend = backend
         self.rank_one_eps = float(rank_one_eps)
-        self.seed = int(seed)
-        self.published_bugs = bool(published_bugs)
+        self.seed = seed
+        self.published_bugs = published_bugs
         self._impl = _BACKENDS[backend]
         super().__init__(params, defaults)
         self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
                                       "DyKAF") is not None
-
-    # ------------------------------------------------------------------ groups and hyperparameters
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        before = len(self.param_groups)
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        try:
-            _check_group(group)
-        except Exception:
-            del self.param_groups[before:]  # a rejected group leaves nothing behind
-            raise
-        device = group["params"][0].device if group["params"] else torch.device("cpu")
-        group["lr"] = _scalar(group["lr"], device)
-        group["betas"] = tuple(_scalar(b, device) for b in group["betas"])
 
     # ------------------------------------------------------------------ merge_dims
     def _merged_shape(self, p: torch.Tensor, group) -> tuple[int, ...] | None:
@@ -113,28 +133,39 @@ class DyKAF(torch.optim.Optimizer):
         return math.from_merged(x, like.shape, self.data_format)
 
     # ------------------------------------------------------------------ first step: state
+    def _kind(self, p: torch.Tensor, group) -> str:
+        merged = self._merged_shape(p, group)
+        if merged is None and p.dim() == 2:
+            return "kron2d"
+        # The published code compares only mode 0 of a 4-D weight with max_precond_dim (and
+        # crashes when that one is over it); cafin's default honours the limit on every mode.
+        modes = p.shape[:1] if self.published_bugs else p.shape
+        if merged is None and p.dim() == 4 and max(modes) <= group["max_precond_dim"]:
+            return "kron4d"
+        return "ema"
+
     def _init_state(self, p: torch.Tensor, g: torch.Tensor, group) -> None:
-        state = self.state[p]
+        """Build a parameter's state from its first gradient. The state is installed only when
+        complete: factors that are not finite (e.g. a power iteration on a gradient so small that
+        its squares underflow) or an eigendecomposition that fails also in float64 leave the
+        parameter without state, with a warning, and its next step starts over."""
+        state: dict[str, Any] = {}
         work = state_dtype(p.dtype)
-        g = g.to(work)
+        g = g.to(work).contiguous()
         limit = group["max_precond_dim"]
-        beta = group["shampoo_beta"] if group["shampoo_beta"] >= 0 else float(group["betas"][1])
+        shampoo_beta = float(group["shampoo_beta"])
+        beta = shampoo_beta if shampoo_beta >= 0 else float(group["betas"][1])
         merged = self._merged_shape(p, group)
         state["step"] = 0
         state["device_step"] = torch.zeros((), dtype=torch.float64, device=p.device)
         state["precondition_frequency"] = group["precondition_frequency"]
         state["shampoo_beta"] = beta
         state["exp_avg"] = torch.zeros_like(p, dtype=work, memory_format=torch.contiguous_format)
-        if merged is None and p.dim() == 2:
-            kind = "kron2d"
-        elif merged is None and p.dim() == 4 and max(p.shape) <= limit:
-            kind = "kron4d"
-        else:
-            kind = "ema"
-        state["kind"] = kind
+        kind = state["kind"] = self._kind(p, group)
         if kind == "kron2d" and self.adam_rank_one:
-            state["l"] = torch.full((p.shape[0],), group["eps"], dtype=work, device=p.device)
-            state["r"] = torch.full((p.shape[1],), group["eps"], dtype=work, device=p.device)
+            eps = float(group["eps"])
+            state["l"] = torch.full((p.shape[0],), eps, dtype=work, device=p.device)
+            state["r"] = torch.full((p.shape[1],), eps, dtype=work, device=p.device)
         else:
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         if kind == "kron2d":
@@ -151,13 +182,29 @@ class DyKAF(torch.optim.Optimizer):
                 factors = [None if sh > limit else torch.zeros(sh, sh, dtype=work, device=p.device)
                            for sh in gm.shape]
                 self._ema(factors, gm, beta)
+        kept = [f for f in factors if f is not None]
+        where = f"DyKAF: parameter of shape {tuple(p.shape)}"
+        if kept and not bool(torch.stack([torch.isfinite(f).all() for f in kept]).all()):
+            warnings.warn(f"{where}: its first factors are not finite (a gradient too small or too "
+                          "large for the power iteration in this dtype?); its state is not built, "
+                          "the next step starts over", UserWarning, stacklevel=2)
+            return
+        try:
+            bases = [None if f is None else math.eigenbasis(f) for f in factors]
+        except torch.linalg.LinAlgError as e:  # eigenbasis has already retried in float64
+            warnings.warn(f"{where}: the eigendecomposition of its first factors failed ({e}); "
+                          "its state is not built, the next step starts over",
+                          UserWarning, stacklevel=2)
+            return
         state["factors"] = factors
-        state["bases"] = [None if f is None else math.eigenbasis(f) for f in factors]
+        state["bases"] = bases
         if self.backend == "fused" and kind == "kron2d" and all(f is not None for f in factors):
             # the rotated moment's buffer (see _update), in the state from the start so that a
             # checkpoint template made from a fresh optimizer (torch.distributed.checkpoint) holds it
             state["exp_avg_rot"] = torch.zeros_like(state["exp_avg"])
             state["exp_avg_rot_step"] = -1
+        # In place: under FSDP2 the parameter and its full-size stand-in share this dict.
+        self.state[p].update(state)
 
     def _start_2d(self, g: torch.Tensor, group, beta: float) -> list[torch.Tensor | None]:
         m, n = g.shape
@@ -188,6 +235,8 @@ class DyKAF(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._begin_step()  # checks everything before anything is written
+        self._called.value = True  # for the LR scheduler's call-order warning
         if self._sharded:  # FSDP2: the update reads full gradients; each rank keeps its rows
             with full_parameters(self):
                 self._step()
@@ -201,8 +250,6 @@ class DyKAF(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("DyKAF does not support sparse gradients")
                 state = self.state[p]
                 if "step" not in state:
                     # A zero first gradient gives the power iterations (and the "zeros" start)
@@ -219,15 +266,11 @@ class DyKAF(torch.optim.Optimizer):
             for params in by_device.values():
                 self._update(group, params)
 
-    # LR schedulers wrap `opt.step` in a function Dynamo will not trace; marking it as wrapped
-    # keeps `torch.compile(opt.step, fullgraph=True)` possible under a scheduler.
-    step._wrapped_by_lr_sched = True
-    _opt_called = True
-
     def _update(self, group, params: list[torch.Tensor]) -> None:
         impl = self._impl
         device = params[0].device
-        lr, beta1, beta2 = (_on(x, device) for x in (group["lr"], *group["betas"]))
+        lr = self._hyperparameter(group, "lr", device, torch.float64)
+        beta1, beta2 = self._hyperparameter(group, "betas", device, torch.float64)
         states = [self.state[p] for p in params]
         grads = [p.grad.to(st["exp_avg"].dtype).contiguous() for p, st in zip(params, states)]
         # fused: matrices of one shape rotate (and split their factors) in batched GEMMs, with
@@ -291,7 +334,7 @@ class DyKAF(torch.optim.Optimizer):
         if full:
             impl.dykaf_adam_precondition_([moments[i] for i in full],
                                           [states[i]["exp_avg_sq"] for i in full],
-                                          [rotated[i] for i in full], beta2, group["eps"])
+                                          [rotated[i] for i in full], beta2, float(group["eps"]))
         updates: list = [None] * len(params)
         for i in alone:
             updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
@@ -311,8 +354,15 @@ class DyKAF(torch.optim.Optimizer):
             if group["correct_bias"]:
                 t = states[idx[0]]["device_step"]
                 step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)
-            impl.dykaf_apply_([params[i] for i in idx], [updates[i] for i in idx], step_size, lr,
+            # The kernel writes parameters as flat arrays: a channels_last one is updated in a
+            # contiguous copy, copied back.
+            targets = [params[i] for i in idx]
+            flat = [p if p.is_contiguous() else p.contiguous() for p in targets]
+            impl.dykaf_apply_(flat, [updates[i] for i in idx], step_size, lr,
                               float(group["weight_decay"]), bool(group["normalize_grads"]))
+            for p, q in zip(targets, flat):
+                if q is not p:
+                    p.copy_(q)
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
             U, V = math.proj_split_batched(
@@ -415,44 +465,77 @@ class DyKAF(torch.optim.Optimizer):
                 st["step"] = int(st["device_step"].item())
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a checkpoint; every tensor is copied onto its parameter's device in its saved dtype
-        (factors stay float32 for bf16 parameters), and `state_dict` is left unchanged."""
-        for key in ("state", "param_groups"):
-            if key not in state_dict:
-                raise ValueError(f"not a DyKAF checkpoint: missing '{key}'")
-        saved_groups = state_dict["param_groups"]
-        if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"checkpoint has {len(saved_groups)} param groups, this optimizer "
-                             f"has {len(self.param_groups)}")
-        index_to_param = {}
-        for saved, group in zip(saved_groups, self.param_groups):
-            if len(saved["params"]) != len(group["params"]):
-                raise ValueError(f"checkpoint group has {len(saved['params'])} parameters, this "
-                                 f"optimizer's has {len(group['params'])}")
-            index_to_param.update(zip(saved["params"], group["params"]))
-        new_state = {}
-        for index, saved in state_dict["state"].items():
-            if index not in index_to_param:
-                raise ValueError(f"checkpoint has state for parameter {index}, which this "
-                                 "optimizer does not have")
-            p = index_to_param[index]
-            if tuple(saved["exp_avg"].shape) != tuple(p.shape):
-                raise ValueError(f"checkpoint exp_avg of parameter {index} has shape "
-                                 f"{tuple(saved['exp_avg'].shape)}, expected {tuple(p.shape)}")
-            new_state[p] = {k: _copy_to(v, p.device) for k, v in saved.items()}
-        self.state.clear()
-        self.state.update(new_state)
-        for saved, group in zip(saved_groups, self.param_groups):
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            for key, value in saved.items():
-                if key == "params":
-                    continue
-                if key == "lr":
-                    value = _scalar(value, device)
-                elif key == "betas":
-                    value = tuple(_scalar(b, device) for b in value)
-                group[key] = value
+    def _checkpoint_entry(self, index, p: torch.Tensor, saved: dict[str, Any],
+                          group: dict[str, Any]) -> dict[str, Any]:
+        """The validated copy of one parameter's saved state (the core calls this for every
+        parameter before it replaces anything). Checked against the parameter and its group's
+        settings as loaded: the kind, the keys it needs, every tensor's shape (factors and bases
+        against the parameter's modes, or its merged shape), that it is real and finite (moments
+        also >= 0), the counts. Tensors are copied onto the parameter's device in its state
+        dtype."""
+        if not saved:
+            return {}  # a parameter that waits for a usable first gradient
+        where = f"checkpoint state of parameter {index}"
+        kind = saved.get("kind")
+        if not isinstance(kind, str) or kind not in _KINDS:
+            raise ValueError(f"{where}: kind must be one of {', '.join(map(repr, _KINDS))}, got {kind!r}")
+        merged = self._merged_shape(p, group)
+        if kind != "ema" and (p.dim() != {"kron2d": 2, "kron4d": 4}[kind] or merged is not None):
+            raise ValueError(f"{where}: kind {kind!r} does not fit a parameter of shape "
+                             f"{tuple(p.shape)}" + (" with merge_dims" if merged is not None else ""))
+        modes = tuple(p.shape) if merged is None else merged
+        moments = {"l", "r"} if kind == "kron2d" and "l" in saved else {"exp_avg_sq"}
+        required = {"step", "device_step", "precondition_frequency", "shampoo_beta", "exp_avg",
+                    "kind", "factors", "bases"} | moments
+        optional = {"exp_avg_rot", "exp_avg_rot_step"} if kind == "kron2d" else set()
+        keys = set(saved)
+        if not required <= keys or keys - required - optional:
+            raise ValueError(f"{where} has keys {sorted(map(str, keys))}, expected "
+                             f"{sorted(required)}" + (f" (and optionally {sorted(optional)})"
+                                                      if optional else ""))
+        work = state_dtype(p.dtype)
+
+        def tensor(key, shape, dtype=work, nonnegative=False):
+            return _saved_tensor(saved[key], f"{where}: {key}", shape, dtype, p.device, nonnegative)
+
+        def setting(key, rule):
+            rule.check(saved[key], f"{where}: {key}")
+            return saved[key]
+
+        entry: dict[str, Any] = {"kind": kind}
+        entry["step"] = step = setting("step", Int(0))
+        entry["precondition_frequency"] = setting("precondition_frequency", Int(1))
+        entry["shampoo_beta"] = float(setting("shampoo_beta", Real(0.0, 1.0)))
+        entry["device_step"] = tensor("device_step", (), torch.float64)
+        if float(entry["device_step"]) != step:
+            raise ValueError(f"{where}: device_step {float(entry['device_step'])} is not step {step}")
+        entry["exp_avg"] = tensor("exp_avg", p.shape)
+        if kind == "kron2d" and "l" in saved:
+            entry["l"] = tensor("l", p.shape[:1], nonnegative=True)
+            entry["r"] = tensor("r", p.shape[1:], nonnegative=True)
+        else:
+            entry["exp_avg_sq"] = tensor("exp_avg_sq", p.shape, nonnegative=True)
+        for key in ("factors", "bases"):
+            value = saved[key]
+            if not isinstance(value, (list, tuple)) or len(value) != len(modes):
+                raise ValueError(f"{where}: {key} must be a list of {len(modes)} entries (one per "
+                                 f"mode of {modes}), got {type(value).__name__} "
+                                 f"{len(value) if isinstance(value, (list, tuple)) else ''}".rstrip())
+            entry[key] = [None if x is None else _saved_tensor(x, f"{where}: {key}[{k}]", (d, d), work,
+                                                              p.device)
+                          for k, (x, d) in enumerate(zip(value, modes))]
+        if [f is None for f in entry["factors"]] != [b is None for b in entry["bases"]]:
+            raise ValueError(f"{where}: factors and bases must be None for the same modes")
+        if kind == "kron4d" and any(f is None for f in entry["factors"]):
+            raise ValueError(f"{where}: a kron4d state needs all four factors")
+        if "exp_avg_rot" in saved:
+            entry["exp_avg_rot"] = tensor("exp_avg_rot", p.shape)
+        if "exp_avg_rot_step" in saved:
+            rot_step = setting("exp_avg_rot_step", Int(-1, step))
+            if rot_step != -1 and "exp_avg_rot" not in saved:
+                raise ValueError(f"{where}: exp_avg_rot_step {rot_step} without exp_avg_rot")
+            entry["exp_avg_rot_step"] = rot_step
+        return {key: entry[key] for key in saved}  # the saved order
 
 
 def _refresh_due(state) -> bool:
@@ -472,53 +555,19 @@ def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor
     return basis.clone(), torch.arange(basis.shape[1], device=basis.device)
 
 
-# ----------------------------------------------------------------------------------- generic
-# Helpers any member needs (checkpoint copies, 0-dim hyperparameters): kept apart so that the
-# family's core (cafin/curvature.py) can replace them.
-def _copy_to(value, device):
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device=device, copy=True)
-    if isinstance(value, list):
-        return [_copy_to(v, device) for v in value]
-    return value
-
-
-def _scalar(value, device: torch.device) -> torch.Tensor:
-    """A hyperparameter as a 0-dim float64 tensor on `device` (a fresh copy)."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"a tensor hyperparameter must have one element, got shape "
-                             f"{tuple(value.shape)}")
-        return value.detach().reshape(()).to(device=device, dtype=torch.float64, copy=True)
-    return torch.tensor(float(value), dtype=torch.float64, device=device)
-
-
-def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return t if t.device == device else t.to(device)
-
-
-def _check_group(group: dict[str, Any]) -> None:
-    lr = float(group["lr"])
-    if not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    betas = group["betas"]
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-    if not group["shampoo_beta"] <= 1.0:
-        raise ValueError(f"shampoo_beta must be <= 1 (< 0 means betas[1]), got {group['shampoo_beta']}")
-    if not group["eps"] >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {group['eps']}")
-    if not group["weight_decay"] >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {group['weight_decay']}")
-    f = group["precondition_frequency"]
-    if not (isinstance(f, int) and not isinstance(f, bool) and f >= 1):
-        raise ValueError(f"precondition_frequency must be an int >= 1, got {f!r}")
-    d = group["max_precond_dim"]
-    if not (isinstance(d, int) and not isinstance(d, bool) and d >= 1):
-        raise ValueError(f"max_precond_dim must be an int >= 1, got {d!r}")
-    if group["init"] not in _INITS:
-        raise ValueError(f"init must be one of {_INITS}, got {group['init']!r}")
-    for p in group["params"]:
-        if p.dtype not in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-            raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; DyKAF "
-                            "supports float32, float64, bfloat16 and float16")
+# ----------------------------------------------------------------------------------- checkpoints
+def _saved_tensor(value, what: str, shape, dtype: torch.dtype, device: torch.device,
+                  nonnegative: bool = False) -> torch.Tensor:
+    """A checkpoint's tensor, checked (real, of `shape`, finite; >= 0 when asked) and copied
+    onto `device` in `dtype`, its strides kept."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{what} must be a real floating tensor, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    out = value.detach().to(device=device, dtype=dtype, copy=True)
+    if not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{what} holds non-finite values")
+    if nonnegative and bool((out < 0).any()):
+        raise ValueError(f"{what} holds negative values")
+    return out
