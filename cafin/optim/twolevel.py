@@ -113,8 +113,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         krylov (bool, False): add a second, Krylov coarse vector (nicolaides and residual only).
         backend (str, "fused"): coarse-matrix assembly, "fused" or "reference" (pair by pair).
         published_bugs (bool, False): reproduce the published code's four bugs (README).
-        process_group (ProcessGroup, None): group statistics are averaged over under
-            torch.distributed (default: the world, or the parameters' FSDP2 mesh).
+        process_group (ProcessGroup, None): the group statistics are averaged over (None: world or FSDP2 mesh).
     """
 
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
