@@ -341,8 +341,11 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
     """torch.compile(step, fullgraph=True) after one eager step: T_cov/T_inv decided on the
     device (eigh and the coarse assembly in torch.cond branches), damping and clipping changed
     every step (0-dim tensors: no recompile), the following SGD step compiled too with a tensor lr
-    (torch.optim breaks its own graph around the step body on purpose, so not fullgraph)."""
+    (torch.optim breaks its own graph around the step body on purpose, so not fullgraph). A NaN
+    batch on a curvature step is dropped on the device as the eager step drops it."""
     from torch._dynamo.utils import counters
+    from cafin.optim.twolevel import NonFiniteStatisticsWarning
+    NAN_STEP = 4
 
     def run(compiled):
         net = mlp(True)
@@ -353,11 +356,18 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
         sgd_step = torch.compile(sgd.step) if compiled else sgd.step
         for i in range(6):
             x, t = batch("mlp", 16, i)
+            if i == NAN_STEP:  # a curvature step on a NaN batch: its statistics are dropped
+                x[2, 1] = math.nan
             sgd.zero_grad()
             opt.update_stats = True
             F.cross_entropy(net(x), t).backward()
-            (opt.step if i == 0 else step)()
-            (sgd.step if i == 0 else sgd_step)()
+            if i == NAN_STEP and not compiled:
+                with pytest.warns(NonFiniteStatisticsWarning):
+                    opt.step()
+            else:
+                (opt.step if i == 0 else step)()
+            if i != NAN_STEP:  # its directions are NaN: the step is skipped, as a GradScaler would
+                (sgd.step if i == 0 else sgd_step)()
             opt.damping = DAMP * (1 + 0.1 * i)
             opt.clipping = 1e-3 * (1 + 0.2 * i)
             sgd.param_groups[0]["lr"].fill_(0.05 / (i + 1))
@@ -369,6 +379,8 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
         eager, _ = run(False)
         compiled, opt = run(True)
         assert opt._steps.device_gated and opt._iteration_counter == 6
+        assert all(torch.isfinite(t).all() for st in opt.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor)) and torch.isfinite(opt.f_coarse).all()
         start = torch.cat([p.detach().reshape(-1) for p in mlp(True).parameters()])
         assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
         assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # two-level step, SGD body
@@ -391,6 +403,331 @@ def test_hyperparameters_are_checked_and_reach_the_step():
     net2 = mlp(True)
     b = run_ours(cafin.TwoLevelKFAC(net2, damping=0.5), net2, *batch("mlp", 8, 0))
     assert rel(a, b) == 0
+
+
+
+# ------------------------------------------------------------------ checkpoints
+def sd_equal(a, b) -> bool:
+    """Nested checkpoint equality, tensors bit for bit (dtype and shape included)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(sd_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(sd_equal(u, v) for u, v in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def trained(coarse="nicolaides", steps=2, seed=0, **kw):
+    net = mlp(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, alpha=ALPHA, coarse_space=coarse, **kw)
+    for s in range(steps):
+        run_ours(opt, net, *batch("mlp", 8, seed + s))
+    return net, opt
+
+
+def corrupted(sd):
+    """(name the error must mention, a copy of sd with one bad entry)."""
+    def edit(fn):
+        bad = copy.deepcopy(sd)
+        fn(bad)
+        return bad
+    x_state = sd["state"][0]
+    yield "f_coarse", edit(lambda d: d["twolevel"].update(f_coarse=torch.eye(4, dtype=torch.float64)))
+    yield "f_coarse_inv", edit(lambda d: d["twolevel"].update(f_coarse_inv=None))
+    yield "f_coarse", edit(lambda d: d["twolevel"]["f_coarse"].fill_(math.nan))
+    yield "Q_x", edit(lambda d: d["state"][0]["Q_x"].fill_(math.nan))
+    yield "L_g", edit(lambda d: d["state"][2]["L_g"].fill_(math.inf))
+    yield "xxt", edit(lambda d: d["state"][0].update(xxt=torch.eye(5, dtype=torch.float64)))
+    yield "ggt", edit(lambda d: d["state"][0].update(ggt=d["state"][0]["ggt"].long()))
+    yield "x", edit(lambda d: d["state"][0].update(x=x_state["x"][:3]))
+    yield "Q_g", edit(lambda d: d["state"][4].pop("Q_g"))
+    yield "num_locations", edit(lambda d: d["state"][0].update(num_locations=0))
+    yield "num_locations", edit(lambda d: d["state"][0].update(num_locations=2.0))
+    yield "iteration_counter", edit(lambda d: d["twolevel"].pop("iteration_counter"))
+    yield "iteration_counter", edit(lambda d: d["twolevel"].update(iteration_counter=-1))
+    yield "iteration_counter", edit(lambda d: d["twolevel"].update(iteration_counter=True))
+    yield "batch_size", edit(lambda d: d["twolevel"].update(batch_size=0))
+    yield "damping", edit(lambda d: d["twolevel"].update(damping=0.0))
+    yield "alpha", edit(lambda d: d["twolevel"].update(alpha=math.nan))
+    yield "clipping", edit(lambda d: d["twolevel"].update(clipping="1e-2"))
+    yield "twolevel", edit(lambda d: d.pop("twolevel"))
+    yield "layer_type", edit(lambda d: d["param_groups"][0].update(layer_type="Conv2d"))
+    yield "param", edit(lambda d: d["state"].update({1: d["state"][0]}))
+    yield "state", edit(lambda d: d["state"].pop(2))
+
+
+def test_load_state_dict_validates_everything_before_replacing_anything():
+    _, src = trained(steps=2, seed=0)
+    sd = src.state_dict()
+    _, opt = trained(steps=1, seed=5)
+    before = copy.deepcopy(opt.state_dict())
+    for name, bad in corrupted(sd):
+        with pytest.raises((ValueError, TypeError), match=name):
+            opt.load_state_dict(bad)
+        assert sd_equal(opt.state_dict(), before), name
+    opt.load_state_dict(sd)  # the good one still loads
+    assert sd_equal(opt.state_dict(), sd)
+
+
+def test_state_dict_resumes_bit_identically_through_torch_save():
+    import io
+    net, opt = trained("residual", steps=3, seed=0)
+    opt.damping = 0.02  # a schedule's value: the checkpoint carries it
+    opt.alpha = 0.8
+    buf = io.BytesIO()
+    torch.save({"net": net.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=True)
+    net2 = mlp(True)
+    net2.load_state_dict(saved["net"])
+    opt2 = cafin.TwoLevelKFAC(net2, damping=DAMP, T_cov=1, T_inv=1, alpha=ALPHA, coarse_space="residual")
+    opt2.load_state_dict(saved["opt"])
+    assert opt2.damping == 0.02 and opt2.alpha == 0.8
+    for s in range(3, 6):
+        for o, n in ((opt, net), (opt2, net2)):
+            run_ours(o, n, *batch("mlp", 8, s))
+            with torch.no_grad():
+                for p in n.parameters():
+                    p.sub_(0.05 * p.grad)
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), net2.parameters()))
+    assert sd_equal(opt.state_dict(), opt2.state_dict())
+
+
+# ------------------------------------------------------------------ odd models
+def test_frozen_layers_are_skipped_and_half_frozen_ones_refused():
+    net = mlp(True)
+    for p in net[0].parameters():
+        p.requires_grad_(False)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1)
+    assert opt.num_layer == 2 and [g["params"][0] for g in opt.param_groups] == [net[2].weight, net[4].weight]
+    for s in range(2):
+        opt.zero_grad()
+        opt.update_stats = True
+        F.cross_entropy(net(batch("mlp", 8, s)[0]), batch("mlp", 8, s)[1]).backward()
+        opt.step()
+    assert net[0].weight.grad is None and torch.isfinite(net[2].weight.grad).all()
+    assert opt.f_coarse.shape == (2, 2)
+    half = mlp(True)
+    half[2].bias.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"layer '2'.*bias.*frozen"):
+        cafin.TwoLevelKFAC(half)
+    half = mlp(True)
+    half[4].weight.requires_grad_(False)
+    with pytest.raises(ValueError, match=r"layer '4'.*weight.*frozen"):
+        cafin.TwoLevelKFAC(half)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_keeps_its_curvature_in_float32(dtype):
+    # damping 0.1: the directions amplify the half-precision gradients' rounding by up to the
+    # factors' condition number (~1 / damping)
+    net, ref = mlp(True, dtype), mlp(True, torch.float32)
+    opt = cafin.TwoLevelKFAC(net, damping=0.1, T_cov=1, T_inv=1, coarse_space="residual")
+    ref_opt = cafin.TwoLevelKFAC(ref, damping=0.1, T_cov=1, T_inv=1, coarse_space="residual")
+    for s in range(3):
+        x, t = batch("mlp", 16, s)
+        ours = run_ours(opt, net, x.to(dtype), t)
+        want = run_ours(ref_opt, ref, x.float(), t)
+        assert all(g.dtype == dtype for g in ours)
+        assert rel([g.float() for g in ours], want) < 0.1, s
+    st = opt.state[net[0].weight]
+    assert all(st[k].dtype == torch.float32 for k in ("x", "gy", "xxt", "ggt", "L_x", "Q_x", "L_g", "Q_g"))
+    assert opt.f_coarse.dtype == torch.float32
+
+
+def test_damping_must_be_positive():
+    net = mlp(True)
+    with pytest.raises(ValueError, match="damping"):
+        cafin.TwoLevelKFAC(net, damping=0.0)
+    opt = cafin.TwoLevelKFAC(net)
+    with pytest.raises(ValueError, match="damping"):
+        opt.damping = 0
+    assert opt.damping == 1e-3
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = nn.Linear(5, 6).double(), nn.Linear(6, 6).double(), nn.Linear(6, 3).double()
+        self.use_b = True
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.c(torch.tanh(self.b(h)) if self.use_b else h)
+
+
+def test_an_unused_layer_is_named_and_nothing_changes():
+    net = Branches()
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1)
+    run_ours(opt, net, *batch("mlp", 8, 0))
+    before = copy.deepcopy(opt.state_dict())
+    net.use_b = False
+    opt.zero_grad(set_to_none=True)
+    opt.update_stats = True
+    x, t = batch("mlp", 8, 1)
+    F.cross_entropy(net(x), t).backward()
+    grads = [None if p.grad is None else p.grad.clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match=r"layer 'b'.*(no gradient|not called)"):
+        opt.step()
+    assert sd_equal(opt.state_dict(), before)
+    assert all((g is None and p.grad is None) or torch.equal(g, p.grad) for g, p in zip(grads, net.parameters()))
+    # with a stale gradient left on it (zero_grad(set_to_none=False)), the statistics name it
+    net.use_b = True
+    opt.zero_grad(set_to_none=False)
+    F.cross_entropy(net(x), t).backward()
+    opt.step()
+    net.use_b = False
+    opt.update_stats = True
+    F.cross_entropy(net(x), t).backward()
+    with pytest.raises(RuntimeError, match=r"layer 'b'.*not called"):
+        opt.step()
+
+
+# ------------------------------------------------------------------ a layer called twice
+class Twice(nn.Module):
+    """`shared` is called twice in one forward (on the input and on its own output)."""
+    def __init__(self, bias=True):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared = nn.Linear(5, 5, bias=bias).double()
+        self.head = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.shared(torch.tanh(self.shared(x)))))
+
+
+def per_sample_grads(net, x, t):
+    out = []
+    for n in range(x.shape[0]):
+        net.zero_grad()
+        F.cross_entropy(net(x[n:n + 1]), t[n:n + 1]).backward()
+        out.append([gmat(m, m.weight.grad, None if m.bias is None else m.bias.grad).clone()
+                    for m in (net.shared, net.head)])
+    return [torch.stack(g) for g in zip(*out)]  # per layer [B, d_out, d_in + 1]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_layer_called_twice_pairs_each_input_with_its_own_gradient(bias):
+    net = Twice(bias)
+    x, t = batch("mlp", 8, 0)
+    want = per_sample_grads(copy.deepcopy(net), x, t)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, coarse_space="nicolaides")
+    run_ours(opt, net, x, t)
+    for g, w in zip(opt.param_groups, want):
+        st = opt.state[g["params"][0]]
+        T = st["num_locations"]
+        G = (st["gy"].reshape(8, T, -1).transpose(1, 2) @ st["x"].reshape(8, T, -1))
+        assert torch.allclose(G, w, rtol=1e-10, atol=1e-12)
+    assert opt.state[net.shared.weight]["num_locations"] == 2
+    U = torch.stack([w.sum((1, 2)) * C1 for w in want], 1)
+    fc = U.t() @ U / 8 + torch.diag(torch.tensor([DAMP * w[0].numel() for w in want], dtype=torch.float64))
+    assert torch.allclose(opt.f_coarse, fc, rtol=1e-10, atol=1e-12)
+
+
+def test_gradient_accumulation_keeps_the_last_backward_pass():
+    net = mlp(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1)
+    opt.update_stats = True
+    (x1, t1), (x2, t2) = batch("mlp", 8, 0), batch("mlp", 8, 1)
+    for _ in range(3):
+        F.cross_entropy(net(x1), t1).backward()
+    F.cross_entropy(net(x2), t2).backward()
+    assert len(opt._pending[id(opt._layers[0])]["calls"]) == 1  # earlier passes are not held
+    opt.step()
+    st = opt.state[net[0].weight]
+    assert st["num_locations"] == 1 and torch.equal(st["x"][:, :-1], x2)
+    # two forward passes, then their losses backpropagated one after the other
+    opt.zero_grad()
+    losses = [F.cross_entropy(net(x), t) for x, t in ((x1, t1), (x2, t2))]
+    for loss in losses:
+        loss.backward()
+    opt.step()
+    assert torch.equal(opt.state[net[0].weight]["x"][:, :-1], x2)
+    # a forward whose output is never backpropagated takes no part either
+    opt.zero_grad()
+    net(x1)
+    F.cross_entropy(net(x2), t2).backward()
+    opt.step()
+    assert torch.equal(opt.state[net[0].weight]["x"][:, :-1], x2)
+
+
+# ------------------------------------------------------------------ non-finite statistics
+@pytest.mark.parametrize("coarse", ["nicolaides", "residual"])
+def test_a_nonfinite_batch_is_dropped_with_a_warning(coarse):
+    from cafin.optim.twolevel import NonFiniteStatisticsWarning
+    net = mlp(True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, alpha=ALPHA, coarse_space=coarse)
+    run_ours(opt, net, *batch("mlp", 8, 0))
+    keys = ("x", "gy", "xxt", "ggt", "L_x", "Q_x", "L_g", "Q_g")
+    kept = [{k: opt.state[g["params"][0]][k].clone() for k in keys} for g in opt.param_groups]
+    x, t = batch("mlp", 8, 1)
+    x[3, 2] = math.nan
+    with pytest.warns(NonFiniteStatisticsWarning, match="dropped"):
+        run_ours(opt, net, x, t)
+    assert opt.dropped_statistics >= 1
+    for g, old in zip(opt.param_groups, kept):
+        assert all(torch.equal(opt.state[g["params"][0]][k], old[k]) for k in keys)
+    assert torch.isfinite(opt.f_coarse).all() and torch.isfinite(opt.f_coarse_inv).all()
+    for s in range(2, 4):  # later clean steps work
+        assert all(torch.isfinite(g).all() for g in run_ours(opt, net, *batch("mlp", 8, s)))
+    # on step 0 nothing exists yet: the gradients are left as they are and the step is not counted
+    net2 = mlp(True)
+    opt2 = cafin.TwoLevelKFAC(net2, damping=DAMP, T_cov=1, T_inv=1, coarse_space=coarse)
+    x[3, 2] = math.inf
+    with pytest.warns(NonFiniteStatisticsWarning):
+        run_ours(opt2, net2, x, t)
+    assert opt2._iteration_counter == 0 and opt2.dropped_statistics == 1
+    assert not any(opt2.state.values()) and opt2.f_coarse is None
+    net3 = mlp(True)
+    a = run_ours(opt2, net2, *batch("mlp", 8, 2))
+    b = run_ours(cafin.TwoLevelKFAC(net3, damping=DAMP, T_cov=1, T_inv=1, coarse_space=coarse), net3,
+                 *batch("mlp", 8, 2))
+    assert rel(a, b) == 0
+
+
+def test_a_failed_eigendecomposition_retries_in_float64_then_keeps_the_basis(monkeypatch):
+    from cafin.optim.twolevel import EigendecompositionWarning
+    eigh = torch.linalg.eigh
+    calls = []
+
+    def flaky(a, *args, **kw):  # float32 fails; float64 too when `calls` says so
+        calls.append(a.dtype)
+        if a.dtype == torch.float32 or fail64:
+            raise torch.linalg.LinAlgError("forced")
+        return eigh(a, *args, **kw)
+
+    net = mlp(True, torch.float32)
+    ref = copy.deepcopy(net)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1)
+    ref_opt = cafin.TwoLevelKFAC(ref, damping=DAMP, T_cov=1, T_inv=1)
+    x, t = batch("mlp", 8, 0)
+    fail64 = False
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    run_ours(opt, net, x.float(), t)
+    assert torch.float64 in calls
+    monkeypatch.setattr(torch.linalg, "eigh", eigh)
+    run_ours(ref_opt, ref, x.float(), t)
+    for g, h in zip(opt.param_groups, ref_opt.param_groups):
+        s, r = opt.state[g["params"][0]], ref_opt.state[h["params"][0]]
+        assert s["Q_x"].dtype == torch.float32
+        # float64 is more precise: the same basis up to the signs of its columns
+        assert torch.allclose(s["L_x"], r["L_x"], rtol=1e-4, atol=1e-6)
+        assert torch.allclose((s["Q_g"] * r["Q_g"]).sum(0).abs(), torch.ones(s["Q_g"].shape[0]), atol=1e-3)
+    kept = [opt.state[g["params"][0]]["Q_x"].clone() for g in opt.param_groups]
+    fail64 = True
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    with pytest.warns(EigendecompositionWarning, match="previous"):
+        run_ours(opt, net, *(lambda b: (b[0].float(), b[1]))(batch("mlp", 8, 1)))
+    assert all(torch.equal(opt.state[g["params"][0]]["Q_x"], q) for g, q in zip(opt.param_groups, kept))
+    # with no basis to keep (step 0) the step raises, naming the layer, and leaves nothing behind
+    net4 = mlp(True, torch.float32)
+    opt4 = cafin.TwoLevelKFAC(net4, damping=DAMP, T_cov=1, T_inv=1)
+    with pytest.raises(RuntimeError, match="layer '0'"):
+        run_ours(opt4, net4, x.float(), t)
+    assert not any(opt4.state.values()) and opt4.f_coarse is None and opt4._iteration_counter == 0
 
 
 # ------------------------------------------------------------------ data parallel

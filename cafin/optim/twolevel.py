@@ -29,6 +29,7 @@ allow, the new coarse matrix are averaged in one collective (README: "Data paral
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check
 from ..factors import input_rows
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 
-__all__ = ["TwoLevelKFAC", "COARSE_SPACES"]
+__all__ = ["TwoLevelKFAC", "COARSE_SPACES", "NonFiniteStatisticsWarning", "EigendecompositionWarning"]
 
 COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")
 _ALIASES = {"tselepidis": "tpselepedis"}
@@ -48,8 +49,27 @@ _EIG_FLOOR = 1e-12   # published: eigenvalues <= this are set to 0 (then divided
 _NORM_EPS = 1e-8     # published: r / (||r||_inf + 1e-8)
 # Hyperparameters a schedule may change between steps: 0-dim float64 tensors on each layer
 # device (a compiled step reads them, so a new value is not a new constant and no recompile).
-_HYPER = {"damping": (0.0, math.inf), "alpha": (0.0, 1.0), "clipping": (0.0, math.inf)}
+# (low, high, low end open): damping 0 leaves the factors' zero eigenvalues undamped, and the
+# published eigenvalue floor then divides by 0.
+_HYPER = {"damping": (0.0, math.inf, True), "alpha": (0.0, 1.0, False), "clipping": (0.0, math.inf, False)}
 _EIGEN = ("L_x", "Q_x", "L_g", "Q_g")
+_STATE = ("x", "gy", "num_locations", "xxt", "ggt", *_EIGEN)  # a layer's state, all or nothing
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check_hyper(name: str, value) -> float:
+    low, high, low_open = _HYPER[name]
+    return check_range(value, name, low, high, low_open=low_open)
+
+
+class NonFiniteStatisticsWarning(UserWarning):
+    """A step's statistics (or its new coarse matrix) held inf/NaN: they were dropped and the
+    curvature keeps its previous values (`TwoLevelKFAC.dropped_statistics` counts the drops)."""
+
+
+class EigendecompositionWarning(UserWarning):
+    """A factor's eigendecomposition failed in its dtype and in float64: the layer keeps its
+    previous eigenbasis."""
 
 
 def _accept(module: nn.Module, kind) -> bool:
@@ -59,12 +79,49 @@ def _accept(module: nn.Module, kind) -> bool:
 
 
 class TwoLevelKFAC(torch.optim.Optimizer):
+    r"""Two-level K-FAC: K-FAC's block-diagonal direction plus a coarse correction coupling the layers.
+
+    A gradient preconditioner, a drop-in for `TwolevelKFAC` of Abdoulaye-Koroko/natural-gradients:
+    `step(update_params=True)` after backward rewrites the gradient of every registered Linear
+    and Conv2d layer; a torch optimizer (SGD with momentum) then steps. Per layer l, with K-FAC
+    factors A_l = E[x x^T], G_l = E[g g^T] (EMAs, updated every `T_cov` steps, eigendecomposed
+    every `T_inv` steps, damping added inside the decomposition):
+
+    .. math::
+        v_l = (G_l + \lambda I)^{-1} g_l (A_l + \lambda I)^{-1} + y_l r_l, \qquad
+        y = F_c^{-1} (R g), \quad (R g)_l = \langle r_l, g_l \rangle,
+
+        (F_c)_{ij} = \tfrac{1}{B} \textstyle\sum_n \langle r_i, G_{n,i} \rangle
+        \langle r_j, G_{n,j} \rangle + \lambda \, |r_i| \, [i = j]
+
+    with one coarse vector r_l per layer (two with `krylov=True`) and G_{n,l} sample n's gradient.
+    Layers whose parameters are all frozen are skipped. Factors and decompositions of float16 and
+    bfloat16 models are kept in float32. A step whose statistics hold inf/NaN drops them with a
+    `NonFiniteStatisticsWarning` (counted in `dropped_statistics`).
+
+    Args:
+        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are registered.
+        damping (float, 1e-3): Tikhonov damping lambda, > 0.
+        pi (bool, False): accepted, no effect (published: feeds a branch that is never taken).
+        T_cov (int, 100): steps between factor and coarse-matrix updates.
+        T_inv (int, 100): steps between eigendecompositions.
+        alpha (float, 0.95): EMA weight cap, rho = min(1 - 1/k, alpha), in [0, 1].
+        constraint_norm (bool, False): scale the directions by min(sqrt(clipping / |<v, g>|), 1).
+        clipping (float, 1e-2): the bound of `constraint_norm`, >= 0.
+        batch_size (int, 64): initial batch size (overwritten by each collection).
+        coarse_space (str, "nicolaides"): "nicolaides", "spectral", "residual" or "tpselepedis".
+        krylov (bool, False): add a second, Krylov coarse vector (nicolaides and residual only).
+        backend (str, "fused"): coarse-matrix assembly, "fused" or "reference" (pair by pair).
+        published_bugs (bool, False): reproduce the published code's four bugs (README).
+        process_group (ProcessGroup, None): the group statistics are averaged over (None: world or FSDP2 mesh).
+    """
+
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
                  krylov=False, *, backend="fused", published_bugs=False, process_group=None):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
-        self._values = {name: check_range(v, name, *_HYPER[name])
+        self._values = {name: _check_hyper(name, v)
                         for name, v in (("damping", damping), ("alpha", alpha), ("clipping", clipping))}
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
@@ -95,18 +152,31 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         self._sharded = mesh_group is not None
         if process_group is None:
             self.process_group = mesh_group
-        self._layers = discover(model, [p for p in model.parameters()], _accept)
+        # A layer whose parameters are all frozen takes no part (no curvature, no hooks): the
+        # published code registers it and fails at the step on its missing gradient.
+        self._layers = discover(model, [p for p in model.parameters() if p.requires_grad], _accept)
         if not self._layers:
-            raise ValueError("net has no Linear or Conv2d layer with parameters")
+            raise ValueError("net has no Linear or Conv2d layer with trainable parameters")
         groups = []
         for layer in self._layers:
             m = layer.module
             if isinstance(m, nn.Conv2d) and m.groups != 1:
                 raise ValueError(f"layer '{layer.name}': Conv2d with groups={m.groups} is not supported "
                                  "(the published code supports groups=1 only)")
-            if "weight" not in layer.params:
-                raise ValueError(f"layer '{layer.name}': its weight is not an optimised parameter")
-            params = [m.weight] + ([m.bias] if m.bias is not None else [])
+            named = [("weight", m.weight)] + ([("bias", m.bias)] if m.bias is not None else [])
+            frozen = [n for n, p in named if not p.requires_grad]
+            if frozen:  # its curvature would need a gradient that is never computed
+                raise ValueError(f"layer '{layer.name}': its {frozen[0]} is frozen (requires_grad=False) "
+                                 "but the rest of the layer is not: freeze the whole layer (it is then "
+                                 "skipped) or none of it")
+            shared = [n for n, _ in named if n not in layer.params]
+            if shared:
+                raise ValueError(f"layer '{layer.name}': its {shared[0]} is shared with an earlier layer "
+                                 "(tied parameters are not supported)")
+            if m.weight.dtype not in _FLOATS:
+                raise TypeError(f"layer '{layer.name}': weight dtype {m.weight.dtype} is not supported "
+                                "(float16, bfloat16, float32, float64)")
+            params = [p for _, p in named]
             if self._sharded and any(not is_sharded(p) for p in params):
                 # its gradient would be this rank's own (FSDP2 averages only what it shards)
                 raise ValueError(f"layer '{layer.name}' is not sharded while other layers are (FSDP2): "
@@ -115,6 +185,10 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             groups.append({"params": params, "layer_type": module_class(m).__name__})
         super().__init__(groups, {})
         self.update_stats = False
+        # factors, statistics and decompositions: float32 for float16/bfloat16 layers (eigh has
+        # no half-precision kernels, and their EMAs would lose the small updates)
+        self._work = [reference.state_dtype(layer.module.weight.dtype) for layer in self._layers]
+        self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
         # k, the completed update steps: on the host while steps run eagerly, on the device (and
         # every interval decided there) once a step is compiled (cafin.curvature.StepCounter)
         self._steps = StepCounter()
@@ -131,12 +205,14 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                     torch._dynamo.mark_static_address(t, guard=False)
         self.f_coarse = None
         self.f_coarse_inv = None
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}
+        # per layer: {"calls": one dict per forward call since the last step, "task": the
+        # backward pass that delivered the latest output gradient}
+        self._pending: dict[int, dict[str, Any]] = {}
         self._hooks = Hooks(self, self._layers)
 
     # ------------------------------------------------------------------ hyperparameters
     def _set(self, name: str, value) -> None:
-        self._values[name] = v = check_range(value, name, *_HYPER[name])
+        self._values[name] = v = _check_hyper(name, value)
         for ts in self._hyper.values():
             ts[name].fill_(v)
 
@@ -186,14 +262,34 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         # Kept on every pass with update_stats (references only: nothing is computed here);
         # step() uses them on T_cov steps and drops them on the others (published: the hooks
         # store only on T_cov steps, the same numbers). A compiled step thereby always finds them,
-        # so its graph does not depend on k.
-        return layer.module.training and self.update_stats, None
+        # so its graph does not depend on k. The "step" handed back is this call's own record:
+        # the core gives it to the input and to the output-gradient hook of the same call, so a
+        # layer called twice in one forward pairs each input with its own output gradient.
+        if not (layer.module.training and self.update_stats):
+            return False, None
+        pending = self._pending.setdefault(id(layer), {"calls": [], "task": None})
+        # Calls a backward pass already reached belong to an earlier pass (accumulated
+        # micro-batches): only the last pass's statistics are kept, as in the published code.
+        pending["calls"] = [c for c in pending["calls"] if "gy" not in c]
+        call: dict[str, torch.Tensor] = {}
+        pending["calls"].append(call)
+        return True, call
 
-    def _input_statistics(self, layer, x, step) -> None:
-        self._pending.setdefault(id(layer), {})["x"] = x.detach()
+    def _input_statistics(self, layer, x, call) -> None:
+        call["x"] = x.detach()
 
-    def _grad_statistics(self, layer, g, step) -> None:
-        self._pending.setdefault(id(layer), {})["gy"] = g.detach()
+    def _grad_statistics(self, layer, g, call) -> None:
+        pending = self._pending.get(id(layer))
+        if pending is None or not any(c is call for c in pending["calls"]):
+            return  # a call from before the last step: its statistics were used or dropped
+        task = torch._C._current_graph_task_id()
+        if task != pending["task"]:
+            # A new backward pass: only the calls it reaches count (two losses backpropagated
+            # one after the other: the last one's, as in the published code).
+            for c in pending["calls"]:
+                c.pop("gy", None)
+            pending["task"] = task
+        call["gy"] = g.detach()
 
     # ------------------------------------------------------------------ per-layer helpers
     def _missing(self, layer, what: str) -> RuntimeError:
@@ -201,34 +297,77 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                             f"{self._iteration_counter}: run forward and backward in train mode with "
                             "update_stats = True before step() on the T_cov steps (step 0 first)")
 
-    def _collect(self, gate) -> None:
-        """Store the rows of the pending statistics; with `gate` (device bool), only where it
-        holds (a batch of another size replaces them: there is nothing to keep it with)."""
-        for layer in self._layers:  # all checked before any is stored: nothing half-updated
-            got = self._pending.get(id(layer), {})
-            if "x" not in got or "gy" not in got:
-                raise self._missing(layer, "statistics")
-        for layer, group in zip(self._layers, self.param_groups):
-            got = self._pending.pop(id(layer))
-            # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
-            m, x, gy = layer.module, got["x"], got["gy"] * got["gy"].shape[0]
-            if isinstance(m, nn.Conv2d):
-                rows = input_rows(m, x)[0]
-                T = gy.shape[-1] * gy.shape[-2]
-                gy = gy.reshape(-1, gy.shape[-3], T).transpose(1, 2).reshape(-1, gy.shape[-3])
-            else:
-                if x.dim() != 2:
-                    raise ValueError(f"layer '{layer.name}': Linear input must be 2-D [batch, features] "
-                                     f"(as in the published code), got shape {tuple(x.shape)}")
-                rows, T = x, 1
-            if m.bias is not None:
-                rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
+    def _statistics(self) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Per layer (rows [B T, d_in (+1)], output gradients [B T, d_out] x B, T) of the pending
+        calls that the last backward pass reached, in the state dtype; every layer checked before
+        any is returned. Several calls of one layer in one pass are its locations, sample by
+        sample (its per-sample gradient sums over them, as over a Conv2d's)."""
+        out = []
+        for layer, dtype in zip(self._layers, self._work):
+            pending = self._pending.get(id(layer))
+            calls = pending["calls"] if pending else []
+            if not calls:
+                raise RuntimeError(
+                    f"TwoLevelKFAC: layer '{layer.name}' was not called in a forward pass with "
+                    f"update_stats = True (train mode, grad enabled) before step {self._iteration_counter}; "
+                    "the coarse space couples every registered layer, so each one must take part in "
+                    "every statistics pass (freeze a layer that does not, and it is skipped)")
+            calls = [c for c in calls if "gy" in c]
+            if not calls:
+                raise RuntimeError(
+                    f"TwoLevelKFAC: layer '{layer.name}' got no output gradient in the last backward pass "
+                    f"before step {self._iteration_counter} (its output does not reach the loss)")
+            parts = [self._rows(layer, c["x"], c["gy"], dtype) for c in calls]
+            if len({rows.shape[0] // T for rows, _, T in parts}) > 1:
+                raise ValueError(f"layer '{layer.name}' was called {len(parts)} times in one pass on "
+                                 "batches of different sizes: its per-sample gradient is not defined")
+            if len(parts) == 1:
+                out.append(parts[0])
+                continue
+            B = parts[0][0].shape[0] // parts[0][2]
+            rows, gy = (torch.cat([p[i].reshape(B, p[2], -1) for p in parts], 1).reshape(-1, parts[0][i].shape[1])
+                        for i in (0, 1))
+            out.append((rows, gy, sum(p[2] for p in parts)))
+        return out
+
+    @staticmethod
+    def _rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+        # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
+        m, x, gy = layer.module, x.to(dtype), gy.to(dtype) * gy.shape[0]
+        if isinstance(m, nn.Conv2d):
+            rows = input_rows(m, x)[0]
+            T = gy.shape[-1] * gy.shape[-2]
+            gy = gy.reshape(-1, gy.shape[-3], T).transpose(1, 2).reshape(-1, gy.shape[-3])
+        else:
+            if x.dim() != 2:
+                raise ValueError(f"layer '{layer.name}': Linear input must be 2-D [batch, features] "
+                                 f"(as in the published code), got shape {tuple(x.shape)}")
+            rows, T = x, 1
+        if m.bias is not None:
+            rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
+        return rows, gy, T
+
+    def _store(self, stats, gate):
+        """Store the statistics; with `gate` (device bool, compiled steps), only where it holds
+        and every one of them is finite (a batch of another size replaces them: there is
+        nothing to keep it with). Returns the gate the factors are then updated under."""
+        if gate is not None:
+            finite = torch.stack([torch.isfinite(t).all() for rows, gy, _ in stats for t in (rows, gy)]).all()
+            gate = gate & finite
+        for (rows, gy, T), group in zip(stats, self.param_groups):
             state = self.state[group["params"][0]]
             if gate is not None and "x" in state and state["x"].shape == rows.shape \
                     and state["gy"].shape == gy.shape:
                 rows, gy = torch.where(gate, rows, state["x"]), torch.where(gate, gy, state["gy"])
             state["x"], state["gy"], state["num_locations"] = rows, gy, T
             self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
+        return gate
+
+    def _drop(self, what: str) -> None:
+        self.dropped_statistics += 1
+        warnings.warn(f"TwoLevelKFAC: step {self._iteration_counter}: {what} held inf/NaN and were "
+                      "dropped; the curvature keeps its previous values", NonFiniteStatisticsWarning,
+                      stacklevel=4)
 
     @staticmethod
     def _grad_matrix(group, grads=None) -> torch.Tensor:
@@ -268,9 +407,9 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                 old.copy_(torch.where(gate, rho * old + (1 - rho) * b, old))
         elif rho is None:
             state["xxt"], state["ggt"] = new
-        else:
-            state["xxt"].mul_(rho).add_(new[0], alpha=1 - rho)
-            state["ggt"].mul_(rho).add_(new[1], alpha=1 - rho)
+        else:  # new tensors, not in place: a step that raises puts the old ones back
+            state["xxt"] = state["xxt"].mul(rho).add(new[0], alpha=1 - rho)
+            state["ggt"] = state["ggt"].mul(rho).add(new[1], alpha=1 - rho)
 
     def _eigen(self, state) -> tuple[torch.Tensor, ...]:
         # published: damping inside the eigendecomposition, tiny eigenvalues zeroed
@@ -284,8 +423,9 @@ class TwoLevelKFAC(torch.optim.Optimizer):
 
     def _decompose(self, states, gate) -> None:
         if gate is None:
-            for state in states:
-                state.update(zip(_EIGEN, self._eigen(state)))
+            new = self._eigen_checked(states)  # every layer's, before any is stored
+            for state, eig in zip(states, new):
+                state.update(zip(_EIGEN, eig))
             return
         # eigh only on T_inv steps: one branch for every layer (inductor reads a cond's
         # predicate on the host, so one cond is one sync, not one per layer)
@@ -294,6 +434,51 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         for i, state in enumerate(states):
             for key, t in zip(_EIGEN, new[4 * i:4 * i + 4]):
                 state[key].copy_(t)
+
+    def _eigen_checked(self, states) -> list[tuple[torch.Tensor, ...]]:
+        """Eager `_eigen` of every layer: an eigh that fails (or returns inf/NaN) is retried in
+        float64; if that fails too the layer keeps its previous basis, with a warning."""
+        damped, results = [], []
+        for state in states:
+            for f in ("xxt", "ggt"):
+                a = state[f]
+                m = a + self._hp("damping", a) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+                damped.append(m)
+                results.append(self._eigh(m))
+        tried = [r for r in results if r is not None]
+        finite = iter(torch.stack([torch.isfinite(t).all() for r in tried for t in r]).view(-1, 2).all(1).tolist()
+                      if tried else [])
+        results = [r if r is not None and next(finite) else None for r in results]
+        out = []
+        for i, (layer, state) in enumerate(zip(self._layers, states)):
+            pair = []
+            for j, (f, lam_key, vec_key) in enumerate((("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g"))):
+                m, r = damped[2 * i + j], results[2 * i + j]
+                if r is None and m.dtype != torch.float64:
+                    r = self._eigh(m.double())
+                    r = r if r is not None and all(bool(torch.isfinite(t).all()) for t in r) else None
+                    r = None if r is None else tuple(t.to(m.dtype) for t in r)
+                if r is None:
+                    if vec_key not in state:
+                        raise RuntimeError(f"TwoLevelKFAC: the eigendecomposition of layer '{layer.name}''s "
+                                           f"{f} factor failed in {m.dtype} and in float64, and there is no "
+                                           "previous basis to keep")
+                    warnings.warn(f"TwoLevelKFAC: step {self._iteration_counter}: the eigendecomposition of "
+                                  f"layer '{layer.name}''s {f} factor failed in {m.dtype} and in float64; "
+                                  "the layer keeps its previous basis", EigendecompositionWarning, stacklevel=5)
+                    pair += [state[lam_key], state[vec_key]]
+                else:
+                    lam, vec = r
+                    pair += [lam * (lam > _EIG_FLOOR), vec]
+            out.append(tuple(pair))
+        return out
+
+    @staticmethod
+    def _eigh(m: torch.Tensor):
+        try:
+            return torch.linalg.eigh(m)
+        except torch.linalg.LinAlgError:
+            return None
 
     @staticmethod
     def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
@@ -438,8 +623,31 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
+        if self._steps.host_due(1) is None:  # compiled (device-gated): in-place updates, no undo
+            self._step(update_params)
+            return
+        # An eager step replaces state entries and never writes into them, so a step that
+        # raises is undone by putting the entries back.
+        saved = ([(st, dict(st)) for st in (self.state[g["params"][0]] for g in self.param_groups)],
+                 {key: {**pending, "calls": list(pending["calls"])} for key, pending in self._pending.items()},
+                 {key: getattr(self, key) for key in ("f_coarse", "f_coarse_inv", "batch_size",
+                                                      "dropped_statistics")})
+        try:
+            self._step(update_params)
+        except BaseException:
+            states, pending, values = saved
+            for state, entries in states:
+                state.clear()
+                state.update(entries)
+            self._pending = pending
+            self.__dict__.update(values)
+            self.__dict__.pop("_early_parts", None)
+            raise
+
+    def _step(self, update_params: bool) -> None:
         k, rho, gate_cov, gate_inv = self._schedule()
-        if gate_cov is None:
+        eager = gate_cov is None
+        if eager:
             collect = self.update_stats and k % self.T_cov == 0
             decompose = self.update_stats and k % self.T_inv == 0
         else:
@@ -454,23 +662,50 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                 raise self._missing(layer, "Kronecker factors")
             if "Q_x" not in state and not decompose:
                 raise self._missing(layer, "eigendecomposition")
+            if update_params and not torch.compiler.is_compiling():
+                for p in group["params"]:
+                    if p.grad is None:
+                        raise RuntimeError(
+                            f"TwoLevelKFAC: layer '{layer.name}' has no gradient at step {k} (not used "
+                            "in the forward pass, or frozen after the optimizer was built): the coarse "
+                            "space couples every registered layer, so each one needs a gradient at "
+                            "every step (freeze a layer before building the optimizer to skip it)")
         ddp = distributed()
         if ddp and gate_cov is not None:
             raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
                                "supported: run its steps eagerly")
         # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
         full = self._gather() if update_params and self._sharded else None
-        if collect:
-            self._collect(gate_cov)
+        stats = self._statistics() if collect else None  # an unused layer raises here
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        raws = [self._grad_matrix(g, full[i] if full else None).clone()
-                for i, g in enumerate(self.param_groups)] if update_params else None
+        raws = [self._grad_matrix(g, full[i] if full else None).to(dtype, copy=True)
+                for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
+        gate_fold = gate_cov
+        if collect:
+            kept = [{key: st[key] for key in ("x", "gy", "num_locations") if key in st} for st in states]
+            kept_batch = self.batch_size
+            gate_fold = self._store(stats, gate_cov)
         covs = [self._batch_covs(st) for st in states] if collect else []
         if ddp:
-            self._average(covs, raws if update_params and gate_cov is None and k % self.T_cov == 0 else None)
+            self._average(covs, raws if update_params and eager and k % self.T_cov == 0 else None)
+        if eager and covs:
+            # Averaged over the ranks first, so that every rank drops the same steps.
+            finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).view(-1, 2).all(1)
+            bad = [layer.name for layer, ok in zip(self._layers, finite.tolist()) if not ok]
+            if bad:
+                for state, entries in zip(states, kept):
+                    for key in ("x", "gy", "num_locations"):
+                        state.pop(key, None)
+                    state.update(entries)
+                self.batch_size = kept_batch
+                self.__dict__.pop("_early_parts", None)
+                covs = []
+                self._drop(f"the statistics (inputs or output gradients) of the layers {bad}")
+                if "xxt" not in states[0]:
+                    return  # nothing to precondition with yet: the gradients are left as they are
         for state, new in zip(states, covs):
-            self._covs(state, new, rho, gate_cov)
+            self._covs(state, new, rho, gate_fold)
         if decompose:
             self._decompose(states, gate_inv)
         pres = []
@@ -478,12 +713,14 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             state = states[i]
             if update_params:
                 p = self._kfac_inverse(state, raws[i])
-                if group["layer_type"] == "Conv2d":
+                if group["layer_type"] == "Conv2d" or state["num_locations"] != 1:
                     p = p / state["num_locations"]
                 pres.append(p)
         if not update_params:
             return
         final = self._two_level(raws, pres)
+        if final is None:
+            return  # no coarse matrix yet (this step's was dropped): the gradients are left as they are
         if self.constraint_norm:
             # published: sum over tensors of |<final, raw>|, weight and bias apart, then
             # min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)
@@ -507,7 +744,9 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                   for i, g in enumerate(self.param_groups)]
         impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
                           for t in (*ws, *bs)) and len(self._hyper) == 1 else reference
-        impl.kfac_precondition_apply_(ws, bs, [f.unsqueeze(0) for f in final], self._hp("one", ws[0]), None)
+        # the directions are in the state dtype (float32 for float16/bfloat16 gradients)
+        final = [f.to(w.dtype).unsqueeze(0) for f, w in zip(final, ws)]
+        impl.kfac_precondition_apply_(ws, bs, final, self._hp("one", ws[0]), None)
         if full is not None:
             for group, (w, b) in zip(self.param_groups, full):
                 for p, g in zip(group["params"], (w, b)):
@@ -550,7 +789,8 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
         rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
-        self._update_coarse(vectors)
+        if not self._update_coarse(vectors):
+            return None
         y = self.f_coarse_inv @ rhs
         # v_l += y_l r_l for every layer at once (one call per coarse vector of a layer, not
         # one add per layer): the directions are fresh tensors, updated in place
@@ -560,10 +800,11 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             torch._foreach_addcmul_(pres, [vs[j] for vs in vectors], list(ys[:, j].unbind()))
         return pres
 
-    def _update_coarse(self, vectors) -> None:
+    def _update_coarse(self, vectors) -> bool:
         """On T_cov steps: assemble F_c from the stored statistics, fold it into the EMA with
         the factors' rho, and invert it (linalg.inv_ex: torch.inverse's numbers without its
-        error-check sync)."""
+        error-check sync). A new F_c with inf/NaN (from a non-finite gradient in the residual
+        space's vectors) is dropped. Returns whether there is a coarse matrix to use."""
         k, rho, gate, _ = self._schedule()
         if gate is None:
             if k % self.T_cov == 0:
@@ -573,17 +814,22 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                     if distributed():
                         average_over_ranks(parts, self.process_group)
                 f = self._combine(parts, vectors)
+                if not bool(torch.isfinite(f).all()):
+                    self._drop("the coarse matrix's new statistics")
+                    return self.f_coarse is not None
                 self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
                 self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]
-            return
+            return True
 
         def fresh():
-            f = rho * self.f_coarse + (1 - rho) * self._assemble(vectors)
+            new = self._assemble(vectors)
+            f = torch.where(torch.isfinite(new).all(), rho * self.f_coarse + (1 - rho) * new, self.f_coarse)
             return f, torch.linalg.inv_ex(f)[0]
 
         new = torch.cond(gate, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
         self.f_coarse.copy_(new[0])
         self.f_coarse_inv.copy_(new[1])
+        return True
 
     @staticmethod
     def _published_layout(group, r: torch.Tensor) -> torch.Tensor:
@@ -597,21 +843,120 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["twolevel"] = {"iteration_counter": self._iteration_counter, "batch_size": self.batch_size,
-                          "f_coarse": self.f_coarse, "f_coarse_inv": self.f_coarse_inv}
+                          "f_coarse": self.f_coarse, "f_coarse_inv": self.f_coarse_inv, **self._values}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
-        extra = state_dict.pop("twolevel")
-        super().load_state_dict(state_dict)
-        for state in self.state.values():
-            for key in ("Q_x", "Q_g"):
-                # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
-                # then round as they did before the save (a bit-identical resume)
-                if key in state and state[key].dim() == 2:
-                    state[key] = state[key].t().contiguous().t()
-        self._iteration_counter = extra["iteration_counter"]
-        self.batch_size = extra["batch_size"]
+        """Load a checkpoint of this optimizer on this model. Every entry is checked (shapes
+        against the layers, dtypes, finiteness, counters, hyperparameters) before anything is
+        replaced; the tensors are copied, in the state dtype, onto their layers' devices."""
+        if not isinstance(state_dict, dict):
+            raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+        for key in ("state", "param_groups", "twolevel"):
+            if key not in state_dict:
+                raise ValueError(f"not a TwoLevelKFAC checkpoint: missing '{key}'")
+        extra, groups, saved_state = state_dict["twolevel"], state_dict["param_groups"], state_dict["state"]
+        if not isinstance(extra, dict):
+            raise TypeError(f"checkpoint 'twolevel' must be a dict, got {type(extra).__name__}")
+        for key in ("iteration_counter", "batch_size", "f_coarse", "f_coarse_inv"):
+            if key not in extra:
+                raise ValueError(f"checkpoint 'twolevel' has no '{key}'")
+        k = _checkpoint_int(extra["iteration_counter"], "iteration_counter", 0)
+        batch_size = _checkpoint_int(extra["batch_size"], "batch_size", 1)
+        values = {}
+        for name in _HYPER:  # absent from checkpoints of earlier versions: then ours are kept
+            if name in extra:
+                try:
+                    values[name] = _check_hyper(name, extra[name])
+                except (TypeError, ValueError) as e:
+                    raise type(e)(f"checkpoint 'twolevel': {e}") from None
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
+            raise ValueError(f"checkpoint 'param_groups' must list {len(self.param_groups)} groups (one "
+                             f"per layer), got {len(groups) if isinstance(groups, (list, tuple)) else groups!r}")
+        anchors = {}  # saved index of a layer's weight -> the layer's position
+        for i, (saved, group, layer) in enumerate(zip(groups, self.param_groups, self._layers)):
+            params = saved.get("params") if isinstance(saved, dict) else None
+            if not isinstance(params, (list, tuple)) or len(params) != len(group["params"]):
+                raise ValueError(f"checkpoint param group {i} must hold {len(group['params'])} params "
+                                 f"(layer '{layer.name}'), got {params!r}")
+            if saved.get("layer_type") != group["layer_type"]:
+                raise ValueError(f"checkpoint param group {i} has layer_type {saved.get('layer_type')!r}, "
+                                 f"layer '{layer.name}' is a {group['layer_type']}")
+            anchors[params[0]] = i
+        if not isinstance(saved_state, dict):
+            raise TypeError(f"checkpoint 'state' must be a dict, got {type(saved_state).__name__}")
+        # an empty entry: a layer before its first step (torch.optim saves one per state it has seen)
+        saved_state = {index: st for index, st in saved_state.items() if not (isinstance(st, dict) and not st)}
+        for index in saved_state:
+            if index not in anchors:
+                raise ValueError(f"checkpoint 'state' has an entry for param {index!r}, which is not a "
+                                 "layer's weight in this optimizer")
+        if saved_state and len(saved_state) != len(self._layers):
+            missing = [self._layers[i].name for index, i in anchors.items() if index not in saved_state]
+            raise ValueError(f"checkpoint 'state' has no entry for the layers {missing}")
+        new_state = {}
+        for index, i in anchors.items():
+            if index in saved_state:
+                new_state[i] = self._checked_layer_state(i, saved_state[index], batch_size)
+        fs = [extra["f_coarse"], extra["f_coarse_inv"]]
+        if (fs[0] is None) != (fs[1] is None):
+            raise ValueError("checkpoint 'twolevel' must hold both f_coarse and f_coarse_inv, or neither")
+        n = len(self._layers) * (2 if self.krylov else 1)
         device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
-        self.f_coarse, self.f_coarse_inv = (None if t is None else t.to(device)
-                                            for t in (extra["f_coarse"], extra["f_coarse_inv"]))
+        for j, name in enumerate(("f_coarse", "f_coarse_inv")):
+            if fs[j] is not None:
+                fs[j] = _checkpoint_tensor(fs[j], name, (n, n), self._work[0], device)
+        if fs[0] is not None and not new_state:
+            raise ValueError("checkpoint has a coarse matrix (f_coarse) but no layer state")
+        if not new_state and k > 0:
+            raise ValueError(f"checkpoint has no layer state but iteration_counter = {k} > 0")
+        # Everything checked: now replace.
+        self.state.clear()
+        for i, entry in new_state.items():
+            self.state[self.param_groups[i]["params"][0]] = entry
+        self._iteration_counter = k
+        self.batch_size = batch_size
+        self.f_coarse, self.f_coarse_inv = fs
+        for name, v in values.items():
+            self._set(name, v)
+
+    def _checked_layer_state(self, i: int, saved, batch_size: int) -> dict[str, Any]:
+        layer = self._layers[i]
+        where = f"checkpoint state of layer '{layer.name}'"
+        if not isinstance(saved, dict):
+            raise TypeError(f"{where} must be a dict, got {type(saved).__name__}")
+        if set(saved) != set(_STATE):
+            raise ValueError(f"{where} has the keys {sorted(saved)}, expected {sorted(_STATE)}")
+        w = layer.module.weight
+        d_out = w.shape[0]
+        d_in = math.prod(w.shape[1:]) + (layer.module.bias is not None)
+        T = _checkpoint_int(saved["num_locations"], f"{where}: num_locations", 1)
+        rows = batch_size * T
+        shapes = {"x": (rows, d_in), "gy": (rows, d_out), "xxt": (d_in, d_in), "ggt": (d_out, d_out),
+                  "L_x": (d_in,), "Q_x": (d_in, d_in), "L_g": (d_out,), "Q_g": (d_out, d_out)}
+        entry = {"num_locations": T}
+        for key, shape in shapes.items():
+            entry[key] = _checkpoint_tensor(saved[key], f"{where}: {key}", shape, self._work[i], w.device)
+        for key in ("Q_x", "Q_g"):
+            # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
+            # then round as they did before the save (a bit-identical resume)
+            entry[key] = entry[key].t().contiguous().t()
+        return entry
+
+
+def _checkpoint_int(value, name: str, low: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"checkpoint {name} must be an int >= {low}, got {value!r}")
+    return value
+
+
+def _checkpoint_tensor(value, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A copy of a checkpoint tensor in `dtype` on `device`, after checking it."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"checkpoint {name} must be a real floating tensor, got "
+                        f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"checkpoint {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    if not bool(torch.isfinite(value).all()):
+        raise ValueError(f"checkpoint {name} holds inf/NaN values")
+    return value.detach().to(device=device, dtype=dtype, copy=True)
