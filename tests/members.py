@@ -71,6 +71,7 @@ class Member:
     preconditioner: bool = False       # rewrites .grad; a torch optimizer steps
     hooked: bool = True                # takes statistics through module hooks
     closure: bool = True               # step(closure) as torch.optim
+    last_pass_statistics: bool = False  # statistics of the step's last pass only (not summed)
     # group settings a user may assign a plain float to between steps (optimizers)
     float_settings: tuple[str, ...] = ()
     # (label, setter(run)) assignments a user may make between steps that must be refused
@@ -135,7 +136,7 @@ MEMBERS = [
     Member(
         "TwoLevelKFAC",
         lambda model, **kw: cafin.TwoLevelKFAC(model, **{"T_cov": 1, "T_inv": 1, "damping": 1e-2, **kw}),
-        preconditioner=True, closure=False,
+        preconditioner=True, closure=False, last_pass_statistics=True,
         bad_between_steps=_bad_attrs(("damping", "alpha", "clipping")),
         bad_checkpoint=(("no iteration_counter", ("twolevel", "iteration_counter"), DELETE),
                         ("iteration_counter=-1", ("twolevel", "iteration_counter"), -1)),

@@ -398,7 +398,7 @@ def test_hyperparameters_are_checked_and_reach_the_step():
         opt.alpha = 2.0
     assert opt.damping == DAMP
     opt.damping = torch.tensor(0.5)
-    assert opt.damping == 0.5 and float(opt._hyper[torch.device("cpu")]["damping"]) == 0.5
+    assert opt.damping == 0.5 and float(opt._tensors[torch.device("cpu")]["damping"]) == 0.5
     a = run_ours(opt, net, *batch("mlp", 8, 0))
     net2 = mlp(True)
     b = run_ours(cafin.TwoLevelKFAC(net2, damping=0.5), net2, *batch("mlp", 8, 0))

@@ -37,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import Hooks, StepCounter, average_over_ranks, check_int, check_range, discover, distributed, unwrap
+from ..curvature import Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..preconditioner import Preconditioner
 from ..factors import input_rows
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 
@@ -47,19 +48,9 @@ COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")
 _ALIASES = {"tselepidis": "tpselepedis"}
 _EIG_FLOOR = 1e-12   # published: eigenvalues <= this are set to 0 (then divided by: inf)
 _NORM_EPS = 1e-8     # published: r / (||r||_inf + 1e-8)
-# Hyperparameters a schedule may change between steps: 0-dim float64 tensors on each layer
-# device (a compiled step reads them, so a new value is not a new constant and no recompile).
-# (low, high, low end open): damping 0 leaves the factors' zero eigenvalues undamped, and the
-# published eigenvalue floor then divides by 0.
-_HYPER = {"damping": (0.0, math.inf, True), "alpha": (0.0, 1.0, False), "clipping": (0.0, math.inf, False)}
 _EIGEN = ("L_x", "Q_x", "L_g", "Q_g")
 _STATE = ("x", "gy", "num_locations", "xxt", "ggt", *_EIGEN)  # a layer's state, all or nothing
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _check_hyper(name: str, value) -> float:
-    low, high, low_open = _HYPER[name]
-    return check_range(value, name, low, high, low_open=low_open)
 
 
 class NonFiniteStatisticsWarning(UserWarning):
@@ -78,7 +69,7 @@ def _accept(module: nn.Module, kind) -> bool:
     return module_class(module).__name__ in ("Linear", "Conv2d")
 
 
-class TwoLevelKFAC(torch.optim.Optimizer):
+class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     r"""Two-level K-FAC: K-FAC's block-diagonal direction plus a coarse correction coupling the layers.
 
     A gradient preconditioner, a drop-in for `TwolevelKFAC` of Abdoulaye-Koroko/natural-gradients:
@@ -121,8 +112,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
                  krylov=False, *, backend="fused", published_bugs=False, process_group=None):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
-        self._values = {name: _check_hyper(name, v)
-                        for name, v in (("damping", damping), ("alpha", alpha), ("clipping", clipping))}
+        self._init_settings({"damping": damping, "alpha": alpha, "clipping": clipping})
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
         self.T_inv = check_int(T_inv, "T_inv", 1)
@@ -189,39 +179,31 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         # no half-precision kernels, and their EMAs would lose the small updates)
         self._work = [reference.state_dtype(layer.module.weight.dtype) for layer in self._layers]
         self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
-        # k, the completed update steps: on the host while steps run eagerly, on the device (and
-        # every interval decided there) once a step is compiled (cafin.curvature.StepCounter)
-        self._steps = StepCounter()
-        self._hyper: dict[torch.device, dict[str, torch.Tensor]] = {}
         self._sizes: dict[tuple, torch.Tensor] = {}
+        # the lr K-FAC's gradient-writing op reads (unused without its KL clip)
+        self._ones: dict[torch.device, torch.Tensor] = {}
         for layer in self._layers:  # device state now: a compiled step cannot create it
             device = layer.module.weight.device
-            self._steps.tensor(device)
-            if device not in self._hyper:
-                self._hyper[device] = {}
-                # "one": the lr K-FAC's gradient-writing op reads (unused without its KL clip)
-                for name, v in (*self._values.items(), ("one", 1.0)):
-                    self._hyper[device][name] = t = torch.tensor(v, dtype=torch.float64, device=device)
-                    torch._dynamo.mark_static_address(t, guard=False)
+            if device not in self._ones:
+                self._ones[device] = torch.ones((), dtype=torch.float64, device=device)
+                torch._dynamo.mark_static_address(self._ones[device], guard=False)
         self.f_coarse = None
         self.f_coarse_inv = None
         # per layer: {"calls": one dict per forward call since the last step, "task": the
         # backward pass that delivered the latest output gradient}
         self._pending: dict[int, dict[str, Any]] = {}
-        self._hooks = Hooks(self, self._layers)
+        # k, the completed update steps: on the host while steps run eagerly, on the device (and
+        # every interval decided there) once a step is compiled; the hooks
+        self._start(self._layers)
 
     # ------------------------------------------------------------------ hyperparameters
-    def _set(self, name: str, value) -> None:
-        self._values[name] = v = _check_hyper(name, value)
-        for ts in self._hyper.values():
-            ts[name].fill_(v)
-
-    damping = property(lambda self: self._values["damping"], lambda self, v: self._set("damping", v))
-    alpha = property(lambda self: self._values["alpha"], lambda self, v: self._set("alpha", v))
-    clipping = property(lambda self: self._values["clipping"], lambda self, v: self._set("clipping", v))
+    # damping 0 would leave the factors' zero eigenvalues undamped, and the published
+    # eigenvalue floor then divides by 0
+    settings = {"damping": Real(0.0, math.inf, low_open=True), "alpha": Real(0.0, 1.0),
+                "clipping": Real(0.0, math.inf)}
 
     def _hp(self, name: str, like: torch.Tensor) -> torch.Tensor:
-        return self._hyper[like.device][name]
+        return self._ones[like.device] if name == "one" else self._tensors[like.device][name]
 
     @property
     def _iteration_counter(self) -> int:
@@ -239,23 +221,20 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             return k, (None if k == 0 else min(1 - 1 / k, self.alpha)), None, None
         k = self._steps.tensor(self._device())
         kd = k.to(torch.float64)
-        alpha = self._hyper[k.device]["alpha"]
+        alpha = self._tensors[k.device]["alpha"]
         # published: the first covariances set directly (rho = 0), then rho = min(1 - 1/k, alpha)
         rho = torch.where(kd == 0, torch.zeros_like(kd), torch.minimum(1 - 1 / kd, alpha))
         return k, rho, torch.remainder(k, self.T_cov) == 0, torch.remainder(k, self.T_inv) == 0
 
     def _device(self) -> torch.device:
-        if len(self._hyper) > 1:
+        if len(self._tensors) > 1:
             raise RuntimeError("a compiled TwoLevelKFAC step needs every layer on one device, got "
-                               f"{sorted(str(d) for d in self._hyper)}")
-        return next(iter(self._hyper))
+                               f"{sorted(str(d) for d in self._tensors)}")
+        return next(iter(self._tensors))
 
     @property
     def num_layer(self) -> int:
         return len(self._layers)
-
-    def remove_hooks(self) -> None:
-        self._hooks.remove()
 
     # ------------------------------------------------------------------ hooks (core interface)
     def _statistics_gate(self, layer, device):
@@ -628,7 +607,9 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             return
         # An eager step replaces state entries and never writes into them, so a step that
         # raises is undone by putting the entries back.
-        saved = ([(st, dict(st)) for st in (self.state[g["params"][0]] for g in self.param_groups)],
+        anchors = [g["params"][0] for g in self.param_groups]
+        fresh = [p for p in anchors if p not in self.state]  # entries this step creates
+        saved = ([(st, dict(st)) for st in (self.state[p] for p in anchors)],
                  {key: {**pending, "calls": list(pending["calls"])} for key, pending in self._pending.items()},
                  {key: getattr(self, key) for key in ("f_coarse", "f_coarse_inv", "batch_size",
                                                       "dropped_statistics")})
@@ -639,6 +620,8 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             for state, entries in states:
                 state.clear()
                 state.update(entries)
+            for p in fresh:
+                del self.state[p]
             self._pending = pending
             self.__dict__.update(values)
             self.__dict__.pop("_early_parts", None)
@@ -743,7 +726,7 @@ class TwoLevelKFAC(torch.optim.Optimizer):
             bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
                   for i, g in enumerate(self.param_groups)]
         impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
-                          for t in (*ws, *bs)) and len(self._hyper) == 1 else reference
+                          for t in (*ws, *bs)) and len(self._tensors) == 1 else reference
         # the directions are in the state dtype (float32 for float16/bfloat16 gradients)
         final = [f.to(w.dtype).unsqueeze(0) for f, w in zip(final, ws)]
         impl.kfac_precondition_apply_(ws, bs, final, self._hp("one", ws[0]), None)
@@ -843,7 +826,8 @@ class TwoLevelKFAC(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["twolevel"] = {"iteration_counter": self._iteration_counter, "batch_size": self.batch_size,
-                          "f_coarse": self.f_coarse, "f_coarse_inv": self.f_coarse_inv, **self._values}
+                          "f_coarse": self.f_coarse, "f_coarse_inv": self.f_coarse_inv,
+                          **self._numeric_settings()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -864,12 +848,10 @@ class TwoLevelKFAC(torch.optim.Optimizer):
         k = _checkpoint_int(extra["iteration_counter"], "iteration_counter", 0)
         batch_size = _checkpoint_int(extra["batch_size"], "batch_size", 1)
         values = {}
-        for name in _HYPER:  # absent from checkpoints of earlier versions: then ours are kept
+        for name in self.settings:  # absent from checkpoints of earlier versions: then ours are kept
             if name in extra:
-                try:
-                    values[name] = _check_hyper(name, extra[name])
-                except (TypeError, ValueError) as e:
-                    raise type(e)(f"checkpoint 'twolevel': {e}") from None
+                self._check_setting(name, extra[name], " (in checkpoint 'twolevel')")
+                values[name] = extra[name]
         if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint 'param_groups' must list {len(self.param_groups)} groups (one "
                              f"per layer), got {len(groups) if isinstance(groups, (list, tuple)) else groups!r}")
