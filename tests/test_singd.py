@@ -1135,3 +1135,113 @@ def test_deepcopy_with_callable_lr_cov_trains_identically():
     train(o2, m2, data[2:], closure=True)
     for p, q in zip(m.parameters(), m2.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------ contract: NaN statistics
+_FACTOR_KEYS = ("K.", "C.", "m_K.", "m_C.", "P_K", "P_C")
+
+
+def _factors(opt, layer):
+    return {k: v.clone() for k, v in opt.state[layer.weight].items() if k.startswith(_FACTOR_KEYS)}
+
+
+def _accumulators(opt, layer):
+    return [v for k, v in opt.state[layer.weight].items() if k.startswith(("H_K.", "H_C.", "H_count"))]
+
+
+def _no_runtime_warning(fn):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        fn()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_non_finite_statistics_drop_the_update(device, backend, T):
+    """At a preconditioner step whose statistics hold NaN (a pass on a NaN batch whose step was
+    skipped, then a clean pass) every layer keeps K, C, m_K, m_C and the cached P, its
+    accumulators are reset, the drop is counted (and on the CPU warned about); later clean
+    updates work. An inf put in one layer's H_K drops that layer's update only."""
+    torch.manual_seed(0)
+    m = mlp().double().to(device)
+    layers = [m[0], m[2], m[4]]
+    o = cafin.SINGD(m, T=T, lr=0.05, lr_cov=0.1, backend=backend, cache_preconditioner=True,
+                    structures=("dense", "hierarchical15_15"))
+    gen = torch.Generator().manual_seed(3)
+    data = [tuple(t.to(device) for t in batch("mlp", gen, torch.float64)) for _ in range(3 * T + 1)]
+
+    def backward(x, y):
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+
+    warns = (lambda n: pytest.warns(RuntimeWarning, match=f"SINGD: {n} preconditioner update")) \
+        if device == "cpu" else (lambda n: warnings.catch_warnings())
+    for k in range(T):  # the first update (step 0) and the plain steps after it
+        _no_runtime_warning(lambda: (backward(*data[k]), o.step()))
+    assert o.skipped_factor_updates == 0
+    before = [_factors(o, layer) for layer in layers]
+    x, y = data[T]
+    backward(torch.full_like(x, math.nan), y)  # its step is skipped
+    backward(x, y)
+    with warns(3):
+        o.step()
+    assert o.skipped_factor_updates == 3
+    for layer, saved in zip(layers, before):
+        assert_same(_factors(o, layer), saved)
+        assert all(bool((t == 0).all()) for t in _accumulators(o, layer))
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+    for k in range(T + 1, 2 * T + 1):  # plain steps, then a clean update at step 2T
+        _no_runtime_warning(lambda: (backward(*data[k]), o.step()))
+    assert o.skipped_factor_updates == 3
+    for layer, saved in zip(layers, before):
+        now = _factors(o, layer)
+        assert all(torch.isfinite(v).all() for v in now.values())
+        assert not torch.equal(now["K.0"], saved["K.0"]) and not torch.equal(now["C.0"], saved["C.0"])
+
+    for k in range(2 * T + 1, 3 * T):
+        _no_runtime_warning(lambda: (backward(*data[k]), o.step()))
+    before = [_factors(o, layer) for layer in layers]
+    backward(*data[3 * T])
+    o.state[m[2].weight]["H_K.0"][1, 2] = math.inf
+    with warns(1):
+        o.step()
+    assert o.skipped_factor_updates == 4
+    for layer, saved in zip(layers, before):
+        now = _factors(o, layer)
+        assert (layer is m[2]) == all(torch.equal(now[key], saved[key]) for key in saved)
+        assert all(bool((t == 0).all()) for t in _accumulators(o, layer))
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_non_finite_statistics_drop_the_update_in_a_compiled_step(backend):
+    """A compiled step (T gated on the device) drops and counts the NaN update as an eager one,
+    without a recompile."""
+    torch.manual_seed(0)
+    m = mlp()
+    o = cafin.SINGD(m, T=2, lr=0.05, lr_cov=0.1, backend=backend, structures=("dense", "diagonal"))
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    step = torch.compile(o.step, backend=counter, fullgraph=True)
+    gen = torch.Generator().manual_seed(5)
+    data = [batch("mlp", gen, torch.float32) for _ in range(5)]
+    layers = [m[0], m[2], m[4]]
+    for k, (x, y) in enumerate(data):
+        if k == 2:
+            before = [_factors(o, layer) for layer in layers]
+            o.zero_grad()
+            F.mse_loss(m(torch.full_like(x, math.nan)), y).backward()
+        o.zero_grad()
+        F.mse_loss(m(x), y).backward()
+        step()
+        if k == 2:
+            assert o.skipped_factor_updates == 3
+            for layer, saved in zip(layers, before):
+                assert_same(_factors(o, layer), saved)
+                assert all(bool((t == 0).all()) for t in _accumulators(o, layer))
+    assert counter.frame_count == 1 and o._steps.device_gated
+    assert o.skipped_factor_updates == 3
+    assert all(torch.isfinite(p).all() for p in m.parameters())
+    assert not torch.equal(o.state[m[0].weight]["K.0"], before[0]["K.0"])  # step 4 updated

@@ -10,7 +10,9 @@ C C^T [grad W | grad b] K K^T drives SGD with momentum. kfac_like=True is IKFAC.
 
 Every persistent tensor lives in `self.state`: per parameter `momentum_buffer`; per layer, in the
 state of its first optimised parameter, the parts of K, C (`K.<part>`), their momenta m_K, m_C
-(alpha1 != 0), the curvature accumulators H_K, H_C and `H_count` (passes added). Param groups,
+(alpha1 != 0), the curvature accumulators H_K, H_C and `H_count` (passes added). A due update
+whose accumulated H_K or H_C holds a NaN or inf is dropped (the layer keeps its factors, the
+accumulators are reset) and counted on the device: `skipped_factor_updates`. Param groups,
 tensor hyperparameters, hooks, the step counter and its host/device gating, copies and checkpoints
 come from the family's core (`cafin.curvature.CurvatureOptimizer`); this file holds SINGD's
 settings, statistics and update rule.
@@ -137,6 +139,7 @@ class SINGD(CurvatureOptimizer):
         self._group_of: dict[Tensor, int] = {}
         self._pending: dict[int, list] = {}
         self._empty: dict[tuple, Tensor] = {}
+        self._skipped: dict[torch.device, Tensor] = {}  # updates dropped for non-finite statistics
         self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
         self._built: list[tuple] = []  # per group: the settings its factors were built with
@@ -275,6 +278,7 @@ class SINGD(CurvatureOptimizer):
             state = self.state[layer.anchor]
             if "K.0" not in state:
                 state.update(self._new_factors(layer))
+            self._skipped_counter(layer.anchor.device)
             for dtype in self._dtypes(layer):
                 self._one(layer.anchor.device, _work_dtype(dtype))
         for group in self.param_groups:
@@ -348,6 +352,18 @@ class SINGD(CurvatureOptimizer):
         while f"{prefix}.{len(parts)}" in state:
             parts.append(state[f"{prefix}.{len(parts)}"])
         return tuple(parts) if parts else None
+
+    def _skipped_counter(self, device: torch.device) -> Tensor:
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros((), device=device)
+            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
+        return self._skipped[device]
+
+    @property
+    def skipped_factor_updates(self) -> int:
+        """Preconditioner updates dropped because a layer's accumulated H_K or H_C held a NaN
+        or inf (reads the device counters: a sync off the CPU)."""
+        return int(sum(c.item() for c in self._skipped.values()))
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)
@@ -432,15 +448,48 @@ class SINGD(CurvatureOptimizer):
         """The module's weight and bias (optimised or not: singd's natural gradient uses both)."""
         return [t for t in (getattr(layer.module, n, None) for n in ("weight", "bias")) if t is not None]
 
-    def _go(self, layer: Layer, due_host: bool | None) -> Tensor:
-        """Whether this layer's preconditioner update commits: it saw statistics (singd raises
-        KeyError when a layer took none; this leaves its factors as they are) and, once the
-        device decides, this is a step k with k % T == 0."""
+    def _due_and_go(self, layer: Layer, due_host: bool | None,
+                    accumulators: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """(due, go), 0-dim bool tensors. due: this layer's preconditioner update is due, so its
+        accumulators are reset: it saw statistics (singd raises KeyError when a layer took none;
+        this leaves its factors as they are) and, once the device decides, this is a step k with
+        k % T == 0. go: the update commits, as it is due and its accumulated H_K and H_C (the
+        parts in `accumulators`) are finite (a NaN or inf would turn K and C non-finite for good)."""
         count = self.state[layer.anchor]["H_count"]
-        go = count > 0
+        due = count > 0
         if due_host is None:
-            go = go & (torch.remainder(self._steps.tensor(count.device), self._group(layer)["T"]) == 0)
-        return go
+            due = due & (torch.remainder(self._steps.tensor(count.device), self._group(layer)["T"]) == 0)
+        # One reduction per part: a NaN or inf anywhere makes the sum non-finite (so does a sum
+        # that overflows the op-math dtype, from entries near its limit). total - total is 0
+        # exactly when total is finite (two ops; torch.isfinite takes more in eager).
+        total = None
+        for h in accumulators:
+            s = h.sum() if h.dtype in (torch.float32, torch.float64) else h.sum(dtype=torch.float32)
+            total = s if total is None else total + s
+        return due, due & ((total - total) == 0)
+
+    def _count_dropped(self, layer: Layer, due: Tensor, go: Tensor) -> None:
+        self._skipped_counter(layer.anchor.device).add_(due ^ go)  # go implies due
+
+    def _update_preconditioners(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
+        """Every due layer's preconditioner update, by the backend; while the CPU counts the
+        dropped ones without a sync (eager), a RuntimeWarning says how many."""
+        if not items:
+            return
+        watch = [] if torch.compiler.is_compiling() else [
+            c for d, c in self._skipped.items() if d.type == "cpu"]
+        before = sum(float(c) for c in watch)
+        if self.backend == "fused":
+            self._update_preconditioners_fused(items, c_g)
+        else:
+            for layer, due in items:
+                self._update_preconditioner(layer, due, c_g)
+        dropped = sum(float(c) for c in watch) - before
+        if dropped > 0:  # attributed to step()'s caller (past _step, step, torch's wrappers)
+            warnings.warn(f"{type(self).__name__}: {int(dropped)} preconditioner update(s) dropped: "
+                          "the accumulated curvature (H_K, H_C) held NaN or inf; those layers keep "
+                          "their factors K, C and their accumulators are reset", RuntimeWarning,
+                          stacklevel=6)
 
     def _update_preconditioners_fused(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
         """Every due layer's preconditioner update: the products in torch (per layer), the
@@ -451,7 +500,7 @@ class SINGD(CurvatureOptimizer):
         momentum: dict[tuple, tuple[list, ...]] = {}
         steps: dict[tuple, tuple[list, ...]] = {}
         later = []
-        for layer, due in items:
+        for layer, due_host in items:
             group = self._group(layer)
             state = self.state[layer.anchor]
             (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
@@ -478,7 +527,7 @@ class SINGD(CurvatureOptimizer):
                 dmp_k = damping_k * sc.average_trace(C_tC)
                 cc = (c_g * sk.average_trace(H_K)).to(wc)
                 dmp_c = damping_c * sk.average_trace(K_tK)
-            go = self._go(layer, due)
+            due, go = self._due_and_go(layer, due_host, H_K + H_C)
             for kind, d, dtype, m, h, ktk, pi, c_h, c_d in (
                     (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk)),
                     (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc))):
@@ -487,10 +536,11 @@ class SINGD(CurvatureOptimizer):
                 for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [go] * n,
                                                kind.eye_kinds(d), pi, [scale] * n, [alpha1] * n)):
                     lst.extend(values)
-            later.append((layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device))
+            later.append((layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device,
+                          H_K, H_C, due, due_host))
         for lists in momentum.values():
             ops.singd_momentum_(*lists)
-        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
+        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device, *_ in later:
             beta_k, beta_c = self._lr_cov(group, device, wk), self._lr_cov(group, device, wc)
             if group["normalize_lr_cov"]:
                 beta_k = beta_k / torch.clamp(sk.inf_norm(m_K), min=1.0)
@@ -503,10 +553,22 @@ class SINGD(CurvatureOptimizer):
                     lst.extend(values)
         for lists in steps.values():
             ops.singd_factor_step_(*lists)
-        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device in later:
-            count = state["H_count"]
-            count.copy_(torch.where(go, torch.zeros_like(count), count))
+        # The op reset the accumulators of the committed updates; those of the dropped ones are
+        # reset too (while the host gates, every layer here is due or has empty accumulators:
+        # all of them in one op).
+        resets = []
+        for (layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device, H_K, H_C, due,
+             due_host) in later:
+            accumulators = H_K + H_C + (state["H_count"],)
+            if due_host is None:
+                for t in accumulators:
+                    t.copy_(torch.where(due, torch.zeros_like(t), t))
+            else:
+                resets += list(accumulators)
+            self._count_dropped(layer, due, go)
             self._refresh_cache(layer, sk, sc, K, C)
+        if resets:
+            torch._foreach_zero_(resets)
 
     def _refresh_cache(self, layer: Layer, sk, sc, K, C) -> None:
         state = self.state[layer.anchor]
@@ -548,22 +610,19 @@ class SINGD(CurvatureOptimizer):
             beta_c = beta_c / torch.clamp(sc.inf_norm(new_mC), min=1.0)
         new_K = ref.factor_step(sk, K, new_mK, beta_k)
         new_C = ref.factor_step(sc, C, new_mC, beta_c)
-        # Commit only where this is a preconditioner step that saw statistics (singd raises
-        # KeyError when a layer took none; this leaves its factors as they are).
-        go = count > 0
-        if due_host is None:
-            go = go & (torch.remainder(self._steps.tensor(device), group["T"]) == 0)
+        due, go = self._due_and_go(layer, due_host, H_K + H_C)
         olds = K + C + ((m_K + m_C) if alpha1 != 0.0 else ())
         news = new_K + new_C + ((new_mK + new_mC) if alpha1 != 0.0 else ())
         for old, new in zip(olds, news):
             old.copy_(torch.where(go, new.to(old.dtype), old))
         if due_host is None:
             for t in H_K + H_C:
-                t.copy_(torch.where(go, torch.zeros_like(t), t))
-            count.copy_(torch.where(go, torch.zeros_like(count), count))
+                t.copy_(torch.where(due, torch.zeros_like(t), t))
+            count.copy_(torch.where(due, torch.zeros_like(count), count))
         else:
             torch._foreach_zero_(list(H_K + H_C))
             count.zero_()
+        self._count_dropped(layer, due, go)
         self._refresh_cache(layer, sk, sc, K, C)
 
     def _average_curvature(self, due: list[Layer]) -> None:
@@ -673,11 +732,7 @@ class SINGD(CurvatureOptimizer):
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
         updating = [(layer, due) for layer, due in dues
                     if due is not False and any(p.grad is not None for p in self._layer_params(layer))]
-        if self.backend == "fused":
-            self._update_preconditioners_fused(updating, c_g)
-        else:
-            for layer, due in updating:
-                self._update_preconditioner(layer, due, c_g)
+        self._update_preconditioners(updating, c_g)
         for layer, due in dues:
             module = layer.module
             owned.update(layer.params.values())
