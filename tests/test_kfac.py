@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import warnings
 from pathlib import Path
 
 import pytest
@@ -447,6 +448,9 @@ def test_no_host_sync_in_step(monkeypatch):
         with monkeypatch.context() as mp:
             for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
                 mp.setattr(torch.Tensor, name, refuse)
+            # The one read step() makes by design: the warning of dropped statistics reads the
+            # counters of CPU layers only (no sync; on CUDA it reads nothing).
+            mp.setattr(pre, "_report_skipped", lambda: None)
             pre.step()
 
 
@@ -724,14 +728,105 @@ def test_overflowing_scaled_step_leaves_the_factors_finite():
     opt.zero_grad()
     scaler.scale(loss_of(model, x, y) * 4).backward()
     scaler.unscale_(opt)
-    pre.step()
+    with pytest.warns(RuntimeWarning, match="4 factor statistic"):
+        pre.step()
     scaler.step(opt)
     scaler.update()
     assert scaler.get_scale() < 2.0 ** 127  # it was an overflow step
+    assert pre.skipped_factor_updates == 4  # every layer's G
     for st in pre._state.values():
         assert torch.isfinite(st.A).all() and torch.isfinite(st.G).all()
         assert torch.equal(st.G, torch.eye(st.G.shape[-1]).expand_as(st.G))  # dropped
         assert not torch.equal(st.A, torch.eye(st.A.shape[-1]).expand_as(st.A))  # inputs are fine
+
+
+def _factors(pre):
+    return [t.clone() for st in pre._state.values() for t in (st.A, st.G)]
+
+
+@pytest.mark.parametrize("in_hook", [True, False], ids=["fold_in_hook", "fold_at_step"])
+@pytest.mark.parametrize("backend", ["fused", "reference"])
+def test_non_finite_statistic_is_dropped_counted_and_warned(backend, in_hook):
+    """A pass whose output gradients are NaN (finite inputs): every layer's G statistic is
+    dropped, counted on the device and reported by the step as a RuntimeWarning; G keeps its
+    value, A folds as usual, and the next clean step folds and warns of nothing new."""
+    torch.manual_seed(0)
+    model = mlp().double()
+    pre = cafin.KFACPreconditioner(model, backend=backend, update_factors_in_hook=in_hook)
+    x, y = data("mlp", torch.float64, 1)[0][0]
+    layers = len(pre.layers)
+
+    def pass_and_step(scale):
+        model.zero_grad(set_to_none=True)
+        (loss_of(model, x, y) * scale).backward()
+        pre.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        pass_and_step(1.0)
+    assert pre.skipped_factor_updates == 0
+    before = _factors(pre)
+    with pytest.warns(RuntimeWarning, match=rf"KFACPreconditioner: {layers} factor statistic\(s\) held inf/NaN"):
+        pass_and_step(math.nan)
+    assert pre.skipped_factor_updates == layers
+    after = _factors(pre)
+    for A0, G0, A1, G1 in zip(before[0::2], before[1::2], after[0::2], after[1::2]):
+        assert torch.equal(G1, G0)  # dropped
+        assert torch.isfinite(A1).all() and not torch.equal(A1, A0)  # its inputs were finite
+    for st in pre._state.values():
+        assert not st.stat_G.any() and not st.count_G.any()  # emptied, never stored
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        pass_and_step(1.0)
+    assert pre.skipped_factor_updates == layers
+    for G1, G2 in zip(after[1::2], _factors(pre)[1::2]):
+        assert torch.isfinite(G2).all() and not torch.equal(G2, G1)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_compiled_step_counts_dropped_statistics_on_due_steps(fresh_dynamo):
+    """A compiled (device-gated) step counts the statistics it drops, only on the steps that
+    fold (factor_update_steps=2), in one graph."""
+    batches = data("stacked_mlp", torch.float32, 5)
+    model = base_model("stacked_mlp", torch.float32)
+    pre = cafin.KFACPreconditioner(model, factor_update_steps=2, inv_update_steps=2)
+    step = torch.compile(pre.step, fullgraph=True)
+    expected = []
+    for i, batch in enumerate(batches):
+        model.zero_grad(set_to_none=True)
+        bad = i in (2, 3)  # k = 2 folds, k = 3 does not
+        (loss_of(model, *batch[0]) * (math.nan if bad else 1.0)).backward()
+        (pre.step if i == 0 else step)()
+        expected.append(len(pre.layers) if i >= 2 else 0)
+        assert pre.skipped_factor_updates == expected[-1], i
+    assert all(torch.isfinite(f).all() for f in _factors(pre))
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_float64_model_counts_its_passes(backend, fresh_dynamo):
+    """torch.compile(model) of a float64 model: the forward hooks' pass counts survive the
+    compiled forward (a 0-dim float64 counter's in-place add was dropped by AOTAutograd, so A
+    was never folded), and training matches the eager model, with gradient accumulation."""
+    kw = dict(accumulation_steps=2, inv_dtype=torch.float64, decompose_dtype=torch.float64)
+    batches = data("mlp", torch.float64, 3, acc=2)
+    base = base_model("mlp", torch.float64)
+    eager, eager_pre = train(lambda m: cafin.KFACPreconditioner(m, **kw), copy.deepcopy(base), batches)
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4)
+    pre = cafin.KFACPreconditioner(model, **kw)
+    compiled = torch.compile(model, backend=backend)
+    for i, batch in enumerate(batches):
+        opt.zero_grad()
+        for j, (x, y) in enumerate(batch):
+            (loss_of(compiled, x, y) / len(batch)).backward()
+            if i == 0:
+                assert all(st.count_A.item() == j + 1 == st.count_G.item() for st in pre._state.values())
+        pre.step()
+        opt.step()
+    for a, b in zip(_factors(eager_pre), _factors(pre)):
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-12)
+    assert rel_error(eager, model, flat(base)) <= 1e-10
 
 
 def test_bfloat16_model_with_float32_factors():

@@ -51,8 +51,12 @@ class _LayerState:
         self.A, self.G = eye(d_a), eye(d_g)  # the EMA starts from I: kfac-pytorch's first update
         self.stat_A = torch.zeros(groups, d_a, d_a, **like)
         self.stat_G = torch.zeros(groups, d_g, d_g, **like)
-        self.count_A = torch.zeros((), **like)
-        self.count_G = torch.zeros((), **like)
+        # Passes counted per side, in one-element tensors (the ops read 0-dim views): Dynamo
+        # traces a captured 0-dim float64 CPU tensor as a Python float, and the AOTAutograd
+        # backends (aot_eager, inductor) then drop in-place writes to it, so a compiled forward's
+        # count of a float64 model's passes would be lost.
+        self.count_A = torch.zeros(1, **like)
+        self.count_G = torch.zeros(1, **like)
         # Second-order data, created here so compiled and captured steps find it; it holds the
         # identity preconditioner until the first decomposition.
         inv = dict(dtype=inv_dtype, device=device)
@@ -98,7 +102,9 @@ class KFACPreconditioner:
         skip_layers: a regular expression, or a list of them, searched in module names and
             class names.
         update_factors_in_hook: fold statistics into the factors in the hooks (True) or at the
-            start of step().
+            start of step(). A statistic holding inf or NaN (a GradScaler overflow pass) is
+            dropped, never folded: counted in `skipped_factor_updates` and, for layers on the
+            CPU, reported by step() as a RuntimeWarning.
         loglevel: level of the registration log lines.
     cafin's own:
         backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch). The choice is made
@@ -211,6 +217,10 @@ class KFACPreconditioner:
         self._steps = StepCounter()
         self._mini_steps: dict[str, int] = defaultdict(int)
         self._tensors: dict[torch.device, dict[str, torch.Tensor]] = {}
+        # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
+        # compiled or captured steps can add to it), and how many of them were already reported.
+        self._skipped: dict[torch.device, torch.Tensor] = {}
+        self._skipped_reported = 0
         # Whether the tensors of callable hyperparameters must be refilled for the current step
         # count (done, after checking every value, before the next eager use).
         self._stale = True
@@ -248,6 +258,7 @@ class KFACPreconditioner:
         for layer in self._layers:  # device state created now: a compiled step cannot create it
             self._hyper(layer.module.weight.device)
             self._steps.tensor(layer.module.weight.device)
+            self._skipped_counter(layer.module.weight.device)
         self._hooks = Hooks(self, self._layers)
 
     def _stack_second_order(self) -> None:
@@ -424,14 +435,33 @@ class KFACPreconditioner:
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
             self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
 
+    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
+        if device not in self._skipped:
+            self._skipped[device] = torch.zeros((), device=device)
+            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
+        return self._skipped[device]
+
+    @property
+    def skipped_factor_updates(self) -> int:
+        """Factor statistics (one side of one layer's fold) dropped because they held inf or
+        NaN, a GradScaler overflow pass's for instance (reads device counters)."""
+        return int(sum(c.item() for c in self._skipped.values()))
+
     def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
-        """Fold statistics into factors on `device`, one op call per factor dtype."""
+        """Fold statistics into factors on `device`, one op call per factor dtype. The op drops
+        a non-finite statistic; it is counted here first, on the device (the op empties it)."""
+        if not fs:
+            return
+        dropped = torch.stack([(c > 0) & ~torch.isfinite(s).all() for s, c in zip(ss, cs)]).sum()
+        if step is not None:  # device gated: only a due step would have folded them
+            dropped = dropped * (torch.remainder(step, interval) == 0)
+        self._skipped_counter(device).add_(dropped)
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         for f, s, c in zip(fs, ss, cs):
             lists = by_dtype.setdefault(f.dtype, [[], [], []])
             lists[0].append(f)
             lists[1].append(s)
-            lists[2].append(c)
+            lists[2].append(c.view(()))
         decay = self._hyper(device)["factor_decay"]
         for dtype, (f_, s_, c_) in by_dtype.items():
             self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval)
@@ -444,6 +474,17 @@ class KFACPreconditioner:
                                f"{device}, which it did not have at construction; move the model "
                                "before creating the preconditioner")
         return impl
+
+    def _report_skipped(self) -> None:
+        """Warn of the statistics dropped since the last report (by this step's fold or by the
+        hooks' folds of its passes), where reading the count costs no sync: CPU counters, eager
+        steps. On CUDA the count is `skipped_factor_updates`."""
+        total = int(sum(c.item() for d, c in self._skipped.items() if d.type == "cpu"))
+        if total > self._skipped_reported:
+            warnings.warn(f"KFACPreconditioner: {total - self._skipped_reported} factor statistic(s) "
+                          "held inf/NaN and were dropped; their factors keep their previous values",
+                          RuntimeWarning, stacklevel=4)
+            self._skipped_reported = total
 
     def reset_batch(self) -> None:
         """Drop the statistics taken since the last factor update."""
@@ -668,6 +709,7 @@ class KFACPreconditioner:
         if not torch.compiler.is_compiling():
             self._stale = True
             self._sync(quiet=True)  # next step's values now; a bad one raises at the next use
+            self._report_skipped()  # last: a warning turned into an error finds the step done
 
     def _joint_kl_scale(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> torch.Tensor:
         """The KL-clip factor of layers of several dtypes or devices: one sum of <V, grad> over
