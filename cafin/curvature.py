@@ -345,6 +345,8 @@ def check_range(value: Any, name: str, low: float, high: float, *, low_open=Fals
     v = real_number(value, name)
     ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
     if not ok:
+        if high == math.inf:  # no upper end: say so plainly
+            raise ValueError(f"{name} must be a finite number {'>' if low_open else '>='} {low}, got {v}")
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {v}")
     return v

@@ -13,7 +13,6 @@ eagerly, on the device after torch.compile or a CUDA-graph capture.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import re
@@ -26,8 +25,9 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (Hooks, Layer, average_over_ranks, StepCounter, capturing, check_int, discover, distributed,
-                         real_number, unwrap)
+from ..curvature import (Layer, Real, average_over_ranks, capturing, check_int, discover, distributed,
+                         unwrap)
+from ..preconditioner import Preconditioner
 from ..reference import kfac as rk
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
@@ -35,9 +35,6 @@ from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy,
 __all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
 
 _BACKENDS = {"fused": ops, "reference": reference}
-_RULES = {"damping": (lambda v: v > 0, "> 0"), "factor_decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
-          "kl_clip": (lambda v: v > 0, "> 0 (or None: no clipping)"), "lr": (lambda v: v >= 0, ">= 0")}
-_HYPER = ("damping", "factor_decay", "kl_clip", "lr")
 
 
 class _LayerState:
@@ -76,7 +73,7 @@ class _LayerState:
             torch._dynamo.mark_static_address(t, guard=False)
 
 
-class KFACPreconditioner:
+class KFACPreconditioner(Preconditioner):
     """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see the README section "K-FAC").
 
     Args (as kfac-pytorch; callables take the step count `steps` and are evaluated by eager
@@ -174,10 +171,7 @@ class KFACPreconditioner:
             if not callable(value):
                 check_int(value, name, 1)
         check_int(accumulation_steps, "accumulation_steps", 1)
-        for name, value in (("damping", damping), ("factor_decay", factor_decay),
-                            ("kl_clip", kl_clip), ("lr", lr)):
-            if not callable(value):
-                _check_hyper(name, value)
+        self._init_settings(dict(damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr))
         for name, dt in (("inv_dtype", inv_dtype), ("decompose_dtype", decompose_dtype)):
             if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
                 raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
@@ -213,17 +207,11 @@ class KFACPreconditioner:
         self._update_factors_in_hook = update_factors_in_hook
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
-        self._values = dict(damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr)
-        self._steps = StepCounter()
         self._mini_steps: dict[str, int] = defaultdict(int)
-        self._tensors: dict[torch.device, dict[str, torch.Tensor]] = {}
         # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
         # compiled or captured steps can add to it), and how many of them were already reported.
         self._skipped: dict[torch.device, torch.Tensor] = {}
         self._skipped_reported = 0
-        # Whether the tensors of callable hyperparameters must be refilled for the current step
-        # count (done, after checking every value, before the next eager use).
-        self._stale = True
         # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
         # CUDA-graph-captured step cannot hold eigh).
         self.decompose_in_step = True
@@ -256,10 +244,8 @@ class KFACPreconditioner:
             for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, inv_dtype):
                 self._impls[(device, dtype)] = _implementation(backend, device, dtype)
         for layer in self._layers:  # device state created now: a compiled step cannot create it
-            self._hyper(layer.module.weight.device)
-            self._steps.tensor(layer.module.weight.device)
             self._skipped_counter(layer.module.weight.device)
-        self._hooks = Hooks(self, self._layers)
+        self._start(self._layers)
 
     def _stack_second_order(self) -> None:
         """Layers whose second-order data have equal shapes share one stacked tensor per kind
@@ -285,62 +271,13 @@ class KFACPreconditioner:
             self._stacks.append((members, stacked))
 
     # ------------------------------------------------------------------ hyperparameters
-    def _current(self, name: str):
-        """The value of a hyperparameter at the current step count; a callable's result is
-        checked (an error naming `name`)."""
-        value = self._values[name]
-        if not callable(value):
-            return value
-        v = value(self.steps)
-        _check_hyper(name, v, f" (returned by its callable at step {self.steps})")
-        return v
-
-    def _hyper(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """The 0-dim float64 tensors the ops read on `device` (float64: a Python float exactly)."""
-        if device not in self._tensors:
-            ts = {}
-            for name in _HYPER:
-                ts[name] = torch.tensor(_as_float(self._current(name)), dtype=torch.float64, device=device)
-                torch._dynamo.mark_static_address(ts[name], guard=False)
-            self._tensors[device] = ts
-        return self._tensors[device]
-
-    def _sync(self, quiet: bool = False) -> None:
-        """Refill the tensors of callable hyperparameters for the current step count (eager
-        only: a compiled step reads the tensors as they are). Every callable is evaluated and
-        checked before any tensor is written; with `quiet`, a bad value leaves them stale (the
-        next eager use raises)."""
-        if torch.compiler.is_compiling() or not self._stale:
-            return
-        try:
-            values = {name: self._current(name) for name in _HYPER if callable(self._values[name])}
-        except (TypeError, ValueError):
-            if quiet:
-                return
-            raise
-        for name, v in values.items():
-            for ts in self._tensors.values():
-                ts[name].fill_(_as_float(v))
-        self._stale = False
-
-    def _set(self, name, value):
-        if not callable(value):
-            _check_hyper(name, value)
-        self._values[name] = value
-        if not callable(value):
-            for ts in self._tensors.values():
-                if isinstance(value, torch.Tensor):
-                    ts[name].copy_(value.detach().reshape(()))
-                else:
-                    ts[name].fill_(_as_float(value))
-        else:
-            self._stale = True
-
-    damping = property(lambda self: self._current("damping"), lambda self, v: self._set("damping", v))
-    factor_decay = property(lambda self: self._current("factor_decay"),
-                            lambda self, v: self._set("factor_decay", v))
-    kl_clip = property(lambda self: self._current("kl_clip"), lambda self, v: self._set("kl_clip", v))
-    lr = property(lambda self: self._current("lr"), lambda self, v: self._set("lr", v))
+    # numbers or callables of the step (kfac-pytorch's contract); kl_clip None: no clipping
+    settings = {"damping": Real(0.0, math.inf, low_open=True),
+                "factor_decay": Real(0.0, 1.0, low_open=True),
+                "kl_clip": Real(0.0, math.inf, low_open=True),
+                "lr": Real(0.0, math.inf)}
+    optional_settings = ("kl_clip",)
+    callable_settings = True
 
     def _interval(self, name: str) -> int:
         value = getattr(self, "_" + name)
@@ -386,26 +323,11 @@ class KFACPreconditioner:
                  ("update_factors_in_hook", self._update_factors_in_hook)]
         return "KFACPreconditioner(\n" + "\n".join(f"  {k}={v}," for k, v in items) + "\n)"
 
-    def __deepcopy__(self, memo):
-        """A copy preconditions a copy of the model (the one in `memo` when the same deepcopy
-        call copies the model too), with hooks of its own; backends and the process group are
-        shared."""
-        for shared in (ops, reference, self.process_group):
-            if shared is not None:
-                memo.setdefault(id(shared), shared)
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key != "_hooks":
-                setattr(new, key, copy.deepcopy(value, memo))
-        new._hooks = Hooks(new, new._layers) if self._hooks is not None else None
-        return new
-
     # ------------------------------------------------------------------ statistics hooks
     def _statistics_gate(self, layer: Layer, device: torch.device):
         if not layer.module.training:
             return False, None
-        self._sync()  # the hooks may fold with factor_decay: this step's value, checked
+        self._refresh_settings()  # the hooks may fold with factor_decay: this step's value, checked
         return self._steps.due(self.factor_update_steps, device)
 
     def _host_folds(self) -> bool:
@@ -462,7 +384,7 @@ class KFACPreconditioner:
             lists[0].append(f)
             lists[1].append(s)
             lists[2].append(c.view(()))
-        decay = self._hyper(device)["factor_decay"]
+        decay = self._settings_on(device)["factor_decay"]
         for dtype, (f_, s_, c_) in by_dtype.items():
             self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval)
 
@@ -491,11 +413,6 @@ class KFACPreconditioner:
         for st in self._state.values():
             for t in (st.stat_A, st.stat_G, st.count_A, st.count_G):
                 t.zero_()
-
-    def remove_hooks(self) -> None:
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
 
     # ------------------------------------------------------------------ step
     def _by_device(self, names=None):
@@ -564,7 +481,7 @@ class KFACPreconditioner:
                         else:
                             _store(st.second, "d" + side, di, gate)
                 else:
-                    inv = rk.damped_inverse(stacked, self._hyper(device)["damping"],
+                    inv = rk.damped_inverse(stacked, self._settings_on(device)["damping"],
                                             decompose_dtype=self.decompose_dtype,
                                             out_dtype=self.inv_dtype)
                     for st, ii in zip(sts, inv.split(sizes)):
@@ -574,7 +491,7 @@ class KFACPreconditioner:
             if gate is None:
                 st.decomposed = True
             if prediv:
-                damping = self._hyper(st.A.device)["damping"].to(self.inv_dtype)
+                damping = self._settings_on(st.A.device)["damping"].to(self.inv_dtype)
                 _store(st.second, "dgda", rk.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
@@ -614,7 +531,7 @@ class KFACPreconditioner:
             if self.compute_eigenvalue_outer_product:
                 v = rk.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
             else:
-                damping = self._hyper(device)["damping"]
+                damping = self._settings_on(device)["damping"]
                 v = rk.eigen_precondition(
                     work, s["qa"], s["qg"], da=s["da"], dg=s["dg"], damping=damping,
                     scale_=self._impl_for(device, self.inv_dtype).kfac_eigen_scale_)
@@ -632,7 +549,7 @@ class KFACPreconditioner:
                                "preconditioner.decompose() eagerly every inv_update_steps steps")
         # Every value the step reads is checked before it writes anything: callables are
         # evaluated for this step count here.
-        self._sync()
+        self._refresh_settings()
         self.factor_update_steps, self.inv_update_steps  # noqa: B018  (checked; errors name them)
         self._update_factors()
         if self.decompose_in_step:
@@ -685,7 +602,7 @@ class KFACPreconditioner:
         if len(buckets) > 1 and not kl_off:
             joint = self._joint_kl_scale(active, precond)
         for (device, dtype), (ws, bs, vs) in buckets.items():
-            ts = self._hyper(device)
+            ts = self._settings_on(device)
             impl = self._impl_for(device, dtype)
             if joint is not None:  # the clip factor is applied here, the op only writes
                 vs = [v * joint.to(device=device, dtype=v.dtype) for v in vs]
@@ -708,7 +625,7 @@ class KFACPreconditioner:
         self._steps.advance()
         if not torch.compiler.is_compiling():
             self._stale = True
-            self._sync(quiet=True)  # next step's values now; a bad one raises at the next use
+            self._refresh_settings(quiet=True)  # next step's values now; a bad one raises at the next use
             self._report_skipped()  # last: a warning turned into an error finds the step done
 
     def _joint_kl_scale(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -720,7 +637,7 @@ class KFACPreconditioner:
         for layer in active:
             v = precond[layer.name]
             vg = vg + (v.to(acc) * self._grad(layer).to(acc)).sum().to(device)
-        ts = self._hyper(device)
+        ts = self._settings_on(device)
         return rk.kl_clip_scale(vg * ts["lr"].to(acc) ** 2, ts["kl_clip"])
 
     # ------------------------------------------------------------------ checkpoints
@@ -732,7 +649,7 @@ class KFACPreconditioner:
             sd["factor_update_steps"] = self._factor_update_steps
         if not callable(self._inv_update_steps):
             sd["inv_update_steps"] = self._inv_update_steps
-        for name in _HYPER:
+        for name in self.settings:
             if not callable(self._values[name]):
                 sd[name] = self._values[name]
         if include_factors:
@@ -759,9 +676,9 @@ class KFACPreconditioner:
         for key in ("factor_update_steps", "inv_update_steps"):
             if key in state_dict:
                 check_int(state_dict[key], f"state_dict['{key}']", 1)
-        for name in _HYPER:
+        for name in self.settings:
             if name in state_dict:
-                _check_hyper(name, state_dict[name], " (in state_dict)")
+                self._check_setting(name, state_dict[name], " (in state_dict)")
         layers = state_dict.get("layers")
         new = {}
         if layers is not None:
@@ -782,11 +699,11 @@ class KFACPreconditioner:
         for key in ("factor_update_steps", "inv_update_steps"):
             if key in state_dict:
                 setattr(self, "_" + key, state_dict[key])
-        for name in _HYPER:
+        for name in self.settings:
             if name in state_dict:
                 self._set(name, state_dict[name])
         self._stale = True
-        self._sync(quiet=True)
+        self._refresh_settings(quiet=True)
         for name, (A, G) in new.items():
             st = self._state[name]
             if A is not None:
@@ -837,24 +754,6 @@ def _store(store: dict, key: str, value: torch.Tensor, gate) -> None:
 
 def _any_match(query: str, patterns: list[str]) -> bool:
     return any(re.search(p, query) for p in patterns)
-
-
-def _check_hyper(name: str, value: Any, where: str = "") -> None:
-    """A hyperparameter's value (a number, a 1-element tensor, or None for kl_clip) in its
-    range; `where` says where the value came from."""
-    if name == "kl_clip" and value is None:
-        return
-    ok, what = _RULES[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-        raise TypeError(f"{name} must be a number or a callable of the step, got {value!r}{where}")
-    v = real_number(value, name)
-    if not (math.isfinite(v) and ok(v)):
-        raise ValueError(f"{name} must be {what}, got {v}{where}")
-
-
-def _as_float(value) -> float:
-    """A checked hyperparameter as the float its tensor holds (None, clipping off: NaN)."""
-    return math.nan if value is None else float(value)
 
 
 def _patterns(skip_layers) -> list[str]:

@@ -14,7 +14,7 @@ import math
 from typing import Callable
 
 from ..curvature import check_int, real_number
-from .kfac import KFACPreconditioner, _check_hyper
+from .kfac import KFACPreconditioner
 
 __all__ = ["LambdaParamScheduler"]
 
@@ -100,7 +100,7 @@ class LambdaParamScheduler:
             else:
                 value = real_number(current, name) * f
                 try:
-                    _check_hyper(name, value)
+                    pre._check_setting(name, value)
                 except ValueError as e:
                     raise ValueError(f"{what}: {e}") from None
             new[name] = value
