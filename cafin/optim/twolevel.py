@@ -103,6 +103,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         coarse_space (str, "nicolaides"): "nicolaides", "spectral", "residual" or "tpselepedis".
         krylov (bool, False): add a second, Krylov coarse vector (nicolaides and residual only).
         backend (str, "fused"): coarse-matrix assembly, "fused" or "reference" (pair by pair).
+            The gradients are written by K-FAC's kernel for float32/float64 layers on one
+            device and by its plain-PyTorch twin otherwise, decided here.
         published_bugs (bool, False): reproduce the published code's four bugs (README).
         process_group (ProcessGroup, None): the group statistics are averaged over (None: world or FSDP2 mesh).
     """
@@ -178,6 +180,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         # factors, statistics and decompositions: float32 for float16/bfloat16 layers (eigh has
         # no half-precision kernels, and their EMAs would lose the small updates)
         self._work = [reference.state_dtype(layer.module.weight.dtype) for layer in self._layers]
+        # The gradient writer, chosen once: K-FAC's kernel where it has one (float32/float64
+        # layers on one device), its plain-PyTorch twin otherwise (float16/bfloat16 layers,
+        # layers on several devices), whatever `backend` says about the coarse assembly.
+        fused = (all(layer.module.weight.dtype in (torch.float32, torch.float64) for layer in self._layers)
+                 and len({layer.module.weight.device for layer in self._layers}) == 1)
+        self._writer = ops if fused else reference
         self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
         self._sizes: dict[tuple, torch.Tensor] = {}
         # the lr K-FAC's gradient-writing op reads (unused without its KL clip)
@@ -725,11 +733,15 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             ws = [g["params"][0].grad for g in self.param_groups]
             bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
                   for i, g in enumerate(self.param_groups)]
-        impl = ops if all(t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
-                          for t in (*ws, *bs)) and len(self._tensors) == 1 else reference
+        # the kernel writes contiguous gradients: others (channels_last) through a copy
+        targets = [t if t.is_contiguous() else t.contiguous() for t in (*ws, *bs)]
         # the directions are in the state dtype (float32 for float16/bfloat16 gradients)
         final = [f.to(w.dtype).unsqueeze(0) for f, w in zip(final, ws)]
-        impl.kfac_precondition_apply_(ws, bs, final, self._hp("one", ws[0]), None)
+        self._writer.kfac_precondition_apply_(targets[:len(ws)], targets[len(ws):], final,
+                                              self._hp("one", ws[0]), None)
+        for t, target in zip((*ws, *bs), targets):
+            if target is not t:
+                t.copy_(target)
         if full is not None:
             for group, (w, b) in zip(self.param_groups, full):
                 for p, g in zip(group["params"], (w, b)):
