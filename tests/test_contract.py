@@ -514,3 +514,21 @@ def test_compiled_step_under_a_schedule_of_every_tensor_setting(member):
     assert not counters["graph_break"]
     assert_params_equal(params_of(runs[1].model), params_of(runs[0].model), tol=1e-10)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_gradient_of_another_dtype_is_refused_before_any_write(member):
+    """A gradient the kernels would reject (torch allows one of another dtype once the
+    parameter's grad_dtype is cleared) raises before the step writes anything."""
+    data = batches(3)
+    run = train(member, mlp(), data[:2])
+    run.backward(*data[2])
+    p = run.model[2].weight
+    p.grad_dtype = None
+    p.grad = p.grad.float()
+    before = everything(run)
+    grads = [q.grad.clone() for q in run.model.parameters()]
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
+        run.update()
+    assert_tree_equal(everything(run), before)
+    assert all(torch.equal(q.grad, g) for q, g in zip(run.model.parameters(), grads))

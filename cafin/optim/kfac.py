@@ -495,6 +495,21 @@ class KFACPreconditioner(Preconditioner):
                 _store(st.second, "dgda", rk.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
+    def _check_grads(self) -> None:
+        """Every registered gradient as its parameter is (dtype, shape, device, dense), or an
+        error naming it before the step writes anything."""
+        for layer in self._layers:
+            for name, p in layer.module.named_parameters(recurse=False):
+                g = p.grad
+                if g is None:
+                    continue
+                if g.is_sparse:
+                    raise RuntimeError(f"KFACPreconditioner: layer '{layer.name}' has a sparse {name} gradient")
+                if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
+                    raise ValueError(f"KFACPreconditioner: layer '{layer.name}': its {name} gradient is a "
+                                     f"{g.dtype} tensor of shape {tuple(g.shape)} on {g.device}, expected "
+                                     f"{p.dtype} of shape {tuple(p.shape)} on {p.device}")
+
     def _grads(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's weight and bias gradients: the full ones gathered this step when sharded."""
         m = layer.module
@@ -551,6 +566,7 @@ class KFACPreconditioner(Preconditioner):
         # evaluated for this step count here.
         self._refresh_settings()
         self.factor_update_steps, self.inv_update_steps  # noqa: B018  (checked; errors name them)
+        self._check_grads()
         self._update_factors()
         if self.decompose_in_step:
             due = self._steps.host_due(self.inv_update_steps)
