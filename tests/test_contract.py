@@ -532,3 +532,30 @@ def test_gradient_of_another_dtype_is_refused_before_any_write(member):
         run.update()
     assert_tree_equal(everything(run), before)
     assert all(torch.equal(q.grad, g) for q, g in zip(run.model.parameters(), grads))
+
+
+class _Tied(nn.Module):
+    """Two Linear layers sharing one weight (as an embedding and a tied output layer do)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.b, self.out = nn.Linear(5, 6), nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.b(torch.tanh(self.a(torch.tanh(self.inp(x)))))))
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_tied_weights_train_or_are_refused_at_construction(member):
+    model = _Tied().double()
+    try:
+        run = Run(member, model)
+    except ValueError as e:
+        assert "shared" in str(e) or "tied" in str(e)
+        return
+    for x, y in batches(3):
+        run.step(x, y)
+    assert model.a.weight is model.b.weight
+    assert all(torch.isfinite(p).all() for p in model.parameters())
