@@ -306,6 +306,24 @@ def average_over_ranks(tensors: list[torch.Tensor], group=None, *, summed: bool 
     torch._foreach_copy_(tensors, pieces)
 
 
+class DropCounts:
+    """Statistics dropped because they held inf/NaN, counted per device in 0-dim float32 tensors
+    that exist before any compile or capture and are marked static, so that compiled and captured
+    steps add to them without a sync. `total()` reads them (a sync off the CPU)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[torch.device, torch.Tensor] = {}
+
+    def on(self, device: torch.device) -> torch.Tensor:
+        if device not in self.counts:
+            self.counts[device] = torch.zeros((), device=device)
+            torch._dynamo.mark_static_address(self.counts[device], guard=False)
+        return self.counts[device]
+
+    def total(self, cpu_only: bool = False) -> int:
+        return int(sum(c.item() for d, c in self.counts.items() if not cpu_only or d.type == "cpu"))
+
+
 def run_closure(closure, pass_state: list[torch.Tensor]):
     """`closure()` with grad enabled. If it raises, the tensors its passes add to (statistics
     accumulators, counters) are put back as they were: a step that raises leaves no trace."""

@@ -114,7 +114,7 @@ def _break_channels_last(model, opt):
     return lambda: model.to(memory_format=torch.contiguous_format)
 
 
-BREAKS = {"Lambda=0": (_break_lambda, "Lambda must be in"), "beta=1": (_break_beta, "beta must be in"),
+BREAKS = {"Lambda=0": (_break_lambda, "Lambda must be a finite number > 0"), "beta=1": (_break_beta, "beta must be in"),
           "lr-shape": (_break_lr_shape, "lr must be a number or a 0-dim"),
           "grad-float64": (_break_grad_dtype, "its gradient is a torch.float64"),
           "grad-shape": (_break_grad_shape, "its gradient is a"),
@@ -383,8 +383,8 @@ def test_add_param_group_for_a_layer_added_later_gets_curvature():
 
 @pytest.mark.parametrize("bad, exc, match", [
     ({"lr": "1e-3"}, TypeError, "lr must be a real number"),
-    ({"lr": math.inf}, ValueError, r"lr must be in \[0.0, inf\)"),
-    ({"weight_decay": math.inf}, ValueError, "weight_decay must be in"),
+    ({"lr": math.inf}, ValueError, r"lr must be a finite number >= 0"),
+    ({"weight_decay": math.inf}, ValueError, "weight_decay must be a finite number >= 0"),
     ({"beta": None}, TypeError, "beta must be a real number"),
 ])
 def test_rejected_param_group_leaves_nothing(bad, exc, match):

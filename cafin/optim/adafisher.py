@@ -22,7 +22,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..curvature import (
-    CurvatureOptimizer, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
+    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
     check_range, discover, distributed, on, run_closure,
 )
 from ..layers import supported_types
@@ -101,7 +101,7 @@ class AdaFisher(CurvatureOptimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._skipped: dict[torch.device, torch.Tensor] = {}  # factor updates dropped for NaN
+        self._skipped = DropCounts()  # factor updates dropped for NaN
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
         defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay, betas=(beta,))
@@ -167,7 +167,7 @@ class AdaFisher(CurvatureOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self._steps.tensor(p.device)
-                self._skipped_counter(p.device)
+                self._skipped.on(p.device)
                 self._one(p.device, state_dtype(p.dtype))
                 self._one(p.device, torch.float64)
                 state = self.state[p]
@@ -197,16 +197,10 @@ class AdaFisher(CurvatureOptimizer):
         return {"fisher_S": torch.full((s,), -1.0, **like), "fisher_H": torch.full((h,), -1.0, **like),
                 "stat_S": torch.zeros(s + 1, **like), "stat_H": torch.zeros(h + 1, **like)}
 
-    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
-        if device not in self._skipped:
-            self._skipped[device] = torch.zeros((), device=device)
-            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
-        return self._skipped[device]
-
     @property
     def skipped_factor_updates(self) -> int:
         """Factor updates dropped because a statistic held NaN (reads device counters)."""
-        return int(sum(c.item() for c in self._skipped.values()))
+        return self._skipped.total()
 
     # ------------------------------------------------------------------ statistics hooks
     # The three methods the core's hooks call (cafin.curvature.Hooks).
@@ -270,7 +264,7 @@ class AdaFisher(CurvatureOptimizer):
 
     def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
         device = factors[0].device
-        skipped = self._skipped_counter(device)
+        skipped = self._skipped.on(device)
         # NaN statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
         watch = device.type == "cpu" and not torch.compiler.is_compiling()
@@ -324,7 +318,7 @@ class AdaFisher(CurvatureOptimizer):
             if self.statistics == "per_pass":
                 keys += ("fisher_S", "fisher_H")
             pass_state = [self.state[r.anchor][key] for r in self._curvature for key in keys]
-            loss = run_closure(closure, pass_state + list(self._skipped.values()))
+            loss = run_closure(closure, pass_state + list(self._skipped.counts.values()))
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
         if found_inf is not None and self.statistics == "per_pass":

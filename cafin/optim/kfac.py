@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (Layer, Real, average_over_ranks, capturing, check_int, discover, distributed,
+from ..curvature import (DropCounts, Layer, Real, average_over_ranks, capturing, check_int, discover, distributed,
                          unwrap)
 from ..preconditioner import Preconditioner
 from ..reference import kfac as rk
@@ -210,7 +210,7 @@ class KFACPreconditioner(Preconditioner):
         self._mini_steps: dict[str, int] = defaultdict(int)
         # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
         # compiled or captured steps can add to it), and how many of them were already reported.
-        self._skipped: dict[torch.device, torch.Tensor] = {}
+        self._skipped = DropCounts()
         self._skipped_reported = 0
         # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
         # CUDA-graph-captured step cannot hold eigh).
@@ -244,7 +244,7 @@ class KFACPreconditioner(Preconditioner):
             for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, inv_dtype):
                 self._impls[(device, dtype)] = _implementation(backend, device, dtype)
         for layer in self._layers:  # device state created now: a compiled step cannot create it
-            self._skipped_counter(layer.module.weight.device)
+            self._skipped.on(layer.module.weight.device)
         self._start(self._layers)
 
     def _stack_second_order(self) -> None:
@@ -357,17 +357,11 @@ class KFACPreconditioner(Preconditioner):
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
             self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
 
-    def _skipped_counter(self, device: torch.device) -> torch.Tensor:
-        if device not in self._skipped:
-            self._skipped[device] = torch.zeros((), device=device)
-            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
-        return self._skipped[device]
-
     @property
     def skipped_factor_updates(self) -> int:
         """Factor statistics (one side of one layer's fold) dropped because they held inf or
         NaN, a GradScaler overflow pass's for instance (reads device counters)."""
-        return int(sum(c.item() for c in self._skipped.values()))
+        return self._skipped.total()
 
     def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
         """Fold statistics into factors on `device`, one op call per factor dtype. The op drops
@@ -377,7 +371,7 @@ class KFACPreconditioner(Preconditioner):
         dropped = torch.stack([(c > 0) & ~torch.isfinite(s).all() for s, c in zip(ss, cs)]).sum()
         if step is not None:  # device gated: only a due step would have folded them
             dropped = dropped * (torch.remainder(step, interval) == 0)
-        self._skipped_counter(device).add_(dropped)
+        self._skipped.on(device).add_(dropped)
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         for f, s, c in zip(fs, ss, cs):
             lists = by_dtype.setdefault(f.dtype, [[], [], []])
@@ -401,7 +395,7 @@ class KFACPreconditioner(Preconditioner):
         """Warn of the statistics dropped since the last report (by this step's fold or by the
         hooks' folds of its passes), where reading the count costs no sync: CPU counters, eager
         steps. On CUDA the count is `skipped_factor_updates`."""
-        total = int(sum(c.item() for d, c in self._skipped.items() if d.type == "cpu"))
+        total = self._skipped.total(cpu_only=True)
         if total > self._skipped_reported:
             warnings.warn(f"KFACPreconditioner: {total - self._skipped_reported} factor statistic(s) "
                           "held inf/NaN and were dropped; their factors keep their previous values",
@@ -829,23 +823,3 @@ def _checkpoint_factor(t: Any, own: torch.Tensor, what: str) -> torch.Tensor | N
     if not bool(torch.isfinite(t).all()):
         raise ValueError(f"state_dict {what} has non-finite entries")
     return t
-
-
-def _worker_fraction(value):
-    size = torch.distributed.get_world_size() if distributed() else 1
-    if isinstance(value, enum.Enum):
-        strategy = _enum(value, DistributedStrategy, "grad_worker_fraction")
-        fraction = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
-                    DistributedStrategy.MEM_OPT: 1.0 / size}[strategy]
-        return fraction, strategy
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"grad_worker_fraction must be in [0, 1] or a DistributedStrategy, got {value!r}")
-    if value == 0:
-        value = 1.0 / size
-    if size % max(1, round(size * value)) != 0:
-        raise ValueError("grad_worker_fraction must produce groups of equal size")
-    if value == 1:
-        return 1.0, DistributedStrategy.COMM_OPT
-    if value <= 1 / size:
-        return float(value), DistributedStrategy.MEM_OPT
-    return float(value), DistributedStrategy.HYBRID_OPT

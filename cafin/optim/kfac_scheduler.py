@@ -71,7 +71,7 @@ class LambdaParamScheduler:
             raise ValueError(f"preconditioner.{name} is already a callable and cannot be updated by "
                              f"{name}_lambda")
         if value is None:  # kl_clip=None: there is no value to multiply
-            raise ValueError(f"preconditioner.kl_clip is None (clipping off), so kl_clip_lambda has "
+            raise ValueError("preconditioner.kl_clip is None (clipping off), so kl_clip_lambda has "
                              "nothing to scale")
 
     def step(self, step: int | None = None) -> None:

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature import (CurvatureOptimizer, Hooks, Layer, average_over_ranks, check_int,
-                         discover, distributed, hyperparameter_tensor, on, real_number, unwrap)
+from ..curvature import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
+                         discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..reference import singd as ref
 from .. import ops
 from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
@@ -139,7 +139,7 @@ class SINGD(CurvatureOptimizer):
         self._group_of: dict[Tensor, int] = {}
         self._pending: dict[int, list] = {}
         self._empty: dict[tuple, Tensor] = {}
-        self._skipped: dict[torch.device, Tensor] = {}  # updates dropped for non-finite statistics
+        self._skipped = DropCounts()  # updates dropped for non-finite statistics
         self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
         self._built: list[tuple] = []  # per group: the settings its factors were built with
@@ -278,7 +278,7 @@ class SINGD(CurvatureOptimizer):
             state = self.state[layer.anchor]
             if "K.0" not in state:
                 state.update(self._new_factors(layer))
-            self._skipped_counter(layer.anchor.device)
+            self._skipped.on(layer.anchor.device)
             for dtype in self._dtypes(layer):
                 self._one(layer.anchor.device, _work_dtype(dtype))
         for group in self.param_groups:
@@ -353,17 +353,11 @@ class SINGD(CurvatureOptimizer):
             parts.append(state[f"{prefix}.{len(parts)}"])
         return tuple(parts) if parts else None
 
-    def _skipped_counter(self, device: torch.device) -> Tensor:
-        if device not in self._skipped:
-            self._skipped[device] = torch.zeros((), device=device)
-            torch._dynamo.mark_static_address(self._skipped[device], guard=False)
-        return self._skipped[device]
-
     @property
     def skipped_factor_updates(self) -> int:
         """Preconditioner updates dropped because a layer's accumulated H_K or H_C held a NaN
         or inf (reads the device counters: a sync off the CPU)."""
-        return int(sum(c.item() for c in self._skipped.values()))
+        return self._skipped.total()
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)
@@ -469,7 +463,7 @@ class SINGD(CurvatureOptimizer):
         return due, due & ((total - total) == 0)
 
     def _count_dropped(self, layer: Layer, due: Tensor, go: Tensor) -> None:
-        self._skipped_counter(layer.anchor.device).add_(due ^ go)  # go implies due
+        self._skipped.on(layer.anchor.device).add_(due ^ go)  # go implies due
 
     def _update_preconditioners(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
         """Every due layer's preconditioner update, by the backend; while the CPU counts the
@@ -477,7 +471,7 @@ class SINGD(CurvatureOptimizer):
         if not items:
             return
         watch = [] if torch.compiler.is_compiling() else [
-            c for d, c in self._skipped.items() if d.type == "cpu"]
+            c for d, c in self._skipped.counts.items() if d.type == "cpu"]
         before = sum(float(c) for c in watch)
         if self.backend == "fused":
             self._update_preconditioners_fused(items, c_g)
@@ -628,7 +622,6 @@ class SINGD(CurvatureOptimizer):
     def _average_curvature(self, due: list[Layer]) -> None:
         """Distributed without a DDP wrapper's gradient averaging too: H terms averaged (summed for
         loss_average None, as singd) in one collective per reduction kind."""
-        import torch.distributed as dist
         by_op: dict[bool, list[Tensor]] = {}
         for layer in due:
             summed = self._group(layer)["loss_average"] is None
