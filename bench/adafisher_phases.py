@@ -47,7 +47,7 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
     gradient: the modules, order and dtypes the optimizer's own hooks would use."""
     import cafin
     from cafin.layers import can_take_statistics
-    from cafin.reference import state_dtype
+    from cafin.maths import state_dtype
     model = copy.deepcopy(base)
     opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")
     opt.remove_hooks()

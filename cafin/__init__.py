@@ -2,7 +2,7 @@
 import torch  # noqa: F401  (the extension links against the loaded torch)
 
 from . import _C  # noqa: F401  (registers the cafin ops; one build per process)
-from . import ops, reference  # noqa: F401  (ops registers the fake implementations)
+from . import maths, ops, reference  # noqa: F401  (ops registers the fake implementations)
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""SINGD's structured matrices (arXiv 2312.05705, reference/kronecker-optimizers.md §5.5).
+"""SINGD's structured matrices (arXiv 2312.05705).
 
 A structured d x d matrix is stored as a tuple of plain tensors (its "parts"), so the optimizer
 keeps them in `self.state` and checkpoints hold nothing but tensors. Each structure is a class of

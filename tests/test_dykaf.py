@@ -17,7 +17,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import cafin
-from cafin.reference import dykaf as math
+from cafin.maths import dykaf as math
 from dykaf_oracle import Oracle
 
 import two_ranks

@@ -1,5 +1,5 @@
 """cafin.SINGD against an independent float64 oracle written from the maths
-(reference/kronecker-optimizers.md §5, singd 0.0.5's conventions), and fused against reference.
+(arXiv 2312.05705, singd 0.0.5's conventions), and fused against reference.
 
 The oracle keeps every factor as a dense matrix and each structure as a projection written the
 most direct way (an entry mask with the tangent-space factor 2 on the folded blocks of the
@@ -651,9 +651,9 @@ def test_preconditioner_update_ops_match_unfused(device, name, dtype, alpha1):
         cls, K, m_old, H, c_h, c_d, beta = update_case(name, d, dtype, device, alpha1)
         up = lambda ts: tuple(t.double() for t in ts)  # noqa: E731
         eye = cls.eye(d, torch.float64, device)
-        want_m = cafin.reference.singd.new_momentum(cls, up(H), cls.inner(up(K)), eye, c_h.double(),
+        want_m = cafin.maths.singd.new_momentum(cls, up(H), cls.inner(up(K)), eye, c_h.double(),
                                                     c_d.double(), 0.5, alpha1, up(m_old) if alpha1 else None)
-        want_K = cafin.reference.singd.factor_step(cls, up(K), want_m, beta.double())
+        want_K = cafin.maths.singd.factor_step(cls, up(K), want_m, beta.double())
         raw, pi = cls.inner_parts(K)
         for impl, t in ((cafin.ops, tols[0]), (cafin.reference.singd, tols[1])):
             tol = dict(rtol=t, atol=t)

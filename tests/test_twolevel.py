@@ -224,7 +224,7 @@ def test_cheap_assembly_equals_pairwise(coarse, krylov, bugs):
 
 @pytest.mark.parametrize("coarse,krylov", [("nicolaides", False), ("residual", True)])
 def test_reference_pairwise_assembly_equals_the_cheap_one(coarse, krylov):
-    """cafin.reference.coarse_matrix_pairwise (the published way, the bench's baseline) against
+    """cafin.maths.twolevel.coarse_matrix_pairwise (the published way, the bench's baseline) against
     the optimizer's cheap assembly, on the stored statistics of a Conv2d network."""
     net = cnn(True)
     opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1, coarse_space=coarse, krylov=krylov)
@@ -235,7 +235,7 @@ def test_reference_pairwise_assembly_equals_the_cheap_one(coarse, krylov):
     vectors = [opt._coarse_vectors(s, r, r) for s, r in zip(states, raws)]
     flat = [v for vs in vectors for v in vs]
     per = [s for s, vs in zip(states, vectors) for _ in vs]
-    want = cafin.reference.coarse_matrix_pairwise([s["x"] for s in per], [s["gy"] for s in per],
+    want = cafin.maths.twolevel.coarse_matrix_pairwise([s["x"] for s in per], [s["gy"] for s in per],
                                                   [s["num_locations"] for s in per], flat, opt.batch_size,
                                                   DAMP, symmetric=not krylov)
     assert torch.allclose(opt._assemble(vectors), want, rtol=1e-10, atol=1e-12)

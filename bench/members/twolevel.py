@@ -2,7 +2,7 @@
 
 Its `details` phase times what the member adds to K-FAC on a curvature step: the coarse matrix,
 assembled the cheap way (fused: one N x L matrix of per-sample projections, F_c = U^T U / B) and
-the published way (reference: cafin.reference.coarse_matrix_pairwise, entry by entry, each Conv2d
+the published way (reference: cafin.maths.twolevel.coarse_matrix_pairwise, entry by entry, each Conv2d
 projection through an N' x N' matrix). It runs on a small CNN of its own whatever --model is
 (the statistics of every layer are stored per location), and shows in a table of its own,
 "coarse assembly", as "two-level" (a short label: a longer one makes the table wrap)."""
@@ -60,7 +60,7 @@ def details(ctx) -> None:
     flat = [v for vs in vectors for v in vs]
 
     def published():
-        return lambda: cafin.reference.coarse_matrix_pairwise(
+        return lambda: cafin.maths.twolevel.coarse_matrix_pairwise(
             [s["x"] for s in states], [s["gy"] for s in states], [s["num_locations"] for s in states],
             flat, pre.batch_size, pre.damping)
 

@@ -5,7 +5,7 @@ Schemas: csrc/ops.cpp. Semantics: the function of the same name in `cafin.refere
 Each optimizer calls its ops through a backend, `cafin.ops` or `cafin.reference`, which provide
 the same names, so the fused and the plain-PyTorch paths share one optimizer.
 """
-from ..reference import state_dtype  # noqa: F401
+from ..maths import state_dtype  # noqa: F401  (the dtype of the state the ops write)
 from .adafisher import (  # noqa: F401
     adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_, norm_input_stats_,
     sumsq_stats_,

@@ -12,7 +12,7 @@ from typing import Sequence
 
 import torch
 
-from ..reference import state_dtype
+from ..maths import state_dtype
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 

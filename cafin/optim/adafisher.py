@@ -27,7 +27,7 @@ from ..curvature import (
 )
 from ..layers import supported_types
 from ..sharding import is_sharded, local, module_class, rows
-from ..reference import state_dtype
+from ..maths import state_dtype
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")

@@ -25,8 +25,8 @@ import torch
 
 from .. import ops, reference
 from ..curvature import Choice, CoreOptimizer, Flag, Int, Pair, Real
-from ..reference import dykaf as math
-from ..reference import state_dtype
+from ..maths import dykaf as math
+from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
 
 _BACKENDS = {"fused": ops, "reference": reference}

@@ -28,7 +28,7 @@ from .. import ops, reference
 from ..curvature import (DropCounts, Layer, Real, average_over_ranks, capturing, check_int, discover, distributed,
                          unwrap)
 from ..preconditioner import Preconditioner
-from ..reference import kfac as rk
+from ..maths import kfac as rk
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from ..curvature import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
                          discover, distributed, hyperparameter_tensor, real_number, unwrap)
-from ..reference import singd as ref
+from ..maths import singd as ref
 from .. import ops
 from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure

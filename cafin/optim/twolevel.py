@@ -40,6 +40,7 @@ from .. import ops, reference
 from ..curvature import Real, average_over_ranks, check_int, discover, distributed, unwrap
 from ..preconditioner import Preconditioner
 from ..factors import input_rows
+from ..maths import state_dtype
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES", "NonFiniteStatisticsWarning", "EigendecompositionWarning"]
@@ -179,7 +180,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self.update_stats = False
         # factors, statistics and decompositions: float32 for float16/bfloat16 layers (eigh has
         # no half-precision kernels, and their EMAs would lose the small updates)
-        self._work = [reference.state_dtype(layer.module.weight.dtype) for layer in self._layers]
+        self._work = [state_dtype(layer.module.weight.dtype) for layer in self._layers]
         # The gradient writer, chosen once: K-FAC's kernel where it has one (float32/float64
         # layers on one device), its plain-PyTorch twin otherwise (float16/bfloat16 layers,
         # layers on several devices), whatever `backend` says about the coarse assembly.

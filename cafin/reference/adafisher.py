@@ -1,22 +1,17 @@
-"""Every cafin op in plain PyTorch, computed the way the published AdaFisher code computes it.
-
-This is the ground truth the fused kernels are tested against and the baseline of the bench:
-preconditioners are materialised per parameter (an outer product of the factors), conv patches
-are unfolded. Each function has the signature and in-place semantics of the op of the same name
-in `cafin.ops` (see csrc/ops.cpp for the schemas). No function reads a tensor value on the host,
-so the reference step can be compiled and captured too.
+"""AdaFisher's fused ops in plain PyTorch, op for op, computed the way the published AdaFisher
+code computes them: each function has the signature and in-place semantics of the op of the same
+name in `cafin.ops` (schemas: csrc/ops.cpp). Preconditioners are materialised per parameter (an
+outer product of the factors) and conv patches are unfolded, as published. No function reads a
+tensor value on the host, so the reference step can be compiled and captured too.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..maths import state_dtype
+
 MINMAX_EPS = 1e-6  # absolute, as published; it matters against tiny gradient statistics
-
-
-def state_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of moments, factors and statistics for parameters/activations of `dtype`."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _gate(step: torch.Tensor | None, interval: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -115,7 +110,7 @@ def fisher_average_(factors, stats, skipped, gamma, grad_side, grad_scale=None, 
         stat.zero_()
 
 
-def preconditioner(param, S, H, h_offset, damping):
+def _preconditioner(param, S, H, h_offset, damping):
     """F~ for one parameter, materialised like the published code: outer(S, H) + damping viewed as
     the parameter; 1 where there is no curvature or a factor was never updated (it holds -1)."""
     if S.numel() == 0:
@@ -144,7 +139,7 @@ def adafisher_step_(params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offset
                                          for v in (beta, weight_decay, damping))
         b, one_minus_b = beta64.to(work), (1 - beta64).to(work)
         wd, damp = weight_decay.to(work), damping.to(work)
-        f_tilde = preconditioner(p, S, H, off, damp)
+        f_tilde = _preconditioner(p, S, H, off, damp)
         bias_correction = 1 - torch.pow(beta64, t.to(torch.float64))
         lr_t = lr.to(torch.float64)
         if decoupled:

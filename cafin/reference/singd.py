@@ -1,143 +1,21 @@
-"""SINGD's per-layer maths in plain PyTorch (arXiv 2312.05705; reference/kronecker-optimizers.md §5),
-computed the way singd 0.0.5 computes it: the rows a and g a layer's input and output gradient
-become, the curvature terms H, the preconditioner update and the natural gradient.
-
-Structured matrices are tuples of tensors (`cafin.structures`). Every function here is pure
-(returns new tensors) except where its name ends in `_`.
+"""SINGD's fused ops in plain PyTorch, op for op: each function has the signature and in-place
+semantics of the op of the same name in `cafin.ops` (schemas: csrc/ops.cpp), in singd 0.0.5's
+order of products. The per-layer maths both backends share is in `cafin.maths.singd`.
 """
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from ..layers import conv_padding
-from ..structures import Structure
-
-# TODO(merge): use cafin.factors for the Linear/Conv2d rows once it lands; these follow singd's
-# conventions (group-averaged patches, "reduce" = mean of the input rows / sum of the gradient
-# rows over shared locations, 1/sqrt(rows) and sqrt(loss terms) scalings).
-
-
-def _conv_input_4d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, list[int]]:
-    """The input padded as the convolution pads it (padding_mode honoured), and the zero padding
-    left for unfold."""
-    if x.dim() == 3:  # unbatched
-        x = x.unsqueeze(0)
-    if module.padding_mode != "zeros":
-        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * 4
-    pads = conv_padding(module)  # [top, bottom, left, right]
-    if pads[0] != pads[1] or pads[2] != pads[3]:  # 'same' with an odd total: pad explicitly
-        return F.pad(x, [pads[2], pads[3], pads[0], pads[1]]), [0] * 4
-    return x, pads
-
-
-def input_rows(module: nn.Module, x: Tensor, kfac_approx: str) -> Tensor:
-    """a [rows, d_K]: input rows (with a ones column for a bias) divided by sqrt(rows), so that
-    a^T a is the mean outer product."""
-    if isinstance(module, nn.Conv2d):
-        x, pads = _conv_input_4d(module, x)
-        b, c = x.shape[:2]
-        # singd averages the input over channel groups (one K for every group)
-        x = x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
-        cols = F.unfold(x, module.kernel_size, dilation=module.dilation,
-                        padding=(pads[0], pads[2]), stride=module.stride)  # [b, D, L]
-        if kfac_approx == "expand":
-            a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-        else:
-            a = cols.mean(2)
-    else:
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        a = x.reshape(-1, x.shape[-1]) if kfac_approx == "expand" else \
-            x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
-    if module.bias is not None:
-        a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
-    return a / math.sqrt(a.shape[0])
-
-
-def grad_rows(module: nn.Module, g: Tensor, loss_average: str | None, kfac_approx: str) -> Tensor:
-    """g [rows, d_C]: output-gradient rows times sqrt(number of loss terms) ("batch": B,
-    "batch+sequence": B times the shared locations, None: 1); "reduce" sums over locations."""
-    if isinstance(module, nn.Conv2d):
-        if g.dim() == 3:
-            g = g.unsqueeze(0)
-        g = g.flatten(2).transpose(1, 2)  # [b, locations, c]
-    elif g.dim() == 1:
-        g = g.unsqueeze(0).unsqueeze(1)
-    else:
-        g = g.reshape(g.shape[0], -1, g.shape[-1])
-    scale = 1.0
-    if loss_average is not None:
-        terms = g.shape[0] * (g.shape[1] if loss_average == "batch+sequence" else 1)
-        scale = math.sqrt(terms)
-    rows = g.reshape(-1, g.shape[-1]) if kfac_approx == "expand" else g.sum(1)
-    return rows * scale
-
-
-def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Tensor | None,
-                    like: Tensor) -> Tensor:
-    """[d_C, d_K] = [grad W viewed (out, -1) | grad b]; a missing gradient reads as zeros."""
-    w = module.weight
-    gw = weight_grad.reshape(w.shape[0], -1) if weight_grad is not None else \
-        torch.zeros(w.shape[0], w[0].numel(), dtype=like.dtype, device=like.device)
-    if module.bias is None:
-        return gw
-    gb = bias_grad if bias_grad is not None else torch.zeros(w.shape[0], dtype=gw.dtype, device=gw.device)
-    return torch.cat([gw, gb.unsqueeze(1)], dim=1)
-
-
-def natural_gradient(sk: type[Structure], k: tuple, sc: type[Structure], c: tuple,
-                     gmat: Tensor, p_k: Tensor | None = None, p_c: Tensor | None = None) -> Tensor:
-    """C C^T Gmat K K^T, as singd orders it: (K (K^T Gmat^T))^T in K's dtype, then C (C^T .) in
-    C's dtype, back in the gradient's dtype. A cached P_K = K K^T (P_C = C C^T) replaces the
-    two products of its side by one."""
-    kt = gmat.mT.to(k[0].dtype)
-    nat = (p_k @ kt if p_k is not None else sk.matmul(k, sk.rmatmat(k, kt))).mT
-    nat = nat.to(c[0].dtype)
-    nat = p_c @ nat if p_c is not None else sc.matmul(c, sc.rmatmat(c, nat))
-    return nat.to(gmat.dtype)
-
-
-def new_momentum(s: type[Structure], h: tuple, ktk: tuple, eye: tuple, c_h, c_damp, scale,
-                 alpha1: float, m_old: tuple | None) -> tuple:
-    """m~ = scale * (c_h * H + c_damp * Pi(K^T K) - I) (+ alpha1 * m_old), elementwise over the
-    structured storage (I's parts are the identity's)."""
-    out = []
-    for i, (hp, kp, ep) in enumerate(zip(h, ktk, eye)):
-        m = (c_h * hp + c_damp * kp - ep) * scale
-        if m_old is not None:
-            m = m + alpha1 * m_old[i]
-        out.append(m)
-    return tuple(out)
-
-
-def factor_step(s: type[Structure], k: tuple, m: tuple, beta) -> tuple:
-    """The truncated exponential K exp(-beta m) ~ K - beta K m, within the group."""
-    km = s.product(k, m)
-    return tuple(kp - beta * kmp for kp, kmp in zip(k, km))
-
-
-def sgd_update_(params: list[Tensor], updates: list[Tensor], buffers: list[Tensor | None], lr,
-                momentum, weight_decay) -> None:
-    """u = nat + wd*theta; buf <- momentum*buf + u (torch SGD, no dampening; no momentum where
-    the buffer is None); theta -= lr*buf."""
-    for p, u, buf in zip(params, updates, buffers):
-        u = u + weight_decay * p
-        if buf is not None:
-            buf.mul_(momentum).add_(u)
-            u = buf
-        p.sub_(lr * u)
+from ..maths.singd import sgd_update_
 
 
 def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
                      K: list[Tensor], C: list[Tensor], k_offsets: list[int], lr: Tensor,
                      momentum: Tensor, weight_decay: Tensor, grad_scale: float = 1.0) -> None:
     """The op of the same name in plain PyTorch: the natural gradient of diagonal K and C in singd's
-    order of products (K and C both empty: the gradient itself), then `sgd_update_` (no momentum
-    when momentum_buffers is empty)."""
+    order of products (K and C both empty: the gradient itself), then
+    `cafin.maths.singd.sgd_update_` (no momentum when momentum_buffers is empty)."""
     updates = []
     for p, g, k, c, off in zip(params, grads, K, C, k_offsets):
         g = g.reshape(max(c.numel(), 1), -1).to(k.dtype)
@@ -173,7 +51,8 @@ def _eye_mask(t: Tensor, kind: int) -> Tensor:
 def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: list[Tensor],
                     c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[float],
                     scale: list[float], alpha1: list[float]) -> None:
-    """The op of the same name in plain PyTorch (`new_momentum` part by part, gated by go)."""
+    """The op of the same name in plain PyTorch (`cafin.maths.singd.new_momentum` part by part,
+    gated by go)."""
     for i in range(len(m)):
         new = (c_h[i] * H[i] + c_damp[i] * (pi[i] * KtK[i]) - _eye_mask(m[i], eye[i])) * scale[i]
         if alpha1[i] != 0.0:
@@ -184,7 +63,8 @@ def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: li
 
 def singd_factor_step_(K: list[Tensor], KM: list[Tensor], beta: list[Tensor], go: list[Tensor],
                        elementwise: list[bool]) -> None:
-    """The op of the same name in plain PyTorch (`factor_step` part by part, gated by go)."""
+    """The op of the same name in plain PyTorch (`cafin.maths.singd.factor_step` part by part,
+    gated by go)."""
     for k, km, b, g, ew in zip(K, KM, beta, go, elementwise):
         new = k - b * (k * km if ew else km)
         k.copy_(torch.where(g, new.to(k.dtype), k))

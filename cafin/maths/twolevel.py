@@ -1,8 +1,9 @@
-"""Two-level K-FAC's coarse matrix the way the published code assembles it (TwolevelKFAC of
-Abdoulaye-Koroko/natural-gradients), in plain PyTorch: entry by entry, each one a Fisher-vector
-product, each Conv2d projection through an N' x N' matrix. The baseline of the cheap assembly
-(`cafin.TwoLevelKFAC`, backend "fused") in the tests and the bench; with the published Conv2d
-sample pairing corrected (bug 1 of the README section "Two-level K-FAC")."""
+"""Two-level K-FAC's coarse matrix assembled the way the published code assembles it (TwolevelKFAC
+of Abdoulaye-Koroko/natural-gradients), in plain PyTorch: entry by entry, each one a Fisher-vector
+product, each Conv2d projection through an N' x N' matrix. It is no op's twin: the tests and the
+bench measure the optimizer's cheap assembly (`cafin.TwoLevelKFAC`, backend "fused") against it.
+The published Conv2d sample pairing is corrected (bug 1 of the README section "Two-level K-FAC").
+"""
 from __future__ import annotations
 
 import torch

@@ -1,0 +1,283 @@
+"""DyKAF's factor maths, which both backends use (`cafin.ops` and `cafin.reference` differ only
+in the elementwise ops): the projector-splitting steps of the Kronecker factors, their starts, the
+eigenbasis and its refresh, and the merge_dims reshapes, computed the way the published
+TensorDyKAF computes them (Vepricov/LIB, src/optimizers/tensor_dykaf.py). They are GEMMs and
+decompositions, which stay in torch.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+# The constant the published one-sided fallback divides by: a side that is kept while the other is
+# over max_precond_dim starts at I / (||I|| * 1e-3) = I * 1000 / sqrt(d).
+ONE_SIDED_START = 1e-3
+# The "eps" start: I / ||I|| * 1e-3.
+EPS_START = 1e-3
+POWER_ITERATIONS = 100
+
+
+def start_vectors(sizes: Sequence[int], seed: int, dtype: torch.dtype,
+                  device: torch.device) -> list[torch.Tensor]:
+    """The deterministic starting vectors of the power iterations (the published code draws them
+    with torch.randn from the global generator): standard normal draws, in order, from a fresh CPU
+    generator seeded with `seed`, made in float64 and then cast."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(n, generator=gen, dtype=torch.float64).to(dtype=dtype, device=device)
+            for n in sizes]
+
+
+def kron_start(g: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The published 2-D "kron" start: the top singular triplet (s, u, v) of g by 100 alternating
+    power steps, returned as L = sqrt(s) u u^T, R = sqrt(s) v v^T (a product scaling like s, where
+    the nearest Kronecker product of vec(g)vec(g)^T would scale like s^2: kept as published)."""
+    (right,) = start_vectors([g.shape[1]], seed, g.dtype, g.device)
+    for _ in range(POWER_ITERATIONS):
+        left = g @ right
+        left = left / left.norm()
+        right = left @ g
+        right = right / right.norm()
+    left = g @ right
+    s = left.norm()
+    left = left / s
+    root = s.sqrt()
+    return (left * root)[:, None] * left[None, :], (right * root)[:, None] * right[None, :]
+
+
+def eps_start(n: int, like: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)
+    return eye / eye.norm() * EPS_START
+
+
+_HOPM_RULES = ("ijkl,j,k,l->i", "ijkl,i,k,l->j", "ijkl,i,j,l->k", "ijkl,i,j,k->l")
+_TENSOR_SPLIT_RULES = ("ijkl,sabc,ja,kb,lc->is", "ijkl,asbc,ia,kb,lc->js",
+                       "ijkl,absc,ia,jb,lc->ks", "ijkl,abcs,ia,jb,kc->ls")
+
+
+def hopm_start(g: torch.Tensor, seed: int, published: bool = False) -> list[torch.Tensor]:
+    """The published 4-D start: rank-1 higher-order power method, each factor v v^T with v scaled
+    so that the four factors' product scales like s (the rank-1 component's weight)."""
+    v = start_vectors(list(g.shape), seed, g.dtype, g.device)
+    for _ in range(POWER_ITERATIONS):
+        for k in range(4):
+            v[k] = torch.einsum(_HOPM_RULES[k], g, *[v[t] for t in range(4) if t != k])
+            v[k] = v[k] / v[k].norm()
+    s = (g * torch.einsum("i,j,k,l->ijkl", *v)).sum()
+    # Published: s ** 0.25, NaN when the power iteration ends on a negative component; the sign
+    # is the vectors' (v v^T does not see it), so the weight is |s|.
+    root = (s if published else s.abs()) ** 0.25
+    return [torch.outer(x * root, x * root) for x in v]
+
+
+def proj_split(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
+               beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank-1 projector-splitting step of the nearest Kronecker product L (x) R of
+    F <- beta F + (1-beta) vec(g)vec(g)^T (the published two-sided `proj_split`); g is not written."""
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    L = L * beta ** 0.5
+    R = R * beta ** 0.5
+    left_norm, right_norm = L.norm(), R.norm()
+    sigma = left_norm * right_norm
+    L, R = L / left_norm, R / right_norm
+    K = L * sigma + g @ R @ g.T
+    M = R * sigma + g.T @ L @ g
+    U = K / K.norm()
+    V = M / M.norm()
+    S = (L * U).sum() * (R * V).sum() * sigma + (U * (g @ V @ g.T)).sum()
+    root = S ** 0.5
+    return U * root, V * root
+
+
+def one_sided(L: torch.Tensor, g: torch.Tensor, left: bool) -> torch.Tensor:
+    """The published fallback when the other side is over max_precond_dim: an undecayed sum."""
+    return L + (g @ g.T if left else g.T @ g)
+
+
+def one_sided_start(n: int, like: torch.Tensor) -> torch.Tensor:
+    eye = torch.eye(n, dtype=like.dtype, device=like.device)
+    return eye / (eye.norm() * ONE_SIDED_START)
+
+
+def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
+                      published: bool = False) -> list[torch.Tensor]:
+    """The 4-D factor step: the four factors hold S^(1/4) u_t (unit u_t, weight S) of the rank-1
+    approximation S (x) u_t of F <- beta F + (1-beta) vec(g)vec(g)^T; sequential per-mode updates,
+    each seeing the modes already updated: K_i = beta S u_i + (1-beta) C_i(u), u_i = K_i / |K_i|,
+    S = |K_i| (the target's weight on the new rank-1 term, up to the other modes' overlaps).
+
+    published=True: the published step, which multiplies S by the stored factors (norm S^(1/4)
+    each, not unit) and carries S as |K_i| - |u_i * C_i| (the norm of an elementwise product):
+    the weight then roughly squares every step from above 1 (overflow, then NaN: the digits CNN
+    diverges at step 13) and collapses from below 1."""
+    if not published:
+        S = factors[0].norm() ** 4 * beta
+        u = [x / x.norm() for x in factors]
+        if beta != 1:
+            g = g * (1 - beta) ** 0.5
+        for i in range(4):
+            C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[u[t] for t in range(4) if t != i])
+            K = S * u[i] + C
+            S = K.norm()
+            u[i] = K / S
+        root = S ** 0.25
+        return [x * root for x in u]
+    L = list(factors)
+    S = L[0].norm() ** 4
+    L = [x * beta ** 0.25 for x in L]
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    for i in range(4):
+        C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[L[t] for t in range(4) if t != i])
+        L[i] = S * L[i] + C
+        s_hat = L[i].norm()
+        L[i] = L[i] / s_hat
+        S = s_hat - (L[i] * C).norm()
+    root = S ** 0.25
+    return [x * root for x in L]
+
+
+def mode_products(g: torch.Tensor) -> list[torch.Tensor]:
+    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path."""
+    dims = list(range(g.dim()))
+    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2) for k in dims]
+
+
+def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
+    """The first eigenbasis, with the published precision rule: eigh of factor.float() plus
+    1e-30*I made in the default dtype (so float64 under a float64 default), eigenvalues in
+    descending order, returned in the factor's dtype."""
+    n = factor.shape[0]
+    m = factor.float() + 1e-30 * torch.eye(n, device=factor.device)
+    try:
+        _, Q = torch.linalg.eigh(m)
+    except RuntimeError:  # as published: retry in float64 with a larger jitter
+        _, Q = torch.linalg.eigh(m.double() + 1e-10 * torch.eye(n, device=factor.device,
+                                                                 dtype=torch.float64))
+    return torch.flip(Q, [1]).to(factor.dtype)
+
+
+def refresh_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One power step and QR in float32 (as published, whatever the dtype), after sorting the
+    basis by the estimated eigenvalues diag(Q^T L Q), descending. Returns the new basis (in the
+    factor's dtype) and the permutation, which the second moment must follow."""
+    m, o = factor.float(), basis.float()
+    estimate = torch.diag(o.T @ m @ o)
+    order = torch.argsort(estimate, descending=True)
+    o = o[:, order]
+    Q, _ = torch.linalg.qr(m @ o)
+    return Q.to(factor.dtype), order
+
+
+def project(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """Rotate every mode of x into its basis (a mode without a basis is left as it is)."""
+    for Q in bases:
+        x = torch.tensordot(x, Q, dims=[[0], [0]]) if Q is not None else x.movedim(0, -1)
+    return x
+
+
+def project_back(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    for Q in bases:
+        x = torch.tensordot(x, Q, dims=[[0], [1]]) if Q is not None else x.movedim(0, -1)
+    return x
+
+
+def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: float,
+                       ops) -> tuple[torch.Tensor, torch.Tensor]:
+    """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
+    one batched GEMM per product, the elementwise work around them in two ops of `ops`
+    (cafin.ops or cafin.reference)."""
+    def fro(x):
+        return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    L = L * beta ** 0.5
+    R = R * beta ** 0.5
+    left_norm, right_norm = fro(L), fro(R)
+    sigma = (left_norm * right_norm).reshape(-1)
+    L, R = L / left_norm, R / right_norm
+    gt = g.mT
+    U = g @ R @ gt
+    V = gt @ L @ g
+    # The weight needs <U, g V g^T> only. With U = K / |K|, K = sigma L + g R g^T, and
+    # V = M / |M|, M = sigma R + g^T L g, a Gram matrix of the thin side replaces a product
+    # over the long one: g V g^T = (sigma g R g^T + W L W) / |M| with W = g g^T (m x m), and
+    # <U, g V g^T> = <V, g^T U g> with g^T U g = (sigma g^T L g + Z R Z) / |K|, Z = g^T g.
+    # Taken when it needs fewer multiply-adds (one side over sqrt(2) x the other); equal up to
+    # rounding.
+    m, n = g.shape[-2:]
+    direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
+    s = sigma.reshape(-1, 1, 1)
+    C, swapped = None, False
+    if wide < min(direct, tall):
+        W = g @ gt
+        C = (s * U + W @ L @ W) / fro(s * R + V)
+    elif tall < direct:
+        Z = gt @ g
+        C, swapped = (s * V + Z @ R @ Z) / fro(s * L + U), True
+    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+    if C is None:
+        C = g @ V @ gt
+    if swapped:  # the same weight, sides swapped
+        ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])
+    else:
+        ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
+    return U, V
+
+
+def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """proj_split from zero factors (init="zeros"): with sigma = 0 only the unit directions
+    I/||I|| of the "eps" start matter, so this is that start's limit as its scale goes to 0."""
+    m, n = g.shape
+    L = torch.eye(m, dtype=g.dtype, device=g.device)
+    R = torch.eye(n, dtype=g.dtype, device=g.device)
+    L, R = L / L.norm(), R / R.norm()
+    if beta != 1:
+        g = g * (1 - beta) ** 0.5
+    U = g @ R @ g.T
+    V = g.T @ L @ g
+    U, V = U / U.norm(), V / V.norm()
+    root = (U * (g @ V @ g.T)).sum() ** 0.5
+    return U * root, V * root
+
+
+# ----------------------------------------------------------------------------------- merge_dims
+def merged_shape(shape, merge_dims: bool, limit: int, data_format: str) -> tuple[int, ...] | None:
+    """The shape merge_dims gives a tensor (the published rule: consecutive dims multiplied while
+    the product stays <= limit; a 4-D channels_last tensor read as (0, 3, 1, 2) first), or None
+    when the tensor keeps its own dims in their own order."""
+    if not merge_dims or len(shape) < 2:
+        return None
+    dims = list(shape)
+    if data_format == "channels_last" and len(dims) == 4:
+        dims = [dims[0], dims[3], dims[1], dims[2]]
+    merged, current = [], 1
+    for sh in dims:
+        if current * sh > limit:
+            if current > 1:
+                merged.append(current)
+                current = sh
+            else:
+                merged.append(sh)
+                current = 1
+        else:
+            current *= sh
+    if current > 1 or not merged:
+        merged.append(current)
+    if tuple(merged) == tuple(shape) and dims == list(shape):
+        return None
+    return tuple(merged)
+
+
+def to_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and x.dim() == 4:
+        x = x.permute(0, 3, 1, 2)
+    return x.reshape(shape)
+
+
+def from_merged(x: torch.Tensor, shape, data_format: str) -> torch.Tensor:
+    if data_format == "channels_last" and len(shape) == 4:
+        return x.reshape(shape[0], shape[3], shape[1], shape[2]).permute(0, 2, 3, 1)
+    return x.reshape(shape)

@@ -1,0 +1,66 @@
+"""K-FAC's preconditioning maths, which both backends use and two-level K-FAC builds on: the
+factors' decompositions (eigenbasis or damped inverse), the preconditioned gradient, and the KL
+clipping scale.
+
+Layouts: a layer's factors are A [groups, d_a, d_a] and G [groups, d_g, d_g]; its gradient as a
+matrix is [groups, d_g, d_a] with the bias gradient as the last column (cafin.factors).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
+    "inverse_precondition", "kl_clip_scale",
+]
+
+
+def kl_clip_scale(vg_sum: torch.Tensor, kl_clip: torch.Tensor) -> torch.Tensor:
+    """min(1, sqrt(kl_clip / |vg_sum|)), 1 when the sum is 0 (kfac-pytorch's rule), on the device.
+    A NaN kl_clip (a kl_clip callable that returned None: clipping off) gives 1, as the kernels do."""
+    one = torch.ones_like(vg_sum)
+    safe = torch.where(vg_sum == 0, one, vg_sum.abs())
+    scale = torch.sqrt(kl_clip.to(vg_sum.dtype) / safe)
+    return torch.where((vg_sum == 0) | ~(scale < 1), one, scale)
+
+
+def eigen_decompose(factor: torch.Tensor, *, decompose_dtype: torch.dtype = torch.float32,
+                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d, Q) of symmetric factors [..., d, d]: eigh on a `decompose_dtype` copy (kfac-pytorch
+    decomposes a float32 copy), cast to `out_dtype`, eigenvalues clamped at 0."""
+    d, q = torch.linalg.eigh(factor.to(decompose_dtype))
+    return d.to(out_dtype).clamp(min=0.0), q.to(out_dtype)
+
+
+def damped_inverse(factor: torch.Tensor, damping, *, decompose_dtype: torch.dtype = torch.float32,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(F + damping I)^-1 of factors [..., d, d]: damping added in the factor's dtype, inverted
+    in `decompose_dtype` with inv_ex (no host sync), cast to `out_dtype`."""
+    eye = torch.eye(factor.shape[-1], dtype=factor.dtype, device=factor.device)
+    damped = factor + eye * (damping.to(factor.dtype) if isinstance(damping, torch.Tensor) else damping)
+    return torch.linalg.inv_ex(damped.to(decompose_dtype))[0].to(out_dtype)
+
+
+def eigenvalue_reciprocal(dg: torch.Tensor, da: torch.Tensor, damping) -> torch.Tensor:
+    """1 / (dg da^T + damping), [groups, d_g, d_a]: compute_eigenvalue_outer_product."""
+    return 1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+
+
+def eigen_precondition(grad: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, *,
+                       dgda: torch.Tensor | None = None, da: torch.Tensor | None = None,
+                       dg: torch.Tensor | None = None, damping=None, scale_=None) -> torch.Tensor:
+    """Q_G [(Q_G^T grad Q_A) (*) dgda] Q_A^T, or with (dg da^T + damping) divided out when
+    dgda is None; grad [groups, d_g, d_a] in the decomposition's dtype."""
+    v = torch.matmul(torch.matmul(qg.transpose(-1, -2), grad), qa)
+    if dgda is not None:
+        v.mul_(dgda)
+    elif scale_ is not None:
+        scale_([v], [dg], [da], damping)
+    else:
+        v.div_(dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
+    return torch.matmul(torch.matmul(qg, v), qa.transpose(-1, -2))
+
+
+def inverse_precondition(grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor) -> torch.Tensor:
+    """G^-1 grad A^-1."""
+    return torch.matmul(torch.matmul(g_inv, grad), a_inv)
