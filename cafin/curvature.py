@@ -306,6 +306,11 @@ def average_over_ranks(tensors: list[torch.Tensor], group=None, *, summed: bool 
     torch._foreach_copy_(tensors, pieces)
 
 
+class EigendecompositionWarning(UserWarning):
+    """A factor's eigendecomposition failed in its dtype and in float64: its layer keeps its
+    previous eigenbasis."""
+
+
 class DropCounts:
     """Statistics dropped because they held inf/NaN, counted per device in 0-dim float32 tensors
     that exist before any compile or capture and are marked static, so that compiled and captured

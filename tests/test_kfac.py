@@ -1250,3 +1250,40 @@ if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["--dist-worker"]:
         _dist_worker(sys.argv[2])
+
+
+def test_failed_eigendecomposition_retries_in_float64_then_keeps_the_previous_one(monkeypatch):
+    """eigh failing in decompose_dtype is retried in float64 (the result equals asking for
+    float64); failing in both, every layer keeps its previous decompositions, with a warning."""
+    torch.manual_seed(0)
+    data = [(torch.randn(8, 5), torch.randint(0, 3, (8,))) for _ in range(3)]
+
+    def run(fail, decompose_dtype=torch.float32):
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+        pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1,
+                                       decompose_dtype=decompose_dtype)
+        eigh = torch.linalg.eigh
+        for i, (x, y) in enumerate(data):
+            def failing(a, *args, **kwargs):
+                if a.dtype in fail(i):
+                    raise torch.linalg.LinAlgError("forced")
+                return eigh(a, *args, **kwargs)
+            monkeypatch.setattr(torch.linalg, "eigh", failing)
+            model.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            seconds = [{k: v.clone() for k, v in pre._state[layer.name].second.items()} for layer in pre.layers]
+            pre.step()
+            monkeypatch.setattr(torch.linalg, "eigh", eigh)
+        return pre, seconds
+
+    retried, _ = run(lambda i: {torch.float32} if i == 2 else set())
+    wanted, _ = run(lambda i: set(), decompose_dtype=torch.float64)
+    for layer in wanted.layers:
+        for key, value in wanted._state[layer.name].second.items():
+            assert torch.equal(retried._state[layer.name].second[key], value), key
+    with pytest.warns(cafin.curvature.EigendecompositionWarning, match="float64"):
+        kept, before = run(lambda i: {torch.float32, torch.float64} if i == 2 else set())
+    for layer, saved in zip(kept.layers, before):
+        for key, value in saved.items():
+            assert torch.equal(kept._state[layer.name].second[key], value), key

@@ -25,8 +25,8 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (DropCounts, Layer, Real, average_over_ranks, capturing, check_int, discover, distributed,
-                         unwrap)
+from ..curvature import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
+                         capturing, check_int, discover, distributed, unwrap)
 from ..preconditioner import Preconditioner
 from ..maths import kfac as rk
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
@@ -454,6 +454,10 @@ class KFACPreconditioner(Preconditioner):
         eigen = self.compute_method is ComputeMethod.EIGEN
         prediv = eigen and self.compute_eigenvalue_outer_product
         eigenvalues: dict[tuple[str, str], torch.Tensor] = {}
+        # Eagerly, every result is kept aside and stored once all are made: a layer whose
+        # decomposition fails (in decompose_dtype, then in float64) keeps all its previous ones.
+        results: list[tuple[_LayerState, str, torch.Tensor]] = []
+        failed: set[int] = set()
         for side in ("a", "g"):
             # Batched over equal shapes on GPUs (fewer launches); one by one on CPUs, where
             # LAPACK loops anyway and a batched call rounds differently from kfac-pytorch's.
@@ -466,28 +470,51 @@ class KFACPreconditioner(Preconditioner):
                 stacked = torch.cat([getattr(st, side.upper()) for st in sts])
                 sizes = [st.A.shape[0] for st in sts]
                 if eigen:
-                    d, q = rk.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
-                                              out_dtype=self.inv_dtype)
-                    for st, di, qi in zip(sts, d.split(sizes), q.split(sizes)):
-                        _store(st.second, "q" + side, qi, gate)
+                    out = self._eigen_decompose(stacked, sts, side, gate)
+                    if out is None:
+                        failed.update(id(st) for st in sts)
+                        continue
+                    for st, di, qi in zip(sts, out[0].split(sizes), out[1].split(sizes)):
+                        results.append((st, "q" + side, qi))
                         if prediv:
                             eigenvalues[(id(st), side)] = di
                         else:
-                            _store(st.second, "d" + side, di, gate)
+                            results.append((st, "d" + side, di))
                 else:
                     inv = rk.damped_inverse(stacked, self._settings_on(device)["damping"],
                                             decompose_dtype=self.decompose_dtype,
                                             out_dtype=self.inv_dtype)
                     for st, ii in zip(sts, inv.split(sizes)):
-                        _store(st.second, f"{side}_inv", ii, gate)
+                        results.append((st, f"{side}_inv", ii))
+        for st, key, value in results:
+            if id(st) not in failed:
+                _store(st.second, key, value, gate)
         for layer in live:
             st = self._state[layer.name]
+            if id(st) in failed:
+                continue
             if gate is None:
                 st.decomposed = True
             if prediv:
                 damping = self._settings_on(st.A.device)["damping"].to(self.inv_dtype)
                 _store(st.second, "dgda", rk.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
+
+    def _eigen_decompose(self, stacked, sts, side, gate):
+        """(d, q) of stacked factors; eagerly, a failed eigh is retried in float64, and if that
+        fails too, None (with a warning: the layers keep their previous decompositions)."""
+        if gate is not None:  # compiled: no exception to catch
+            return rk.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype, out_dtype=self.inv_dtype)
+        for dtype in dict.fromkeys((self.decompose_dtype, torch.float64)):
+            try:
+                return rk.eigen_decompose(stacked, decompose_dtype=dtype, out_dtype=self.inv_dtype)
+            except torch.linalg.LinAlgError:
+                continue
+        names = [layer.name for layer in self._layers if any(self._state[layer.name] is st for st in sts)]
+        warnings.warn(f"KFACPreconditioner: the eigendecomposition of the {side.upper()} factor of "
+                      f"{names} failed in {self.decompose_dtype} and in float64; they keep their "
+                      "previous decompositions", EigendecompositionWarning, stacklevel=4)
+        return None
 
     def _check_grads(self) -> None:
         """Every registered gradient as its parameter is (dtype, shape, device, dense), or an

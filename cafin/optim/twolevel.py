@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..curvature import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
 from ..preconditioner import Preconditioner
 from ..factors import input_rows
 from ..maths import state_dtype
@@ -57,11 +57,6 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class NonFiniteStatisticsWarning(UserWarning):
     """A step's statistics (or its new coarse matrix) held inf/NaN: they were dropped and the
     curvature keeps its previous values (`TwoLevelKFAC.dropped_statistics` counts the drops)."""
-
-
-class EigendecompositionWarning(UserWarning):
-    """A factor's eigendecomposition failed in its dtype and in float64: the layer keeps its
-    previous eigenbasis."""
 
 
 def _accept(module: nn.Module, kind) -> bool:
