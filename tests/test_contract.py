@@ -103,11 +103,12 @@ def test_bad_setting_between_steps_is_refused_and_changes_nothing(member):
         before = everything(run)
         try:
             set_bad(run)  # refused here, or at the next step
-        except (ValueError, TypeError):
+        except (ValueError, TypeError) as e:
+            assert label.split("=")[0] in str(e)
             assert_tree_equal(everything(run), before, label)
             continue
         before = everything(run)
-        with pytest.raises((ValueError, TypeError)):
+        with pytest.raises((ValueError, TypeError), match=label.split("=")[0]):
             run.update()
         assert_tree_equal(everything(run), before, label)
 
