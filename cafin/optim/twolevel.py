@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
-from ..preconditioner import Preconditioner
+from ..core import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..core.preconditioner import Preconditioner
 from ..factors import input_rows
 from ..maths import state_dtype
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
