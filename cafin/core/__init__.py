@@ -4,15 +4,16 @@ concern.
 - `runtime.py`: `unwrap` (the model behind DDP/DataParallel/torch.compile wrappers: hooks go on
   the model itself, and checkpoints name its layers the same way with or without a wrapper),
   `capturing` (a CUDA graph is being captured), `on` (a tensor on a device).
-- `discovery.py`: `Layer` and `discover`, the supported layers of a model that hold optimised
-  parameters, matched by identity (the first supported module that holds a parameter owns it;
-  tied parameters once).
+- `discovery.py`: `Layer` and `discover`, the layers of a model that a member accepts and that
+  hold optimised parameters (their weight and bias), matched by identity (the first accepted
+  module that holds a parameter owns it; tied parameters once). AdaFisher's registry of layer
+  types (`cafin/layers.py`) is AdaFisher's own: it discovers through it (`cafin.layers.discover`).
 - `steps.py`: `StepCounter`, k, the completed optimizer steps, on the host while steps run
   eagerly and on every device as a tensor that device-gated ops read after a compile or a
   CUDA-graph capture; `run_closure`, a step's closure that leaves no trace when it raises.
 - `hooks.py`: `Hooks`, the forward hooks and output-gradient tensor hooks that feed a member's
   statistics, holding the member weakly, safe with in-place activations, activation
-  checkpointing and model copies.
+  checkpointing and model copies; `can_take_statistics`, the inputs they take statistics of.
 - `collectives.py`: `distributed` and `average_over_ranks`, one collective over one flat buffer.
 - `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device) and
   `EigendecompositionWarning`.

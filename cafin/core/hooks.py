@@ -9,7 +9,6 @@ import weakref
 import torch
 from torch import nn
 
-from ..layers import can_take_statistics
 from .discovery import Layer
 
 # Which live owner hooks which module, so a second optimizer on the same model is not silent.
@@ -68,6 +67,13 @@ class _ForwardHook:
                 target = returned = output.clone()
         target.register_hook(_GradHook(self, step, output.shape))
         return returned
+
+
+def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
+    """Inputs the statistics are defined for (a LayerNorm over a 1-D input has no batch dim)."""
+    if isinstance(module, nn.LayerNorm):
+        return x.dim() > len(module.normalized_shape) and x.dim() >= 2
+    return x.numel() > 0
 
 
 def _recomputing_saved_tensors() -> bool:

@@ -23,9 +23,9 @@ from torch import nn
 from .. import ops, reference
 from ..core import (
     CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
-    check_range, discover, distributed, on, run_closure,
+    check_range, distributed, on, run_closure,
 )
-from ..layers import supported_types
+from ..layers import discover, supported_types
 from ..sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
 

@@ -220,7 +220,7 @@ class KFACPreconditioner(Preconditioner):
                    if _any_match(name, self.skip_layers) or _any_match(type(m).__name__, self.skip_layers)}
         params = [p for p in self.model.parameters() if p.requires_grad]
 
-        def accept(module, kind):
+        def accept(module):
             return (kf.supports(module) and id(module) not in skipped
                     and next(module.children(), None) is None
                     and all(p.requires_grad for p in module.parameters()))

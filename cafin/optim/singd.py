@@ -266,7 +266,7 @@ class SINGD(CurvatureOptimizer):
         self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         kept = {id(layer.module): layer.anchor for layer in self._curvature}
         layers = discover(self.model, list(self._group_of),
-                          accept=lambda module, kind: isinstance(module, _SUPPORTED))
+                          accept=lambda module: isinstance(module, _SUPPORTED))
         for layer in layers:
             groups = {self._group_of[p] for p in layer.params.values()}
             if len(groups) != 1:
