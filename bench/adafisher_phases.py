@@ -46,7 +46,7 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
     """One forward/backward with hooks that keep each supported module's input and output
     gradient: the modules, order and dtypes the optimizer's own hooks would use."""
     import cafin
-    from cafin.layers import can_take_statistics
+    from cafin.core.hooks import can_take_statistics
     from cafin.maths import state_dtype
     model = copy.deepcopy(base)
     opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")

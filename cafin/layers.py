@@ -1,5 +1,6 @@
-"""The registry of supported layer types: per module type, the sizes of its two factors, where each
-of its parameters reads the activation factor H, and which statistic op feeds each factor.
+"""AdaFisher's registry of layer types for its diagonal statistics: per module type, the sizes of
+its two factors, where each of its parameters reads the activation factor H, and which statistic
+op feeds each factor. The other members choose their layers themselves (`cafin.core.discover`).
 
 A parameter of a supported module viewed as [rows = len(S), cols] is preconditioned by
 F~[r, c] = S[r] * H[h_offset + c] + damping. Adding a layer type is one `register` call.
@@ -12,14 +13,16 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .core import discovery
 
 
 @dataclass(frozen=True)
 class LayerType:
+    """A layer type in AdaFisher's registry of diagonal statistics: F~ = S (x) H + damping for the
+    parameters of a module of `module_type` (and its subclasses)."""
     module_type: type
     s_size: Callable[[nn.Module], int]  # length of the gradient-side factor S (rows)
     h_size: Callable[[nn.Module], int]  # length of the activation-side factor H
@@ -32,7 +35,8 @@ _REGISTRY: list[LayerType] = []
 
 
 def register(layer_type: LayerType) -> None:
-    """Add a supported layer type; earlier registrations win for subclasses of several."""
+    """Add a layer type to AdaFisher's registry of diagonal statistics (AdaFisher and AdaFisherW
+    then take its statistics); earlier registrations win for subclasses of several."""
     _REGISTRY.append(layer_type)
 
 
@@ -44,7 +48,23 @@ def layer_type_of(module: nn.Module) -> LayerType | None:
 
 
 def supported_types() -> list[type]:
+    """The module types in AdaFisher's registry."""
     return [entry.module_type for entry in _REGISTRY]
+
+
+@dataclass(eq=False)
+class RegisteredLayer(discovery.Layer):
+    """A layer AdaFisher takes statistics of, with its registered type."""
+    kind: LayerType
+
+
+def discover(model: nn.Module, optimised) -> list[RegisteredLayer]:
+    """The layers of `model` whose type is registered and that own optimised parameters (the
+    core's discovery, each layer's parameters named by its type's `h_offsets`)."""
+    layers = discovery.discover(model, optimised, accept=lambda m: layer_type_of(m) is not None,
+                                names=lambda m: layer_type_of(m).h_offsets(m))
+    return [RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params, layer_type_of(layer.module))
+            for layer in layers]
 
 
 # ------------------------------------------------------------------------------------ Linear
@@ -148,10 +168,3 @@ register(LayerType(
     input_stats=_norm_input,
     grad_stats=_layernorm_grad,
 ))
-
-
-def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
-    """Inputs the statistics are defined for (a LayerNorm over a 1-D input has no batch dim)."""
-    if isinstance(module, nn.LayerNorm):
-        return x.dim() > len(module.normalized_shape) and x.dim() >= 2
-    return x.numel() > 0

@@ -116,21 +116,6 @@ def gather_rows(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def kfac_checkpoint_template(preconditioner) -> dict:
-    """`preconditioner.state_dict()` (a KFACPreconditioner) with a tensor for every layer's
-    factors, to `torch.distributed.checkpoint.load` into: a fresh preconditioner has None there
-    (no statistics yet), and DCP loads a saved tensor only into a tensor. Then
-    `preconditioner.load_state_dict(template)`. Save after the first factor update, so that every
-    layer's factors are tensors in the checkpoint too."""
-    sd = preconditioner.state_dict()
-    for name, entry in sd.get("layers", {}).items():
-        st = preconditioner._state[name]
-        for key, own in (("A", st.A), ("G", st.G)):
-            if entry[key] is None:
-                entry[key] = (own[0] if own.shape[0] == 1 else own).detach().clone()
-    return sd
-
-
 class full_parameters:
     """For a torch optimizer whose update multiplies whole gradient matrices (DyKAF): while the
     context is open, each sharded parameter with a gradient is replaced in the param groups by a
@@ -169,41 +154,3 @@ class full_parameters:
             with torch.no_grad():
                 p.to_local().copy_(own_rows(standin, p))
         self.swaps.clear()
-
-
-# TwoLevelKFAC's per-sample statistics of the last curvature step: each rank's own batch, so
-# they are saved under a key of each rank (DCP would keep one rank's copy of a plain tensor).
-_RANK_LOCAL = ("x", "gy")
-
-
-def twolevel_checkpoint(optimizer, group=None) -> dict:
-    """The entries to add to a DCP checkpoint for a TwoLevelKFAC (`optimizer.state_dict()`,
-    which `get_optimizer_state_dict` would cut to `state` and `param_groups`): "twolevel" holds
-    what every rank holds alike (factors, eigenbases, coarse matrix, step count), and
-    "twolevel_rank{r}" the rank's own per-sample statistics (read again by the residual coarse
-    space's Fisher products between curvature steps). Load with `twolevel_load`."""
-    import torch.distributed as dist
-    sd = optimizer.state_dict()
-    state, own = {}, {}
-    for idx, st in sd["state"].items():
-        state[idx] = {k: v for k, v in st.items() if k not in _RANK_LOCAL}
-        own[idx] = {k: st[k] for k in _RANK_LOCAL if k in st}
-    group = optimizer.process_group if group is None else group
-    return {"twolevel": {**sd, "state": state}, f"twolevel_rank{dist.get_rank(group)}": own}
-
-
-def twolevel_load(optimizer, checkpoint_id, group=None) -> None:
-    """Resume a TwoLevelKFAC from a DCP checkpoint holding `twolevel_checkpoint(optimizer)`.
-    Its state is created by the first steps, so a fresh optimizer's state dict is no template
-    for `dcp.load`: the entries are read whole (the replicated one and this rank's own)."""
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-    group = optimizer.process_group if group is None else group
-    key = f"twolevel_rank{dist.get_rank(group)}"
-    saved = _load_state_dict_from_keys({"twolevel", key}, checkpoint_id=checkpoint_id)
-    sd = saved["twolevel"]
-    # DCP gives the state's parameter indices back as strings
-    sd["state"] = {int(idx): st for idx, st in sd["state"].items()}
-    for idx, st in saved.get(key, {}).items():
-        sd["state"][int(idx)].update(st)
-    optimizer.load_state_dict(sd)

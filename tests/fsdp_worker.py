@@ -61,7 +61,7 @@ class Member:
         self.name, self.make = name, make
         self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
         # with optimizer_index 1, how objs[0] is checkpointed: "kfac" (its state_dict, loaded
-        # into kfac_checkpoint_template) or "twolevel" (cafin.sharding.twolevel_checkpoint)
+        # into kfac_checkpoint_template) or "twolevel" (cafin.optim.twolevel_dcp.twolevel_checkpoint)
         self.preconditioner = preconditioner
         # State created by the first step from the first gradient (DyKAF): a fresh optimizer's
         # state dict is no template to load into, so the saved one is read whole (it is
@@ -212,7 +212,7 @@ def dcp_save(model, objs, member, path):
     opt = objs[member.optimizer_index]
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     if member.optimizer_index and member.preconditioner == "twolevel":
-        from cafin.sharding import twolevel_checkpoint
+        from cafin.optim.twolevel_dcp import twolevel_checkpoint
         sd.update(twolevel_checkpoint(objs[0]))
     elif member.optimizer_index:  # a preconditioner's factors (replicated) go into the same checkpoint
         sd["preconditioner"] = objs[0].state_dict()
@@ -227,7 +227,7 @@ def dcp_load(model, objs, member, path):
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     kfac = member.optimizer_index and member.preconditioner == "kfac"
     if kfac:
-        from cafin.sharding import kfac_checkpoint_template
+        from cafin.optim.kfac_dcp import kfac_checkpoint_template
         sd["preconditioner"] = kfac_checkpoint_template(objs[0])
     if member.lazy_state:
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
@@ -239,7 +239,7 @@ def dcp_load(model, objs, member, path):
     if kfac:
         objs[0].load_state_dict(sd["preconditioner"])
     elif member.optimizer_index:
-        from cafin.sharding import twolevel_load
+        from cafin.optim.twolevel_dcp import twolevel_load
         twolevel_load(objs[0], path)
 
 

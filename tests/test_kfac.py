@@ -1282,7 +1282,7 @@ def test_failed_eigendecomposition_retries_in_float64_then_keeps_the_previous_on
     for layer in wanted.layers:
         for key, value in wanted._state[layer.name].second.items():
             assert torch.equal(retried._state[layer.name].second[key], value), key
-    with pytest.warns(cafin.curvature.EigendecompositionWarning, match="float64"):
+    with pytest.warns(cafin.core.EigendecompositionWarning, match="float64"):
         kept, before = run(lambda i: {torch.float32, torch.float64} if i == 2 else set())
     for layer, saved in zip(kept.layers, before):
         for key, value in saved.items():

@@ -550,3 +550,35 @@ def test_multihead_attention_out_proj_uses_identity_curvature():
     state = opt.state[attention.out_proj.weight]
     assert (state["fisher_S"] == -1).all() and (state["fisher_H"] == -1).all()
     assert torch.isfinite(attention.out_proj.weight).all()
+
+
+def test_discovered_parameters_match_the_registry_offsets_and_module_order():
+    """The core names a layer's parameters as AdaFisher's registry does and as the module
+    registers them, for every type the members support: layouts and checkpoints are the same
+    whichever finds the layers."""
+    from cafin.core import discover
+    from cafin.layers import layer_type_of
+    modules = [nn.Linear(4, 3), nn.Linear(4, 3, bias=False), nn.Conv2d(2, 3, 3), nn.Conv2d(2, 3, 3, bias=False),
+               nn.BatchNorm2d(3), nn.LayerNorm(5), nn.LayerNorm(5, bias=False)]
+    for module in modules:
+        model = nn.Sequential(module)
+        (layer,) = discover(model, model.parameters(), accept=lambda m: m is module)
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        assert list(layer.params) == own, module
+        assert [n for n in layer_type_of(module).h_offsets(module) if getattr(module, n) is not None] == own
+        (registered,) = cafin.layers.discover(model, model.parameters())
+        assert list(registered.params) == own and registered.anchor is layer.anchor
+        assert registered.kind is layer_type_of(module)
+
+
+def test_kfac_and_singd_find_their_layers_without_adafisher_registry(monkeypatch):
+    """K-FAC, two-level K-FAC and SINGD choose their layers themselves: AdaFisher's registry
+    (emptied here) is not consulted."""
+    monkeypatch.setattr(cafin.layers, "_REGISTRY", [])
+    model = tiny_cnn()
+    names = ["0", "4"]  # the Conv2d and the Linear
+    assert [layer.name for layer in cafin.KFACPreconditioner(model).layers] == names
+    assert [layer.name for layer in cafin.TwoLevelKFAC(model)._layers] == names
+    assert [layer.name for layer in cafin.SINGD(model, warn_unsupported=False)._curvature] == names
+    with pytest.warns(UserWarning, match="no optimised parameter in a supported layer"):
+        AdaFisher(tiny_cnn())

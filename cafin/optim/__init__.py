@@ -1,4 +1,4 @@
-"""The optimizers of the family, one small file each, on the shared core (`cafin.curvature`)."""
+"""The optimizers of the family, one small file each, on the shared core (`cafin.core`)."""
 from .adafisher import AdaFisher, AdaFisherW  # noqa: F401
 from .singd import SINGD  # noqa: F401
 from .kfac import KFACPreconditioner  # noqa: F401

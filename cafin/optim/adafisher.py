@@ -8,7 +8,7 @@ module, in the state of its first optimised parameter (its anchor), the factors 
 
 Curvature steps: statistics are taken on the forward/backward passes of the steps k with
 k % TCov == 0 (k = completed optimizer steps). Hooks, the step counter and its host/device gating
-are the family's core (`cafin.curvature`); this file holds AdaFisher's statistics kind, factor
+are the family's core (`cafin.core`); this file holds AdaFisher's statistics kind, factor
 average and update rule.
 """
 from __future__ import annotations
@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import (
+from ..core import (
     CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
-    check_range, discover, distributed, on, run_closure,
+    check_range, distributed, on, run_closure,
 )
-from ..layers import supported_types
+from ..layers import discover, supported_types
 from ..sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
 
@@ -203,7 +203,7 @@ class AdaFisher(CurvatureOptimizer):
         return self._skipped.total()
 
     # ------------------------------------------------------------------ statistics hooks
-    # The three methods the core's hooks call (cafin.curvature.Hooks).
+    # The three methods the core's hooks call (cafin.core.hooks.Hooks).
     def _statistics_gate(self, layer: Layer, device: torch.device):
         return self._steps.due(self.TCov, device)
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .. import ops, reference
-from ..curvature import Choice, CoreOptimizer, Flag, Int, Pair, Real
+from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real
 from ..maths import dykaf as math
 from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters

@@ -8,7 +8,7 @@ an EMA of each from the identity, a periodic decomposition (eigh, or damped inve
 preconditioned gradient Q_G[(Q_G^T dW Q_A) / (d_G d_A^T + damping)]Q_A^T (or G^-1 dW A^-1).
 Conventions (README, "K-FAC") are kfac-pytorch's; what differs is listed there.
 
-Interval decisions are the core's (cafin.curvature.StepCounter): on the host while steps run
+Interval decisions are the core's (cafin.core.steps.StepCounter): on the host while steps run
 eagerly, on the device after torch.compile or a CUDA-graph capture.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ from torch import nn
 
 from .. import factors as kf
 from .. import ops, reference
-from ..curvature import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
+from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
                          capturing, check_int, discover, distributed, unwrap)
-from ..preconditioner import Preconditioner
+from ..core.preconditioner import Preconditioner
 from ..maths import kfac as rk
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
@@ -220,7 +220,7 @@ class KFACPreconditioner(Preconditioner):
                    if _any_match(name, self.skip_layers) or _any_match(type(m).__name__, self.skip_layers)}
         params = [p for p in self.model.parameters() if p.requires_grad]
 
-        def accept(module, kind):
+        def accept(module):
             return (kf.supports(module) and id(module) not in skipped
                     and next(module.children(), None) is None
                     and all(p.requires_grad for p in module.parameters()))

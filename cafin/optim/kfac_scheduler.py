@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..curvature import check_int, real_number
+from ..core import check_int, real_number
 from .kfac import KFACPreconditioner
 
 __all__ = ["LambdaParamScheduler"]

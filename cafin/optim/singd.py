@@ -14,7 +14,7 @@ state of its first optimised parameter, the parts of K, C (`K.<part>`), their mo
 whose accumulated H_K or H_C holds a NaN or inf is dropped (the layer keeps its factors, the
 accumulators are reset) and counted on the device: `skipped_factor_updates`. Param groups,
 tensor hyperparameters, hooks, the step counter and its host/device gating, copies and checkpoints
-come from the family's core (`cafin.curvature.CurvatureOptimizer`); this file holds SINGD's
+come from the family's core (`cafin.core.optimizer.CurvatureOptimizer`); this file holds SINGD's
 settings, statistics and update rule.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ..curvature import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
+from ..core import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
                          discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..maths import singd as ref
 from .. import ops
@@ -266,7 +266,7 @@ class SINGD(CurvatureOptimizer):
         self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
         kept = {id(layer.module): layer.anchor for layer in self._curvature}
         layers = discover(self.model, list(self._group_of),
-                          accept=lambda module, kind: isinstance(module, _SUPPORTED))
+                          accept=lambda module: isinstance(module, _SUPPORTED))
         for layer in layers:
             groups = {self._group_of[p] for p in layer.params.values()}
             if len(groups) != 1:

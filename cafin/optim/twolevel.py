@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..curvature import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
-from ..preconditioner import Preconditioner
+from ..core import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..core.preconditioner import Preconditioner
 from ..factors import input_rows
 from ..maths import state_dtype
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
@@ -59,10 +59,10 @@ class NonFiniteStatisticsWarning(UserWarning):
     curvature keeps its previous values (`TwoLevelKFAC.dropped_statistics` counts the drops)."""
 
 
-def _accept(module: nn.Module, kind) -> bool:
+def _accept(module: nn.Module) -> bool:
     # The published code registers by exact class name, so subclasses are skipped (FSDP2's
     # generated subclass of a sharded module is named by the class it wraps).
-    return module_class(module).__name__ in ("Linear", "Conv2d")
+    return isinstance(module, (nn.Linear, nn.Conv2d)) and module_class(module).__name__ in ("Linear", "Conv2d")
 
 
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):

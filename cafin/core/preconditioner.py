@@ -7,7 +7,7 @@ optimizer members, so that each member's file keeps only its statistics and its 
   callable, when it is called. The ops read them as 0-dim float64 tensors on every layer device,
   marked static: a compiled step sees new values, not new constants, and does not recompile.
   Each setting is a property: `precond.damping = 0.01` checks, then fills the tensors.
-- The step counter (`cafin.curvature.StepCounter`) and the statistics hooks, held weakly: a
+- The step counter (`cafin.core.steps.StepCounter`) and the statistics hooks, held weakly: a
   deleted preconditioner is freed and its hooks removed.
 - Copies: `copy.deepcopy` copies the model with the preconditioner (or uses the model's copy
   when one deepcopy call copies both) and hooks the copy to it; backends and the process group
@@ -21,7 +21,10 @@ from typing import Any
 
 import torch
 
-from .curvature import Hooks, Layer, Real, StepCounter, real_number
+from .checks import Real, real_number
+from .discovery import Layer
+from .hooks import Hooks
+from .steps import StepCounter
 
 
 class Preconditioner:
@@ -145,7 +148,7 @@ class Preconditioner:
             self._hooks = None
 
     def __deepcopy__(self, memo):
-        from . import ops, reference  # the backends, which members keep in tables
+        from .. import ops, reference  # the backends, which members keep in tables
         for shared in (ops, reference, getattr(self, "process_group", None)):
             if shared is not None:
                 memo.setdefault(id(shared), shared)

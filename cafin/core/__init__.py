@@ -1,0 +1,43 @@
+"""The family's core: what every Kronecker-factored member shares and none owns, one file per
+concern.
+
+- `runtime.py`: `unwrap` (the model behind DDP/DataParallel/torch.compile wrappers: hooks go on
+  the model itself, and checkpoints name its layers the same way with or without a wrapper),
+  `capturing` (a CUDA graph is being captured), `on` (a tensor on a device).
+- `discovery.py`: `Layer` and `discover`, the layers of a model that a member accepts and that
+  hold optimised parameters (their weight and bias), matched by identity (the first accepted
+  module that holds a parameter owns it; tied parameters once). AdaFisher's registry of layer
+  types (`cafin/layers.py`) is AdaFisher's own: it discovers through it (`cafin.layers.discover`).
+- `steps.py`: `StepCounter`, k, the completed optimizer steps, on the host while steps run
+  eagerly and on every device as a tensor that device-gated ops read after a compile or a
+  CUDA-graph capture; `run_closure`, a step's closure that leaves no trace when it raises.
+- `hooks.py`: `Hooks`, the forward hooks and output-gradient tensor hooks that feed a member's
+  statistics, holding the member weakly, safe with in-place activations, activation
+  checkpointing and model copies; `can_take_statistics`, the inputs they take statistics of.
+- `collectives.py`: `distributed` and `average_over_ranks`, one collective over one flat buffer.
+- `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device) and
+  `EigendecompositionWarning`.
+- `checks.py`: the argument checks (`real_number`, `check_range`, `check_int`,
+  `check_hyperparameter`, `hyperparameter_tensor`) and the hyperparameter rules (`Real`, `Pair`,
+  `Int`, `Flag`, `Choice`).
+- `optimizer.py`: the bases of the members that are torch optimizers, `CoreOptimizer` (model or
+  not) and `CurvatureOptimizer` (hook-based, on a model).
+- `preconditioner.py`: `Preconditioner`, the base of the members that rewrite `.grad` and leave
+  the update to a torch optimizer (K-FAC, two-level K-FAC).
+"""
+from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_hyperparameter, check_int,
+                     check_range, hyperparameter_tensor, real_number)
+from .collectives import average_over_ranks, distributed
+from .discovery import Layer, discover
+from .failures import DropCounts, EigendecompositionWarning
+from .hooks import Hooks
+from .optimizer import CoreOptimizer, CurvatureOptimizer
+from .preconditioner import Preconditioner
+from .runtime import capturing, on, unwrap
+from .steps import StepCounter, run_closure
+
+__all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
+           "Flag", "Hooks", "Int", "Layer", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
+           "as_rule", "average_over_ranks", "capturing", "check_hyperparameter", "check_int",
+           "check_range", "discover", "distributed", "hyperparameter_tensor", "on", "real_number",
+           "run_closure", "unwrap"]

@@ -1,0 +1,148 @@
+"""The statistics hooks: forward hooks and output-gradient tensor hooks that feed a member's
+statistics, holding the member weakly, safe with in-place activations, activation checkpointing
+and copies of the model."""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from .discovery import Layer
+
+# Which live owner hooks which module, so a second optimizer on the same model is not silent.
+_HOOKED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _inert(*args, **kwargs) -> None:
+    """What a statistics hook becomes in a copy or a pickle of the model: the copy is not the
+    model the optimizer trains, so it takes no statistics."""
+    return None
+
+
+class _ForwardHook:
+    """The forward hook of one layer. Holds its owner weakly (a deleted optimizer is freed, and
+    its hooks removed), and copies or pickles as an inert function (copies of the model, EMA
+    models, `torch.save(model)`)."""
+
+    def __init__(self, owner, layer: Layer) -> None:
+        self.owner = weakref.ref(owner)
+        self.layer = layer
+
+    def __deepcopy__(self, memo):
+        return _inert
+
+    def __reduce__(self):
+        return (_resolve_inert, ())
+
+    def __call__(self, module, inputs, output):
+        owner = self.owner()
+        if owner is None or module is not self.layer.module:
+            return None
+        if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
+            return None
+        if not torch.compiler.is_compiling() and _recomputing_saved_tensors():
+            return None
+        x = inputs[0].detach()
+        if not can_take_statistics(module, x):
+            return None
+        launch, step = owner._statistics_gate(self.layer, x.device)
+        if not launch:
+            return None
+        owner._input_statistics(self.layer, x, step)
+        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+            return None
+        # A tensor hook, not a module backward hook: it sees the gradient of the module's own
+        # output even when an in-place activation later overwrites that tensor. A view (Linear on
+        # 3-D input, unbatched Conv2d) loses its hooks when modified in place, so the hook goes on
+        # the tensor it views when that holds the same elements, or on a copy returned instead.
+        target, returned = output, None
+        if not torch.compiler.is_compiling() and output._is_view():
+            base = output._base
+            if (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
+                    and base.storage_offset() == output.storage_offset()):
+                target = base
+            else:
+                target = returned = output.clone()
+        target.register_hook(_GradHook(self, step, output.shape))
+        return returned
+
+
+def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
+    """Inputs the statistics are defined for (a LayerNorm over a 1-D input has no batch dim)."""
+    if isinstance(module, nn.LayerNorm):
+        return x.dim() > len(module.normalized_shape) and x.dim() >= 2
+    return x.numel() > 0
+
+
+def _recomputing_saved_tensors() -> bool:
+    """Whether this forward is non-reentrant activation checkpointing recomputing tensors for
+    backward. That pass repeats one whose statistics were taken, and its outputs' gradients are
+    never computed, so it takes none. Reentrant checkpointing is the other way round: its first
+    pass runs without grad (no statistics), and its recompute inside backward is followed by a
+    backward through the recomputed outputs, so that pass takes them."""
+    if torch._C._current_graph_task_id() == -1:
+        return False
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return hooks is not None and "_recomputation_hook" in getattr(hooks[0], "__qualname__", "")
+
+
+def _resolve_inert():
+    return _inert
+
+
+class _GradHook:
+    """The output-gradient hook of one forward call. It reaches the owner through the forward
+    hook's weak reference: a weak reference created while torch.compile traces the forward is
+    rebuilt by Dynamo as a strong reference to its referent, which then is not callable."""
+
+    def __init__(self, forward: _ForwardHook, step, shape) -> None:
+        self.forward, self.step, self.shape = forward, step, shape
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        owner = self.forward.owner()
+        if owner is not None:
+            owner._grad_statistics(self.forward.layer, grad.reshape(self.shape), self.step)
+
+
+class Hooks:
+    """The statistics hooks of one owner on its layers.
+
+    The owner provides `_statistics_gate(layer, device) -> (launch, step)`,
+    `_input_statistics(layer, x, step)` and `_grad_statistics(layer, g, step)`; the hooks call
+    them on forward passes with grad enabled and on the matching backward. The hooks are removed
+    when the owner is collected or `remove()` is called."""
+
+    def __init__(self, owner, layers: list[Layer]) -> None:
+        self.handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._owner = weakref.ref(owner)
+        self._modules = [layer.module for layer in layers]
+        for layer in layers:
+            other = _HOOKED.get(layer.module)
+            if other is not None and other() is not None and other() is not owner:
+                warnings.warn(
+                    f"{type(owner).__name__}: layer '{layer.name}' is already hooked by another "
+                    f"live {type(other()).__name__}, so its statistics are now taken twice per "
+                    "pass; call remove_hooks() on the old optimizer (or delete it) first",
+                    UserWarning, stacklevel=4)
+            _HOOKED[layer.module] = weakref.ref(owner)
+            self.handles.append(layer.module.register_forward_hook(_ForwardHook(owner, layer)))
+        # The handles list does not reference the owner, so this keeps nothing alive.
+        self._finalizer = weakref.finalize(owner, Hooks._remove_handles, self.handles)
+
+    @staticmethod
+    def _remove_handles(handles) -> None:
+        for handle in handles:
+            handle.remove()
+        handles.clear()
+
+    def remove(self) -> None:
+        self._finalizer.detach()
+        Hooks._remove_handles(self.handles)
+        for module in self._modules:
+            if _HOOKED.get(module) == self._owner:  # weak references compare their referents
+                del _HOOKED[module]
+
+    def __deepcopy__(self, memo):
+        raise TypeError("Hooks are not copied; the owner re-hooks its copy")

@@ -1,0 +1,23 @@
+"""Where a step runs: the model behind its wrappers, whether a CUDA graph is being captured, a
+tensor on a given device."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_COMPILED = torch._dynamo.eval_frame.OptimizedModule
+_WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    while isinstance(model, _WRAPPERS):
+        model = model._orig_mod if isinstance(model, _COMPILED) else model.module
+    return model
+
+
+def capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return t if t is None or t.device == device else t.to(device)
