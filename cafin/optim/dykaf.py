@@ -171,8 +171,8 @@ class DyKAF(CoreOptimizer):
         if kind == "kron2d":
             factors = self._start_2d(g, group, beta)
         elif kind == "kron4d":
-            factors = dykaf_maths.tensor_proj_split(dykaf_maths.hopm_start(g, self.seed, self.published_bugs), g, beta,
-                                                 self.published_bugs)
+            start = dykaf_maths.hopm_start(g, self.seed, self.published_bugs)
+            factors = dykaf_maths.tensor_proj_split(start, g, beta, self.published_bugs)
         else:
             shape = merged if merged is not None else p.shape
             if p.dim() == 1 and not group["precondition_1d"]:
@@ -210,8 +210,10 @@ class DyKAF(CoreOptimizer):
         m, n = g.shape
         limit = group["max_precond_dim"]
         if m > limit or n > limit:  # one side (or none) kept, as an undecayed sum of g g^T
-            left = None if m > limit else dykaf_maths.one_sided(dykaf_maths.one_sided_start(m, g), g, True)
-            right = None if n > limit else dykaf_maths.one_sided(dykaf_maths.one_sided_start(n, g), g, False)
+            left = None if m > limit else dykaf_maths.one_sided(
+                dykaf_maths.one_sided_start(m, g), g, True)
+            right = None if n > limit else dykaf_maths.one_sided(
+                dykaf_maths.one_sided_start(n, g), g, False)
             return [left, right]
         if group["init"] == "kron":
             L, R = dykaf_maths.kron_start(g, self.seed)
@@ -477,7 +479,8 @@ class DyKAF(CoreOptimizer):
             if due is None:
                 bases[k], order = dykaf_maths.refresh_basis(factor, basis)
             else:  # the QR runs only on due steps, the branch taken on the device
-                bases[k], order = torch.cond(due, dykaf_maths.refresh_basis, _keep_basis, (factor, basis))
+                bases[k], order = torch.cond(due, dykaf_maths.refresh_basis, _keep_basis,
+                                             (factor, basis))
             if "l" in state:
                 key = "l" if k == 0 else "r"
                 state[key] = state[key].index_select(0, order.to(state[key].device))

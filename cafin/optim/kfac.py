@@ -531,10 +531,12 @@ class KFACPreconditioner(Preconditioner):
         """(d, q) of stacked factors; eagerly, a failed eigh is retried in float64, and if that
         fails too, None (with a warning: the layers keep their previous decompositions)."""
         if gate is not None:  # compiled: no exception to catch
-            return kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype, out_dtype=self.inv_dtype)
+            return kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
+                                              out_dtype=self.inv_dtype)
         for dtype in dict.fromkeys((self.decompose_dtype, torch.float64)):
             try:
-                return kfac_maths.eigen_decompose(stacked, decompose_dtype=dtype, out_dtype=self.inv_dtype)
+                return kfac_maths.eigen_decompose(stacked, decompose_dtype=dtype,
+                                                  out_dtype=self.inv_dtype)
             except torch.linalg.LinAlgError:
                 continue
         names = [layer.name for layer in self._layers if any(self._state[layer.name] is st for st in sts)]

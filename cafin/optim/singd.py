@@ -614,9 +614,9 @@ class SINGD(CurvatureOptimizer):
             cc = c_g * sk.average_trace(H_K)
             dmp_c = damping_c * sk.average_trace(K_tK)
         new_mK = singd_maths.new_momentum(sk, H_K, K_tK, sk.eye(d_k, dk, device), ck, dmp_k, scale,
-                                  alpha1, m_K if alpha1 != 0.0 else None)
+                                          alpha1, m_K if alpha1 != 0.0 else None)
         new_mC = singd_maths.new_momentum(sc, H_C, C_tC, sc.eye(d_c, dc, device), cc, dmp_c, scale,
-                                  alpha1, m_C if alpha1 != 0.0 else None)
+                                          alpha1, m_C if alpha1 != 0.0 else None)
         beta_k = self._lr_cov(group, device, dk)
         beta_c = self._lr_cov(group, device, dc)
         if group["normalize_lr_cov"]:
