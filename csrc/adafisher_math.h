@@ -1,5 +1,5 @@
 // The per-element arithmetic of AdaFisher, shared by the CPU and the CUDA kernels so that the CPU
-// tests exercise the numbers the GPU computes. Semantics: cafin/reference.py. T is the op-math type
+// tests exercise the numbers the GPU computes. Semantics: cafin/reference/adafisher.py. T is the op-math type
 // (double for float64 parameters, float otherwise); per-tensor scalars are computed in double from
 // the step value and then cast to T, as the reference does.
 #pragma once

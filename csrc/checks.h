@@ -1,4 +1,4 @@
-// Argument checks shared by the CPU and CUDA entry points. They mirror cafin/ops.py (same
+// Argument checks shared by the CPU and CUDA entry points. They mirror cafin/ops/ (same
 // conditions, same exception types, similar messages) because the ops can be called directly
 // through torch.ops.cafin: every kernel runs all of its checks before it writes anything.
 #pragma once

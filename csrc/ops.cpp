@@ -1,6 +1,6 @@
 // The op contract of cafin: every schema in one place, plus the Autograd-key kernel that makes the
 // ops non-differentiable by declaration. Kernels live in cpu/ and cuda/; semantics are defined by
-// cafin/reference.py, the plain-PyTorch version of each op.
+// cafin/reference/, the plain-PyTorch version of each op.
 #include <Python.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>

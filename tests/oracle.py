@@ -1,4 +1,4 @@
-"""An independent float64 oracle of AdaFisher / AdaFisherW, written from DESIGN.md sections 1-2.
+"""An independent float64 oracle of AdaFisher / AdaFisherW, written from the published algorithm.
 
 It imports nothing from cafin on purpose: it is the specification turned into the most direct
 code, to run side by side with cafin. Statistics are computed from the module inputs and the

@@ -1,4 +1,4 @@
-"""Distributed training and gradient accumulation (issue "Distributed factors", DESIGN.md 2.4).
+"""Distributed training and gradient accumulation of AdaFisher / AdaFisherW.
 
 Distributed: two CPU processes on the gloo backend (tests/dist_worker.py, started with
 subprocess by tests/two_ranks.py, meeting through a file, every exit bounded).
@@ -9,7 +9,7 @@ writes what it saw; the tests below assert on it:
   every factor, none on other steps, none in the forward/backward hooks;
 - equal within FP32 tolerance to a single-process float64 oracle that runs each rank's batch
   separately, normalises each rank's statistics, averages the normalised statistics over the
-  ranks and folds that average into the factors (DESIGN.md 1; the factors of the previous update
+  ranks and folds that average into the factors (the factors of the previous update
   are the same on every rank, so the mean of the ranks' folds is the fold of the mean);
 - a checkpoint saved on rank 0 resumes in this (non-distributed) process and continues exactly
   as the distributed run continues (both then see the same batch on every rank);

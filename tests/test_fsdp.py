@@ -1,4 +1,4 @@
-"""FSDP2 (`fully_shard`, issue 17): every member trains a sharded model as it trains under DDP.
+"""FSDP2 (`fully_shard`): every member trains a sharded model as it trains under DDP.
 
 One launch of two CPU/gloo processes (tests/fsdp_worker.py) runs every member in float64 and
 float32 on a model of Conv2d, BatchNorm2d, LayerNorm and Linear layers whose dim 0 shards

@@ -1,7 +1,7 @@
-"""Optimizer-level tests of AdaFisher / AdaFisherW (issue "Foundation", "Shown by").
+"""Optimizer-level tests of AdaFisher / AdaFisherW.
 
 cafin (float32 model) runs side by side with tests/oracle.py (an independent float64 transcription
-of DESIGN.md sections 1-2, on a float64 deep copy of the model) on fresh random data each step.
+of the AdaFisher algorithm, on a float64 deep copy of the model) on fresh random data each step.
 Agreement measure, per parameter / state tensor: rel(a, b) = max|a - b| / max|b|, with a the cafin
 tensor (upcast to float64) and b the oracle's; asserted <= 1e-5 for parameters and factors.
 The same measure, <= 1e-5, for the raw statistics (cafin's accumulators between backward and
@@ -252,7 +252,7 @@ LAYER_CASES = {
     "linear_shared_weight": (SharedLinear, _layer(None, (4, 6))[1]),
     "linear_partially_frozen": (partially_frozen, _layer(None, (4, 6))[1]),
     "linear_hooks_not_run_at_first_curvature_step": (SometimesBranch, _sometimes_batch),
-    # in-place activations right after the layer (DESIGN 2.5); with a bias and a 3-D input, or a
+    # in-place activations right after the layer; with a bias and a 3-D input, or a
     # 1-D input, Linear returns a view, and so does Conv2d on an unbatched input
     "linear_inplace_relu": _layer(lambda: nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True)), (4, 6)),
     "linear_3d_inplace_relu": _layer(lambda: nn.Sequential(nn.Linear(6, 5), nn.ReLU(inplace=True)), (2, 3, 6)),

@@ -1,5 +1,4 @@
-"""The core's guarantees, used the way a hostile but realistic user would (issue "One Kronecker
-core for the whole family"): a rejected step or checkpoint changes nothing, a deleted optimizer is
+"""The core's guarantees, used the way a hostile but realistic user would: a rejected step or checkpoint changes nothing, a deleted optimizer is
 freed, models and optimizers can be copied and saved, hyperparameter schedules under torch.compile
 neither crash nor recompile, and the curvature-step decision is right under every compile backend.
 """

@@ -45,10 +45,10 @@ def singd_momentum_(m: Sequence[torch.Tensor], H: Sequence[torch.Tensor], KtK: S
                     go: Sequence[torch.Tensor], eye: Sequence[int], pi: Sequence[float],
                     scale: Sequence[float], alpha1: Sequence[float]) -> None:
     """The Riemannian momentum of structured factors, one entry per stored part, in place: where
-    go[i] (a 0-dim bool tensor), m <- scale*(c_h*H + c_damp*pi*KtK - I) + alpha1*m and H <- 0
-    (m is not read when alpha1 == 0); elsewhere nothing is written. eye[i] says where the
-    identity's ones are (0 none, 1 each matrix's diagonal, 2 every entry, 3 entry 0). c_h, c_damp
-    are 0-dim tensors of the parts' op-math dtype."""
+    go[i] (a 0-dim bool tensor: the update is written), m <- scale*(c_h*H + c_damp*pi*KtK - I)
+    + alpha1*m and H <- 0 (m is not read when alpha1 == 0); elsewhere nothing is written.
+    eye[i] says where the identity's ones are (0 none, 1 each matrix's diagonal, 2 every entry,
+    3 entry 0). c_h, c_damp are 0-dim tensors of the parts' op-math dtype."""
     if len(m) == 0:
         return
     torch.ops.cafin.singd_momentum_(list(m), list(H), list(KtK), list(c_h), list(c_damp), list(go),
@@ -59,9 +59,9 @@ def singd_momentum_(m: Sequence[torch.Tensor], H: Sequence[torch.Tensor], KtK: S
 def singd_factor_step_(K: Sequence[torch.Tensor], KM: Sequence[torch.Tensor],
                        beta: Sequence[torch.Tensor], go: Sequence[torch.Tensor],
                        elementwise: Sequence[bool]) -> None:
-    """The truncated-exponential factor update, one entry per stored part, in place: where go[i],
-    K <- K - beta*KM (KM = K m from a GEMM), or K <- K - beta*K*KM where elementwise[i] (a
-    diagonal part, KM holding m's part)."""
+    """The truncated-exponential factor update, one entry per stored part, in place: where go[i]
+    (a 0-dim bool tensor: the update is written), K <- K - beta*KM (KM = K m from a GEMM), or
+    K <- K - beta*K*KM where elementwise[i] (a diagonal part, KM holding m's part)."""
     if len(K) == 0:
         return
     torch.ops.cafin.singd_factor_step_(list(K), list(KM), list(beta), list(go),

@@ -263,6 +263,8 @@ class AdaFisher(CurvatureOptimizer):
         return self._no_curvature[key]
 
     def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
+        """Fold the raw statistics into the factors (one op call for the device); a NaN one is
+        dropped and counted."""
         device = factors[0].device
         skipped = self._skipped.on(device)
         # NaN statistics are dropped and counted on the device; where reading the count costs no

@@ -25,7 +25,7 @@ import torch
 
 from .. import ops, reference
 from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real
-from ..maths import dykaf as math
+from ..maths import dykaf as dykaf_maths
 from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
 
@@ -123,14 +123,14 @@ class DyKAF(CoreOptimizer):
 
     # ------------------------------------------------------------------ merge_dims
     def _merged_shape(self, p: torch.Tensor, group) -> tuple[int, ...] | None:
-        return math.merged_shape(p.shape, group["merge_dims"], group["max_precond_dim"],
+        return dykaf_maths.merged_shape(p.shape, group["merge_dims"], group["max_precond_dim"],
                                  self.data_format)
 
     def _to_merged(self, x: torch.Tensor, shape) -> torch.Tensor:
-        return math.to_merged(x, shape, self.data_format)
+        return dykaf_maths.to_merged(x, shape, self.data_format)
 
     def _from_merged(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        return math.from_merged(x, like.shape, self.data_format)
+        return dykaf_maths.from_merged(x, like.shape, self.data_format)
 
     # ------------------------------------------------------------------ first step: state
     def _kind(self, p: torch.Tensor, group) -> str:
@@ -171,8 +171,8 @@ class DyKAF(CoreOptimizer):
         if kind == "kron2d":
             factors = self._start_2d(g, group, beta)
         elif kind == "kron4d":
-            factors = math.tensor_proj_split(math.hopm_start(g, self.seed, self.published_bugs), g, beta,
-                                                 self.published_bugs)
+            start = dykaf_maths.hopm_start(g, self.seed, self.published_bugs)
+            factors = dykaf_maths.tensor_proj_split(start, g, beta, self.published_bugs)
         else:
             shape = merged if merged is not None else p.shape
             if p.dim() == 1 and not group["precondition_1d"]:
@@ -190,7 +190,7 @@ class DyKAF(CoreOptimizer):
                           "the next step starts over", UserWarning, stacklevel=2)
             return
         try:
-            bases = [None if f is None else math.eigenbasis(f) for f in factors]
+            bases = [None if f is None else dykaf_maths.eigenbasis(f) for f in factors]
         except torch.linalg.LinAlgError as e:  # eigenbasis has already retried in float64
             warnings.warn(f"{where}: the eigendecomposition of its first factors failed ({e}); "
                           "its state is not built, the next step starts over",
@@ -210,20 +210,22 @@ class DyKAF(CoreOptimizer):
         m, n = g.shape
         limit = group["max_precond_dim"]
         if m > limit or n > limit:  # one side (or none) kept, as an undecayed sum of g g^T
-            left = None if m > limit else math.one_sided(math.one_sided_start(m, g), g, True)
-            right = None if n > limit else math.one_sided(math.one_sided_start(n, g), g, False)
+            left = None if m > limit else dykaf_maths.one_sided(
+                dykaf_maths.one_sided_start(m, g), g, True)
+            right = None if n > limit else dykaf_maths.one_sided(
+                dykaf_maths.one_sided_start(n, g), g, False)
             return [left, right]
         if group["init"] == "kron":
-            L, R = math.kron_start(g, self.seed)
+            L, R = dykaf_maths.kron_start(g, self.seed)
         elif group["init"] == "eps":
-            L, R = math.eps_start(m, g), math.eps_start(n, g)
+            L, R = dykaf_maths.eps_start(m, g), dykaf_maths.eps_start(n, g)
         else:
-            return list(math.proj_split_from_zero(g, beta))
-        return list(math.proj_split(L, R, g, beta))
+            return list(dykaf_maths.proj_split_from_zero(g, beta))
+        return list(dykaf_maths.proj_split(L, R, g, beta))
 
     @staticmethod
     def _ema(factors, g, beta) -> None:
-        for k, product in enumerate(math.mode_products(g)):
+        for k, product in enumerate(dykaf_maths.mode_products(g)):
             if factors[k] is not None:
                 factors[k].lerp_(product, 1 - beta)
 
@@ -267,7 +269,8 @@ class DyKAF(CoreOptimizer):
                 self._update(group, params)
 
     def _update(self, group, params: list[torch.Tensor]) -> None:
-        impl = self._impl
+        """One step of the parameters of one device: rotate the gradients into the eigenbases,
+        update the moments, precondition, rotate back, apply, then update the factors."""
         device = params[0].device
         lr = self._hyperparameter(group, "lr", device, torch.float64)
         beta1, beta2 = self._hyperparameter(group, "betas", device, torch.float64)
@@ -277,18 +280,33 @@ class DyKAF(CoreOptimizer):
         # the split's elementwise work in two ops
         stacks = self._stacks(params, states) if self.backend == "fused" else []
         alone = sorted(set(range(len(params))) - {i for idx, _, _ in stacks for i in idx})
-        rotated: list = [None] * len(params)
-        for i in alone:
-            rotated[i] = self._project(grads[i], states[i], params[i], group)
-        for idx, QL, QR in stacks:
-            for i, x in zip(idx, (QL.mT @ _stack([grads[i] for i in idx]) @ QR).unbind(0)):
-                rotated[i] = x
+        rotated = self._rotate_gradients(group, params, states, grads, stacks, alone)
         if not torch.compiler.is_compiling():
             for st in states:
                 st["step"] += 1
         # The same count on the device: bias corrections read it there, so a compiled step
         # holds no symbolic step count in its graph (the host count only decides refreshes).
         torch._foreach_add_([st["device_step"] for st in states], 1.0)
+        moments, stacked_moments = self._update_moments(group, params, states, grads, rotated,
+                                                        stacks, alone, beta1)
+        self._precondition(group, states, rotated, moments, beta2)
+        updates = self._rotate_back(group, params, states, moments, stacks, stacked_moments, alone)
+        self._apply_updates(group, params, states, updates, lr, beta1, beta2)
+        self._update_all_factors(group, params, states, grads, stacks)
+
+    def _rotate_gradients(self, group, params, states, grads, stacks, alone) -> list:
+        """The gradients in the eigenbases (stacked matrices of one shape in one batched GEMM)."""
+        rotated: list = [None] * len(params)
+        for i in alone:
+            rotated[i] = self._project(grads[i], states[i], params[i], group)
+        for idx, QL, QR in stacks:
+            for i, x in zip(idx, (QL.mT @ _stack([grads[i] for i in idx]) @ QR).unbind(0)):
+                rotated[i] = x
+        return rotated
+
+    def _update_moments(self, group, params, states, grads, rotated, stacks, alone, beta1):
+        """exp_avg's average of the gradients, and its rotation into the eigenbases: (the rotated
+        moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
         torch._foreach_mul_(exp_avgs, beta1)
         torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
@@ -325,6 +343,12 @@ class DyKAF(CoreOptimizer):
                     else:  # a checkpoint of the reference backend
                         st["exp_avg_rot"] = x.clone()
                 st["exp_avg_rot_step"] = st["step"]
+        return moments, stacked_moments
+
+    def _precondition(self, group, states, rotated, moments, beta2) -> None:
+        """Precondition the rotated moments in place: by the rank-one second moment (l, r) where
+        kept, else Adam's elementwise one."""
+        impl = self._impl
         rank_one = [i for i, st in enumerate(states) if "l" in st]
         full = [i for i, st in enumerate(states) if "l" not in st]
         if rank_one:
@@ -335,12 +359,20 @@ class DyKAF(CoreOptimizer):
             impl.dykaf_adam_precondition_([moments[i] for i in full],
                                           [states[i]["exp_avg_sq"] for i in full],
                                           [rotated[i] for i in full], beta2, float(group["eps"]))
+
+    def _rotate_back(self, group, params, states, moments, stacks, stacked_moments, alone) -> list:
+        """The preconditioned moments rotated back out of the eigenbases: the updates."""
         updates: list = [None] * len(params)
         for i in alone:
             updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
         for (idx, QL, QR), stacked in zip(stacks, stacked_moments):
             for i, x in zip(idx, (QL @ stacked @ QR.mT).unbind(0)):
                 updates[i] = x
+        return updates
+
+    def _apply_updates(self, group, params, states, updates, lr, beta1, beta2) -> None:
+        """Apply the updates to the parameters (step size, bias correction, weight decay)."""
+        impl = self._impl
         # Parameters share one step size and one apply call when their step counts agree (the
         # usual case); no dict keyed by the count, which would make a compiled step specialise
         # on its value and recompile every step.
@@ -363,9 +395,12 @@ class DyKAF(CoreOptimizer):
             for p, q in zip(targets, flat):
                 if q is not p:
                     p.copy_(q)
+
+    def _update_all_factors(self, group, params, states, grads, stacks) -> None:
+        """Update the Kronecker factors from the gradients (stacks in one batched split)."""
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
-            U, V = math.proj_split_batched(
+            U, V = dykaf_maths.proj_split_batched(
                 _stack([states[i]["factors"][0] for i in idx]),
                 _stack([states[i]["factors"][1] for i in idx]),
                 _stack([grads[i] for i in idx]), beta, self._impl)
@@ -382,7 +417,7 @@ class DyKAF(CoreOptimizer):
         merged = self._merged_shape(p, group)
         if merged is not None:
             x = self._to_merged(x, merged)
-        x = math.project_back(x, bases) if back else math.project(x, bases)
+        x = dykaf_maths.project_back(x, bases) if back else dykaf_maths.project(x, bases)
         if merged is not None:
             x = self._from_merged(x, p)
         return x.contiguous()
@@ -412,12 +447,12 @@ class DyKAF(CoreOptimizer):
         elif kind == "kron2d":
             L, R = factors
             if L is not None and R is not None:
-                state["factors"] = list(math.proj_split(L, R, g, beta))
+                state["factors"] = list(dykaf_maths.proj_split(L, R, g, beta))
             else:
-                state["factors"] = [None if L is None else math.one_sided(L, g, True),
-                                    None if R is None else math.one_sided(R, g, False)]
+                state["factors"] = [None if L is None else dykaf_maths.one_sided(L, g, True),
+                                    None if R is None else dykaf_maths.one_sided(R, g, False)]
         elif kind == "kron4d":
-            state["factors"] = math.tensor_proj_split(factors, g, beta, self.published_bugs)
+            state["factors"] = dykaf_maths.tensor_proj_split(factors, g, beta, self.published_bugs)
         else:
             merged = self._merged_shape(p, group)
             self._ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)
@@ -442,9 +477,10 @@ class DyKAF(CoreOptimizer):
             if factor is None:
                 continue
             if due is None:
-                bases[k], order = math.refresh_basis(factor, basis)
+                bases[k], order = dykaf_maths.refresh_basis(factor, basis)
             else:  # the QR runs only on due steps, the branch taken on the device
-                bases[k], order = torch.cond(due, math.refresh_basis, _keep_basis, (factor, basis))
+                bases[k], order = torch.cond(due, dykaf_maths.refresh_basis, _keep_basis,
+                                             (factor, basis))
             if "l" in state:
                 key = "l" if k == 0 else "r"
                 state[key] = state[key].index_select(0, order.to(state[key].device))

@@ -23,12 +23,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from .. import factors as kf
+from .. import factors
 from .. import ops, reference
 from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
                          capturing, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
-from ..maths import kfac as rk
+from ..maths import kfac as kfac_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
 
@@ -42,7 +42,7 @@ class _LayerState:
 
     def __init__(self, layer: Layer, factor_dtype: torch.dtype, device: torch.device,
                  eigen: bool, prediv: bool, inv_dtype: torch.dtype) -> None:
-        groups, d_a, d_g = kf.factor_sizes(layer.module)
+        groups, d_a, d_g = factors.factor_sizes(layer.module)
         like = dict(dtype=factor_dtype, device=device)
         eye = lambda n: torch.eye(n, **like).expand(groups, n, n).clone()  # noqa: E731
         self.A, self.G = eye(d_a), eye(d_g)  # the EMA starts from I: kfac-pytorch's first update
@@ -152,6 +152,57 @@ class KFACPreconditioner(Preconditioner):
         decompose_dtype: torch.dtype = torch.float32,
         process_group=None,
     ) -> None:
+        compute_method, kaisa, skip_layers = self._check_arguments(
+            model, factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
+            damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
+            accumulation_steps=accumulation_steps, allreduce_bucket_cap_mb=allreduce_bucket_cap_mb,
+            assignment_strategy=assignment_strategy, colocate_factors=colocate_factors,
+            compute_method=compute_method,
+            compute_eigenvalue_outer_product=compute_eigenvalue_outer_product,
+            grad_worker_fraction=grad_worker_fraction, symmetry_aware=symmetry_aware,
+            factor_dtype=factor_dtype, inv_dtype=inv_dtype, decompose_dtype=decompose_dtype,
+            skip_layers=skip_layers, update_factors_in_hook=update_factors_in_hook,
+            backend=backend, process_group=process_group)
+
+        self.model = unwrap(model)
+        # FSDP2: factors are averaged over the parameters' mesh, gradients gathered per step.
+        mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
+        if process_group is None:
+            process_group = mesh_group
+        self._kaisa = kaisa
+        self.compute_method = compute_method
+        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
+        self.grad_scaler = grad_scaler
+        self.factor_dtype = factor_dtype
+        self.inv_dtype = inv_dtype
+        self.decompose_dtype = decompose_dtype
+        self.skip_layers = skip_layers
+        self.backend = backend
+        self.process_group = process_group
+        self._accumulation_steps = accumulation_steps
+        self._update_factors_in_hook = update_factors_in_hook
+        self._factor_update_steps = factor_update_steps
+        self._inv_update_steps = inv_update_steps
+        self._mini_steps: dict[str, int] = defaultdict(int)
+        # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
+        # compiled or captured steps can add to it), and how many of them were already reported.
+        self._skipped = DropCounts()
+        self._skipped_reported = 0
+        # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
+        # CUDA-graph-captured step cannot hold eigh).
+        self.decompose_in_step = True
+
+        self._register_layers(loglevel)
+        self._choose_backends()
+        self._start(self._layers)
+
+    def _check_arguments(self, model, *, factor_update_steps, inv_update_steps, damping, factor_decay,
+                         kl_clip, lr, accumulation_steps, allreduce_bucket_cap_mb, assignment_strategy,
+                         colocate_factors, compute_method, compute_eigenvalue_outer_product,
+                         grad_worker_fraction, symmetry_aware, factor_dtype, inv_dtype, decompose_dtype,
+                         skip_layers, update_factors_in_hook, backend, process_group):
+        """Validate the constructor's arguments before anything is built (the schedule settings
+        are stored as they are checked); returns (compute_method, kaisa options, skip patterns)."""
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if backend not in _BACKENDS:
@@ -184,44 +235,19 @@ class KFACPreconditioner(Preconditioner):
         if (not callable(inv_update_steps) and not callable(factor_update_steps)
                 and inv_update_steps % factor_update_steps != 0):
             warnings.warn("It is suggested that inv_update_steps be an integer multiple of "
-                          "factor_update_steps", stacklevel=2)
+                          "factor_update_steps", stacklevel=3)
         if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
+        return compute_method, kaisa, skip_layers
 
-        self.model = unwrap(model)
-        # FSDP2: factors are averaged over the parameters' mesh, gradients gathered per step.
-        mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
-        if process_group is None:
-            process_group = mesh_group
-        self._kaisa = kaisa
-        self.compute_method = compute_method
-        self.compute_eigenvalue_outer_product = compute_eigenvalue_outer_product
-        self.grad_scaler = grad_scaler
-        self.factor_dtype = factor_dtype
-        self.inv_dtype = inv_dtype
-        self.decompose_dtype = decompose_dtype
-        self.skip_layers = skip_layers
-        self.backend = backend
-        self.process_group = process_group
-        self._accumulation_steps = accumulation_steps
-        self._update_factors_in_hook = update_factors_in_hook
-        self._factor_update_steps = factor_update_steps
-        self._inv_update_steps = inv_update_steps
-        self._mini_steps: dict[str, int] = defaultdict(int)
-        # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
-        # compiled or captured steps can add to it), and how many of them were already reported.
-        self._skipped = DropCounts()
-        self._skipped_reported = 0
-        # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
-        # CUDA-graph-captured step cannot hold eigh).
-        self.decompose_in_step = True
-
+    def _register_layers(self, loglevel: int) -> None:
+        """Find the supported layers (not skipped, all parameters trained) and create their state."""
         skipped = {id(m) for name, m in self.model.named_modules()
                    if _any_match(name, self.skip_layers) or _any_match(type(m).__name__, self.skip_layers)}
         params = [p for p in self.model.parameters() if p.requires_grad]
 
         def accept(module):
-            return (kf.supports(module) and id(module) not in skipped
+            return (factors.supports(module) and id(module) not in skipped
                     and next(module.children(), None) is None
                     and all(p.requires_grad for p in module.parameters()))
 
@@ -230,22 +256,23 @@ class KFACPreconditioner(Preconditioner):
         self._state: dict[str, _LayerState] = {}
         log = logging.getLogger(__name__)
         for layer in self._layers:
-            dtype = factor_dtype or layer.module.weight.dtype
+            dtype = self.factor_dtype or layer.module.weight.dtype
             self._state[layer.name] = _LayerState(
-                layer, dtype, layer.module.weight.device, compute_method is ComputeMethod.EIGEN,
-                compute_eigenvalue_outer_product, inv_dtype)
+                layer, dtype, layer.module.weight.device, self.compute_method is ComputeMethod.EIGEN,
+                self.compute_eigenvalue_outer_product, self.inv_dtype)
             log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
         self._stack_second_order()
-        # The backend decision, made once: the implementation of the ops for every (device,
-        # dtype) that a layer's gradients, factors or inv_dtype products have.
+
+    def _choose_backends(self) -> None:
+        """The backend decision, made once: the implementation of the ops for every (device,
+        dtype) that a layer's gradients, factors or inv_dtype products have."""
         self._impls: dict[tuple[torch.device, torch.dtype], Any] = {}
         for layer in self._layers:
             device = layer.module.weight.device
-            for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, inv_dtype):
-                self._impls[(device, dtype)] = _implementation(backend, device, dtype)
+            for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, self.inv_dtype):
+                self._impls[(device, dtype)] = _implementation(self.backend, device, dtype)
         for layer in self._layers:  # device state created now: a compiled step cannot create it
             self._skipped.on(layer.module.weight.device)
-        self._start(self._layers)
 
     def _stack_second_order(self) -> None:
         """Layers whose second-order data have equal shapes share one stacked tensor per kind
@@ -336,12 +363,12 @@ class KFACPreconditioner(Preconditioner):
 
     def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
         st = self._state[layer.name]
-        kf.kfac_input_factor(layer.module, x, out=st.stat_A, accumulate=True)
+        factors.kfac_input_factor(layer.module, x, out=st.stat_A, accumulate=True)
         st.count_A.add_(1)
         st.seen = True
         self._mini_steps[layer.name] += 1
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
-            self._fold([st.A], [st.stat_A], [st.count_A], st.A.device)
+            self._fold_statistics([st.A], [st.stat_A], [st.count_A], st.A.device)
 
     def _grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
         st = self._state[layer.name]
@@ -352,10 +379,10 @@ class KFACPreconditioner(Preconditioner):
                 g = g / (s.to(g.device) if s is not None else 1.0)
             else:
                 g = g / scale()
-        kf.kfac_grad_factor(layer.module, g, out=st.stat_G, accumulate=True, dtype=st.stat_G.dtype)
+        factors.kfac_grad_factor(layer.module, g, out=st.stat_G, accumulate=True, dtype=st.stat_G.dtype)
         st.count_G.add_(1)
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
-            self._fold([st.G], [st.stat_G], [st.count_G], st.G.device)
+            self._fold_statistics([st.G], [st.stat_G], [st.count_G], st.G.device)
 
     @property
     def skipped_factor_updates(self) -> int:
@@ -363,7 +390,7 @@ class KFACPreconditioner(Preconditioner):
         NaN, a GradScaler overflow pass's for instance (reads device counters)."""
         return self._skipped.total()
 
-    def _fold(self, fs, ss, cs, device, step=None, interval=1) -> None:
+    def _fold_statistics(self, fs, ss, cs, device, step=None, interval=1) -> None:
         """Fold statistics into factors on `device`, one op call per factor dtype. The op drops
         a non-finite statistic; it is counted here first, on the device (the op empties it)."""
         if not fs:
@@ -425,13 +452,13 @@ class KFACPreconditioner(Preconditioner):
                 fs = [t for st in sts for t in (st.A, st.G)]
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
                 cs = [t for st in sts for t in (st.count_A, st.count_G)]
-                self._fold(fs, ss, cs, device, step, self.factor_update_steps)
+                self._fold_statistics(fs, ss, cs, device, step, self.factor_update_steps)
         elif gated and not self._update_factors_in_hook:
             for device, sts in self._by_device().items():
                 fs = [t for st in sts for t in (st.A, st.G)]
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
                 cs = [t for st in sts for t in (st.count_A, st.count_G)]
-                self._fold(fs, ss, cs, device)
+                self._fold_statistics(fs, ss, cs, device)
         if distributed() and gated is not False and self._layers:
             for sts in self._by_device().values():
                 average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
@@ -481,7 +508,7 @@ class KFACPreconditioner(Preconditioner):
                         else:
                             results.append((st, "d" + side, di))
                 else:
-                    inv = rk.damped_inverse(stacked, self._settings_on(device)["damping"],
+                    inv = kfac_maths.damped_inverse(stacked, self._settings_on(device)["damping"],
                                             decompose_dtype=self.decompose_dtype,
                                             out_dtype=self.inv_dtype)
                     for st, ii in zip(sts, inv.split(sizes)):
@@ -497,17 +524,19 @@ class KFACPreconditioner(Preconditioner):
                 st.decomposed = True
             if prediv:
                 damping = self._settings_on(st.A.device)["damping"].to(self.inv_dtype)
-                _store(st.second, "dgda", rk.eigenvalue_reciprocal(
+                _store(st.second, "dgda", kfac_maths.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
     def _eigen_decompose(self, stacked, sts, side, gate):
         """(d, q) of stacked factors; eagerly, a failed eigh is retried in float64, and if that
         fails too, None (with a warning: the layers keep their previous decompositions)."""
         if gate is not None:  # compiled: no exception to catch
-            return rk.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype, out_dtype=self.inv_dtype)
+            return kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
+                                              out_dtype=self.inv_dtype)
         for dtype in dict.fromkeys((self.decompose_dtype, torch.float64)):
             try:
-                return rk.eigen_decompose(stacked, decompose_dtype=dtype, out_dtype=self.inv_dtype)
+                return kfac_maths.eigen_decompose(stacked, decompose_dtype=dtype,
+                                                  out_dtype=self.inv_dtype)
             except torch.linalg.LinAlgError:
                 continue
         names = [layer.name for layer in self._layers if any(self._state[layer.name] is st for st in sts)]
@@ -539,7 +568,7 @@ class KFACPreconditioner(Preconditioner):
         return m.weight.grad, None if m.bias is None else m.bias.grad
 
     def _grad(self, layer: Layer) -> torch.Tensor:
-        return kf.grad_matrix(layer.module, *self._grads(layer))
+        return factors.grad_matrix(layer.module, *self._grads(layer))
 
     def _gather(self, active: list[Layer]) -> None:
         """FSDP2: the full gradients of the sharded active layers, in one all_gather per dtype
@@ -565,14 +594,14 @@ class KFACPreconditioner(Preconditioner):
         work = grad.to(self.inv_dtype)
         if self.compute_method is ComputeMethod.EIGEN:
             if self.compute_eigenvalue_outer_product:
-                v = rk.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
+                v = kfac_maths.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
             else:
                 damping = self._settings_on(device)["damping"]
-                v = rk.eigen_precondition(
+                v = kfac_maths.eigen_precondition(
                     work, s["qa"], s["qg"], da=s["da"], dg=s["dg"], damping=damping,
                     scale_=self._impl_for(device, self.inv_dtype).kfac_eigen_scale_)
         else:
-            v = rk.inverse_precondition(work, s["a_inv"], s["g_inv"])
+            v = kfac_maths.inverse_precondition(work, s["a_inv"], s["g_inv"])
         return v.to(grad.dtype).contiguous()
 
     @torch.no_grad()
@@ -675,7 +704,7 @@ class KFACPreconditioner(Preconditioner):
             v = precond[layer.name]
             vg = vg + (v.to(acc) * self._grad(layer).to(acc)).sum().to(device)
         ts = self._settings_on(device)
-        return rk.kl_clip_scale(vg * ts["lr"].to(acc) ** 2, ts["kl_clip"])
+        return kfac_maths.kl_clip_scale(vg * ts["lr"].to(acc) ** 2, ts["kl_clip"])
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self, include_factors: bool = True) -> dict[str, Any]:

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from ..core import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
                          discover, distributed, hyperparameter_tensor, real_number, unwrap)
-from ..maths import singd as ref
+from ..maths import singd as singd_maths
 from .. import ops
 from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
@@ -60,6 +60,27 @@ def _lr_cov_value(value, where: str = "") -> None:
         v = real_number(value, f"{where}lr_cov")
         if not (math.isfinite(v) and v >= 0.0):
             raise ValueError(f"{where}lr_cov must be a finite number >= 0, got {v}")
+
+
+class _PendingUpdate(NamedTuple):
+    """One layer's preconditioner update between the momentum op and the factor step op."""
+    layer: Layer
+    group: dict
+    state: dict
+    sk: type  # K's structure
+    sc: type  # C's structure
+    wk: torch.dtype  # K's work dtype
+    wc: torch.dtype  # C's work dtype
+    K: tuple
+    C: tuple
+    m_K: tuple
+    m_C: tuple
+    commit: Tensor  # the update is written (due, and its accumulators are finite)
+    device: torch.device
+    H_K: tuple
+    H_C: tuple
+    due: Tensor  # its accumulators are reset
+    due_host: bool | None
 
 
 def _scalar_tensor(value, device, dtype) -> Tensor:
@@ -399,8 +420,8 @@ class SINGD(CurvatureOptimizer):
         x = pending.pop()
         group = self._group(layer)
         (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
-        a = ref.input_rows(layer.module, x.to(dk), group["kfac_approx"])
-        g = ref.grad_rows(layer.module, grad.to(dc), group["loss_average"], group["kfac_approx"])
+        a = singd_maths.input_rows(layer.module, x.to(dk), group["kfac_approx"])
+        g = singd_maths.grad_rows(layer.module, grad.to(dc), group["loss_average"], group["kfac_approx"])
         if self._grad_scale_prev != 1.0:  # singd: H_C from g / sqrt(previous step's scale)
             g = g / math.sqrt(self._grad_scale_prev)
         h_k = sk.inner(self._parts(layer, "K"), a.mT)
@@ -442,12 +463,12 @@ class SINGD(CurvatureOptimizer):
         """The module's weight and bias (optimised or not: singd's natural gradient uses both)."""
         return [t for t in (getattr(layer.module, n, None) for n in ("weight", "bias")) if t is not None]
 
-    def _due_and_go(self, layer: Layer, due_host: bool | None,
+    def _due_and_commit(self, layer: Layer, due_host: bool | None,
                     accumulators: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
-        """(due, go), 0-dim bool tensors. due: this layer's preconditioner update is due, so its
+        """(due, commit), 0-dim bool tensors. due: this layer's preconditioner update is due, so its
         accumulators are reset: it saw statistics (singd raises KeyError when a layer took none;
         this leaves its factors as they are) and, once the device decides, this is a step k with
-        k % T == 0. go: the update commits, as it is due and its accumulated H_K and H_C (the
+        k % T == 0. commit: the update is written, as it is due and its accumulated H_K and H_C (the
         parts in `accumulators`) are finite (a NaN or inf would turn K and C non-finite for good)."""
         count = self.state[layer.anchor]["H_count"]
         due = count > 0
@@ -462,8 +483,8 @@ class SINGD(CurvatureOptimizer):
             total = s if total is None else total + s
         return due, due & ((total - total) == 0)
 
-    def _count_dropped(self, layer: Layer, due: Tensor, go: Tensor) -> None:
-        self._skipped.on(layer.anchor.device).add_(due ^ go)  # go implies due
+    def _count_dropped(self, layer: Layer, due: Tensor, commit: Tensor) -> None:
+        self._skipped.on(layer.anchor.device).add_(due ^ commit)  # commit implies due
 
     def _update_preconditioners(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
         """Every due layer's preconditioner update, by the backend; while the CPU counts the
@@ -493,7 +514,7 @@ class SINGD(CurvatureOptimizer):
             return
         momentum: dict[tuple, tuple[list, ...]] = {}
         steps: dict[tuple, tuple[list, ...]] = {}
-        later = []
+        pending = []
         for layer, due_host in items:
             group = self._group(layer)
             state = self.state[layer.anchor]
@@ -521,29 +542,29 @@ class SINGD(CurvatureOptimizer):
                 dmp_k = damping_k * sc.average_trace(C_tC)
                 cc = (c_g * sk.average_trace(H_K)).to(wc)
                 dmp_c = damping_c * sk.average_trace(K_tK)
-            due, go = self._due_and_go(layer, due_host, H_K + H_C)
+            due, commit = self._due_and_commit(layer, due_host, H_K + H_C)
             for kind, d, dtype, m, h, ktk, pi, c_h, c_d in (
                     (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk)),
                     (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc))):
                 lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
                 n = len(m)
-                for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [go] * n,
+                for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [commit] * n,
                                                kind.eye_kinds(d), pi, [scale] * n, [alpha1] * n)):
                     lst.extend(values)
-            later.append((layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device,
-                          H_K, H_C, due, due_host))
+            pending.append(_PendingUpdate(layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, commit,
+                                        device, H_K, H_C, due, due_host))
         for lists in momentum.values():
             ops.singd_momentum_(*lists)
-        for layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device, *_ in later:
-            beta_k, beta_c = self._lr_cov(group, device, wk), self._lr_cov(group, device, wc)
-            if group["normalize_lr_cov"]:
-                beta_k = beta_k / torch.clamp(sk.inf_norm(m_K), min=1.0)
-                beta_c = beta_c / torch.clamp(sc.inf_norm(m_C), min=1.0)
-            for kind, parts, m, beta in ((sk, K, m_K, beta_k), (sc, C, m_C, beta_c)):
+        for u in pending:
+            beta_k, beta_c = self._lr_cov(u.group, u.device, u.wk), self._lr_cov(u.group, u.device, u.wc)
+            if u.group["normalize_lr_cov"]:
+                beta_k = beta_k / torch.clamp(u.sk.inf_norm(u.m_K), min=1.0)
+                beta_c = beta_c / torch.clamp(u.sc.inf_norm(u.m_C), min=1.0)
+            for kind, parts, m, beta in ((u.sk, u.K, u.m_K, beta_k), (u.sc, u.C, u.m_C, beta_c)):
                 km, elementwise = kind.product_parts(parts, m)
-                lists = steps.setdefault((device, parts[0].dtype), ([], [], [], [], []))
+                lists = steps.setdefault((u.device, parts[0].dtype), ([], [], [], [], []))
                 n = len(parts)
-                for lst, values in zip(lists, (parts, km, [beta] * n, [go] * n, elementwise)):
+                for lst, values in zip(lists, (parts, km, [beta] * n, [u.commit] * n, elementwise)):
                     lst.extend(values)
         for lists in steps.values():
             ops.singd_factor_step_(*lists)
@@ -551,16 +572,15 @@ class SINGD(CurvatureOptimizer):
         # reset too (while the host gates, every layer here is due or has empty accumulators:
         # all of them in one op).
         resets = []
-        for (layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, go, device, H_K, H_C, due,
-             due_host) in later:
-            accumulators = H_K + H_C + (state["H_count"],)
-            if due_host is None:
+        for u in pending:
+            accumulators = u.H_K + u.H_C + (u.state["H_count"],)
+            if u.due_host is None:
                 for t in accumulators:
-                    t.copy_(torch.where(due, torch.zeros_like(t), t))
+                    t.copy_(torch.where(u.due, torch.zeros_like(t), t))
             else:
                 resets += list(accumulators)
-            self._count_dropped(layer, due, go)
-            self._refresh_cache(layer, sk, sc, K, C)
+            self._count_dropped(u.layer, u.due, u.commit)
+            self._refresh_cache(u.layer, u.sk, u.sc, u.K, u.C)
         if resets:
             torch._foreach_zero_(resets)
 
@@ -593,22 +613,22 @@ class SINGD(CurvatureOptimizer):
             dmp_k = damping_k * sc.average_trace(C_tC)
             cc = c_g * sk.average_trace(H_K)
             dmp_c = damping_c * sk.average_trace(K_tK)
-        new_mK = ref.new_momentum(sk, H_K, K_tK, sk.eye(d_k, dk, device), ck, dmp_k, scale,
-                                  alpha1, m_K if alpha1 != 0.0 else None)
-        new_mC = ref.new_momentum(sc, H_C, C_tC, sc.eye(d_c, dc, device), cc, dmp_c, scale,
-                                  alpha1, m_C if alpha1 != 0.0 else None)
+        new_mK = singd_maths.new_momentum(sk, H_K, K_tK, sk.eye(d_k, dk, device), ck, dmp_k, scale,
+                                          alpha1, m_K if alpha1 != 0.0 else None)
+        new_mC = singd_maths.new_momentum(sc, H_C, C_tC, sc.eye(d_c, dc, device), cc, dmp_c, scale,
+                                          alpha1, m_C if alpha1 != 0.0 else None)
         beta_k = self._lr_cov(group, device, dk)
         beta_c = self._lr_cov(group, device, dc)
         if group["normalize_lr_cov"]:
             beta_k = beta_k / torch.clamp(sk.inf_norm(new_mK), min=1.0)
             beta_c = beta_c / torch.clamp(sc.inf_norm(new_mC), min=1.0)
-        new_K = ref.factor_step(sk, K, new_mK, beta_k)
-        new_C = ref.factor_step(sc, C, new_mC, beta_c)
-        due, go = self._due_and_go(layer, due_host, H_K + H_C)
+        new_K = singd_maths.factor_step(sk, K, new_mK, beta_k)
+        new_C = singd_maths.factor_step(sc, C, new_mC, beta_c)
+        due, commit = self._due_and_commit(layer, due_host, H_K + H_C)
         olds = K + C + ((m_K + m_C) if alpha1 != 0.0 else ())
         news = new_K + new_C + ((new_mK + new_mC) if alpha1 != 0.0 else ())
         for old, new in zip(olds, news):
-            old.copy_(torch.where(go, new.to(old.dtype), old))
+            old.copy_(torch.where(commit, new.to(old.dtype), old))
         if due_host is None:
             for t in H_K + H_C:
                 t.copy_(torch.where(due, torch.zeros_like(t), t))
@@ -616,7 +636,7 @@ class SINGD(CurvatureOptimizer):
         else:
             torch._foreach_zero_(list(H_K + H_C))
             count.zero_()
-        self._count_dropped(layer, due, go)
+        self._count_dropped(layer, due, commit)
         self._refresh_cache(layer, sk, sc, K, C)
 
     def _average_curvature(self, due: list[Layer]) -> None:
@@ -735,48 +755,67 @@ class SINGD(CurvatureOptimizer):
             sk, sc = self._kinds(layer)
             K, C = self._parts(layer, "K"), self._parts(layer, "C")
             if self._fused_diagonal(layer, sk, sc, K, C):
-                bucket = per_diag.setdefault(self._group_of[layer.anchor], {}).setdefault(
-                    (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], [], []))
-                d_k = K[0].numel()
-                for pname, p in layer.params.items():
-                    if p.grad is None:
-                        continue
-                    grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-                    for lst, v in zip(bucket, (p, grad, self.state[p]["momentum_buffer"], K[0],
-                                               C[0], 0 if pname == "weight" else d_k - 1)):
-                        lst.append(v)
+                self._queue_diagonal_step(layer, K, C, per_diag)
+            else:
+                self._queue_natural_gradient(layer, grads, full.get(id(layer)), sk, sc, K, C,
+                                             grad_scale, per_group)
+        self._apply_updates(per_group, per_diag, owned, grad_scale)
+
+    def _queue_diagonal_step(self, layer: Layer, K, C, per_diag) -> None:
+        """Queue a layer with diagonal K and C for the fused diagonal step (the op forms the
+        natural gradient and updates the parameters), in its (group, device, dtype) bucket."""
+        bucket = per_diag.setdefault(self._group_of[layer.anchor], {}).setdefault(
+            (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], [], []))
+        d_k = K[0].numel()
+        for pname, p in layer.params.items():
+            if p.grad is None:
                 continue
-            local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
-            if local_rows:
-                C = self._own_rows(layer, C, sc)
-                grads = {n: local(g) for n, g in grads.items()}
-            grads = full.get(id(layer), grads)
-            like = next(g for g in grads.values() if g is not None)
-            if local_rows:
-                gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
-                gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
-            else:
-                gmat = ref.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
-            if grad_scale != 1.0:
-                gmat = gmat / grad_scale
-            state = self.state[layer.anchor]
-            nat = ref.natural_gradient(sk, K, sc, C, gmat, state.get("P_K"), state.get("P_C"))
-            if distributed():
-                self._reduce_natural_gradient(layer, nat)
-            params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
-            if module.bias is not None:
-                pieces = {"weight": nat[:, :-1], "bias": nat[:, -1]}
-            else:
-                pieces = {"weight": nat}
-            for pname, p in layer.params.items():
-                if p.grad is None:
-                    continue
-                piece = pieces[pname]
-                if self._sharded and not local_rows:  # each rank keeps its rows
-                    piece = own_rows(piece, p)
-                params.append(local(p))
-                updates.append(piece.reshape(local(p).shape))
-                bufs.append(local(self.state[p]["momentum_buffer"]))
+            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
+            for lst, v in zip(bucket, (p, grad, self.state[p]["momentum_buffer"], K[0],
+                                       C[0], 0 if pname == "weight" else d_k - 1)):
+                lst.append(v)
+
+    def _queue_natural_gradient(self, layer: Layer, grads, full_grads, sk, sc, K, C, grad_scale,
+                                per_group) -> None:
+        """Form the layer's natural gradient and queue its pieces, one per parameter, for the
+        SGD update of its group (`full_grads`: the gathered gradients of a sharded layer)."""
+        module = layer.module
+        local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
+        if local_rows:
+            C = self._own_rows(layer, C, sc)
+            grads = {n: local(g) for n, g in grads.items()}
+        if full_grads is not None:
+            grads = full_grads
+        like = next(g for g in grads.values() if g is not None)
+        if local_rows:
+            gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
+            gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
+        else:
+            gmat = singd_maths.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
+        if grad_scale != 1.0:
+            gmat = gmat / grad_scale
+        state = self.state[layer.anchor]
+        nat = singd_maths.natural_gradient(sk, K, sc, C, gmat, state.get("P_K"), state.get("P_C"))
+        if distributed():
+            self._reduce_natural_gradient(layer, nat)
+        params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
+        if module.bias is not None:
+            pieces = {"weight": nat[:, :-1], "bias": nat[:, -1]}
+        else:
+            pieces = {"weight": nat}
+        for pname, p in layer.params.items():
+            if p.grad is None:
+                continue
+            piece = pieces[pname]
+            if self._sharded and not local_rows:  # each rank keeps its rows
+                piece = own_rows(piece, p)
+            params.append(local(p))
+            updates.append(piece.reshape(local(p).shape))
+            bufs.append(local(self.state[p]["momentum_buffer"]))
+
+    def _apply_updates(self, per_group, per_diag, owned, grad_scale: float) -> None:
+        """Per group: the SGD update of the queued natural gradients and of the parameters no
+        Linear/Conv2d owns (their plain gradient), then the fused diagonal steps."""
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
             for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
@@ -853,7 +892,7 @@ class SINGD(CurvatureOptimizer):
             lr, momentum, wd = (self._hyperparameter(group, name, device, work)
                                 for name in ("lr", "momentum", "weight_decay"))
             if self.backend == "reference":
-                ref.sgd_update_(ps, us, bs, lr, momentum, wd)
+                singd_maths.sgd_update_(ps, us, bs, lr, momentum, wd)
                 continue
             # The diagonal step's kernel without factors: one elementwise pass over the bucket,
             # the scalars in the op-math dtype as singd's Python floats are.

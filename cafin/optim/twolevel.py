@@ -856,7 +856,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         k = _checkpoint_int(extra["iteration_counter"], "iteration_counter", 0)
         batch_size = _checkpoint_int(extra["batch_size"], "batch_size", 1)
         values = {}
-        for name in self.settings:  # absent from checkpoints of earlier versions: then ours are kept
+        for name in self.settings:  # a checkpoint without a setting keeps ours
             if name in extra:
                 self._check_setting(name, extra[name], " (in checkpoint 'twolevel')")
                 values[name] = extra[name]

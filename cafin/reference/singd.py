@@ -52,7 +52,7 @@ def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: li
                     c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[float],
                     scale: list[float], alpha1: list[float]) -> None:
     """The op of the same name in plain PyTorch (`cafin.maths.singd.new_momentum` part by part,
-    gated by go)."""
+    written only where go[i], a 0-dim bool tensor, is true)."""
     for i in range(len(m)):
         new = (c_h[i] * H[i] + c_damp[i] * (pi[i] * KtK[i]) - _eye_mask(m[i], eye[i])) * scale[i]
         if alpha1[i] != 0.0:
@@ -64,7 +64,7 @@ def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: li
 def singd_factor_step_(K: list[Tensor], KM: list[Tensor], beta: list[Tensor], go: list[Tensor],
                        elementwise: list[bool]) -> None:
     """The op of the same name in plain PyTorch (`cafin.maths.singd.factor_step` part by part,
-    gated by go)."""
+    written only where go[i], a 0-dim bool tensor, is true)."""
     for k, km, b, g, ew in zip(K, KM, beta, go, elementwise):
         new = k - b * (k * km if ew else km)
         k.copy_(torch.where(g, new.to(k.dtype), k))

@@ -1,6 +1,6 @@
 // CUDA kernel of adafisher_step_: one multi-tensor-apply launch per table of the bucket. The step
 // counts, lr, beta, weight_decay, damping, grad_scale and found_inf are read through device pointers: no host sync, so the
-// update can be captured in a CUDA graph. Semantics: cafin/reference.py; arithmetic:
+// update can be captured in a CUDA graph. Semantics: cafin/reference/adafisher.py; arithmetic:
 // adafisher_math.h, shared with the CPU kernel.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
