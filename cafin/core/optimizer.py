@@ -398,7 +398,8 @@ class CurvatureOptimizer(CoreOptimizer):
 
     def _checkpoint_record(self, state_dict: dict[str, Any]) -> dict:
         saved_groups = state_dict["param_groups"]
-        # Where `curvature` lives: in the groups (this version), beside them (earlier versions).
+        # `curvature` sits in every saved group (torch.distributed.checkpoint keeps only `state`
+        # and `param_groups`); a checkpoint may also hold it beside them.
         if "curvature" in state_dict:
             return state_dict["curvature"]
         if saved_groups and isinstance(saved_groups[0], dict) and "curvature" in saved_groups[0]:
