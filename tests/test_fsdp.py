@@ -8,7 +8,7 @@ it wrote:
   1e-10 relative, float32 within 1e-5), after the parameters moved;
 - the collectives of each step() under FSDP2: exactly the member's documented ones (the factor
   average, one all_reduce per curvature update; the gradient gather, one all_gather per step for
-  members that multiply whole gradient matrices), with the element counts of the README section "FSDP2";
+  members that multiply whole gradient matrices), with the element counts of docs/distributed.md;
 - a torch.distributed.checkpoint round trip (get/set_optimizer_state_dict, dcp.save/load) resumes
   bit-identically on each rank's shard.
 """

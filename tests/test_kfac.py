@@ -1,11 +1,11 @@
 """cafin.KFACPreconditioner against an independent K-FAC oracle written here from the maths and
-kfac-pytorch 0.4.2's conventions (the README section "K-FAC"), step for step with torch SGD, in float64 (tight)
+kfac-pytorch 0.4.2's conventions (docs/kfac.md), step for step with torch SGD, in float64 (tight)
 and float32; the constructor contract; what cafin adds (dilation, groups, 'same', padding modes,
 in-place activations, modules whose forward never runs, no host sync, checkpoints); the fused
 ops against the reference ones, with opcheck; torch.compile of the step.
 
 kfac-pytorch itself is not installable from the package registry, so it is not run here; the
-side-by-side numbers against it are recorded in the README section "K-FAC".
+side-by-side numbers against it are recorded in docs/kfac.md.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 The oracle keeps every factor as a dense matrix and each structure as a projection written the
 most direct way (an entry mask with the tangent-space factor 2 on the folded blocks of the
 hierarchical structure; Toeplitz coefficients from the diagonals one by one). It imports nothing
-from cafin. Side-by-side numbers against the singd package itself are in the README section "SINGD" (CI does
+from cafin. Side-by-side numbers against the singd package itself are in docs/singd.md (CI does
 not have singd).
 """
 from __future__ import annotations
@@ -781,7 +781,7 @@ def test_grad_scaler_inf_skips_step():
 
 def test_bf16_preconditioner_close_to_float32():
     """bf16 K, C (singd's preconditioner_dtype): finite, stored in bf16, within bf16 noise of the
-    float32-factor run (singd's own bf16 run is as far: the README section "SINGD")."""
+    float32-factor run (singd's own bf16 run is as far: docs/singd.md)."""
     torch.manual_seed(0)
     m = mlp()
     m2 = copy.deepcopy(m)

@@ -171,7 +171,7 @@ CASES = [("nicolaides", False), ("spectral", False), ("residual", False), ("tpse
 
 
 # The oracle's tpselepedis has no interpolation between location counts: MLPs only here; Conv2d
-# networks are checked against the published code (the README section "Two-level K-FAC").
+# networks are checked against the published code (docs/twolevel.md).
 ORACLE_CASES = [(k, b, c, kr) for k in ("mlp", "cnn") for b in (True, False) for c, kr in CASES
                 if not (k == "cnn" and c == "tpselepedis")]
 

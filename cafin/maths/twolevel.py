@@ -2,7 +2,7 @@
 of Abdoulaye-Koroko/natural-gradients), in plain PyTorch: entry by entry, each one a Fisher-vector
 product, each Conv2d projection through an N' x N' matrix. It is no op's twin: the tests and the
 bench measure the optimizer's cheap assembly (`cafin.TwoLevelKFAC`, backend "fused") against it.
-The published Conv2d sample pairing is corrected (bug 1 of the README section "Two-level K-FAC").
+The published Conv2d sample pairing is corrected (bug 1 in docs/twolevel.md).
 """
 from __future__ import annotations
 

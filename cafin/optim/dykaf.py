@@ -1,7 +1,7 @@
 """DyKAF (arXiv 2511.06477): Adam in the eigenbasis of Kronecker factors that track the nearest
 Kronecker approximation of the moving-average empirical Fisher by one projector-splitting step per
 iteration, with a rank-one second moment. A drop-in for `TensorDyKAF` (Vepricov/LIB,
-src/optimizers/tensor_dykaf.py): the same constructor, defaults and numbers; the README section "DyKAF" lists
+src/optimizers/tensor_dykaf.py): the same constructor, defaults and numbers; docs/dykaf.md lists
 the conventions kept and the published bugs fixed.
 
 State per parameter (all in `self.state[p]`): `step` (completed updates, a host int: the

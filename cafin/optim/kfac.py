@@ -6,7 +6,7 @@ their K-FAC preconditioned, KL-clipped values, and any torch optimizer then step
 Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation),
 an EMA of each from the identity, a periodic decomposition (eigh, or damped inverses) and the
 preconditioned gradient Q_G[(Q_G^T dW Q_A) / (d_G d_A^T + damping)]Q_A^T (or G^-1 dW A^-1).
-Conventions (README, "K-FAC") are kfac-pytorch's; what differs is listed there.
+Conventions (docs/kfac.md) are kfac-pytorch's; what differs is listed there.
 
 Interval decisions are the core's (cafin.core.steps.StepCounter): on the host while steps run
 eagerly, on the device after torch.compile or a CUDA-graph capture.
@@ -74,7 +74,7 @@ class _LayerState:
 
 
 class KFACPreconditioner(Preconditioner):
-    """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see the README section "K-FAC").
+    """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see docs/kfac.md).
 
     Args (as kfac-pytorch; callables take the step count `steps` and are evaluated by eager
     steps, which check what they return before anything is written):

@@ -9,8 +9,8 @@ to the coarse space, (F_c)_ij = (1/B) sum_n <r_i, G_n,i> <r_j, G_n,j> + damping 
 
 Used like the published code: set `update_stats`, call `step(update_params=True)` after backward
 (it rewrites every `.grad`), then step a torch optimizer (SGD with momentum). The published
-conventions, odd ones included, are kept (the README section "Two-level K-FAC" lists them). Four published bugs are
-fixed unless `published_bugs=True` (the README says why each is a bug).
+conventions, odd ones included, are kept (docs/twolevel.md lists them). Four published bugs are
+fixed unless `published_bugs=True` (docs/twolevel.md says why each is a bug).
 
 How F_c is assembled (`backend`):
 - "fused": the per-sample coarse projections of every layer at once, an N x L matrix U, then
@@ -24,7 +24,7 @@ Intervals follow the core's StepCounter: decided on the host while steps run eag
 device once a step is compiled (torch.compile(step, fullgraph=True) after one eager step; eigh and
 the coarse assembly then sit in torch.cond branches). damping, alpha and clipping are 0-dim
 tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
-allow, the new coarse matrix are averaged in one collective (README: "Data parallel").
+allow, the new coarse matrix are averaged in one collective (docs/twolevel.md, "Data parallel").
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         backend (str, "fused"): coarse-matrix assembly, "fused" or "reference" (pair by pair).
             The gradients are written by K-FAC's kernel for float32/float64 layers on one
             device and by its plain-PyTorch twin otherwise, decided here.
-        published_bugs (bool, False): reproduce the published code's four bugs (README).
+        published_bugs (bool, False): reproduce the published code's four bugs (docs/twolevel.md).
         process_group (ProcessGroup, None): the group statistics are averaged over (None: world or FSDP2 mesh).
     """
 
