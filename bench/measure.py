@@ -327,6 +327,9 @@ def _finite_or_none(x: float) -> float | None:
 
 def measure(run: Run, progress, phase: str, optimizer: str, variant: str,
             build: Callable[[], Callable]) -> None:
+    """Time the callable `build()` returns (first call, cheap warm-up, then timed calls within the
+    run's budget) and count its allocations: a `Result` in run.results, or, when building or
+    calling it raises, a `Skip` in run.skipped (an error unless it is the user's published code)."""
     budget = run.budget
     task = progress.add_task(f"{phase:<10} {optimizer} {variant}",
                              total=budget.warmup + budget.max_repeats)

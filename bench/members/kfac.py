@@ -8,6 +8,7 @@ eigendecomposes, the factor statistics, and kfac-pytorch when it is installed; i
 amortised step at inv_update_steps=10 against AdamW and against the reference backend."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .. import kfac_phases
@@ -29,7 +30,6 @@ def sgd(model: nn.Module, lr: float, factor_update_steps: int = 1, inv_update_st
         backend: str = "fused", restore_grads: bool = False) -> PreconditionedSGD:
     """K-FAC as kfac-pytorch users run it: backward, `preconditioner.step()` (rewrites the
     gradients, its kl_clip at the same lr), then SGD."""
-    import torch
     import cafin
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, **SGD)
