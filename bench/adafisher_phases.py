@@ -13,15 +13,12 @@ import statistics
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .measure import sync
+from .measure import Context, Skip, measure, sync
 from .models import batch_for, loss_for
-
-if TYPE_CHECKING:
-    from .speed import Context
 
 LR = 1e-3
 TIMED_TCOV = 10**9
@@ -47,12 +44,15 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
     gradient: the modules, order and dtypes the optimizer's own hooks would use."""
     import cafin
     from cafin.core.hooks import can_take_statistics
+    from cafin.layers import discover
     from cafin.maths import state_dtype
     model = copy.deepcopy(base)
     opt = cafin.AdaFisher(model, lr=LR, TCov=TIMED_TCOV, backend="reference")
     opt.remove_hooks()
+    # The supported modules with optimised parameters, as the optimizer finds them.
+    layers = discover(opt.model, [p for group in opt.param_groups for p in group["params"]])
     buffers, stats, factors, grad_side = {}, [], [], []
-    for record in opt._curvature:  # the supported modules with optimised parameters
+    for record in layers:
         like = dict(dtype=state_dtype(record.anchor.dtype), device=record.anchor.device)
         s, h = record.kind.s_size(record.module), record.kind.h_size(record.module)
         buffers[id(record)] = (torch.zeros(h + 1, **like), torch.zeros(s + 1, **like))
@@ -77,7 +77,7 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
 
     handles = [record.module.register_forward_hook(
         lambda module, inputs, output, record=record: forward_hook(record, module, inputs, output))
-        for record in opt._curvature]
+        for record in layers]
     loss_for(name, model(x), y).backward()
     for h in handles:
         h.remove()
@@ -174,9 +174,8 @@ def agreement(name: str, base: torch.nn.Module, batch_size: int, steps: int,
             "method": "lockstep"}
 
 
-def run_details(ctx: "Context") -> None:
+def run_details(ctx: Context) -> None:
     """The statistics phase (with its per-op breakdown) and the agreement phase, as selected."""
-    from .speed import Skip, measure
     run, progress, device, name = ctx.run, ctx.progress, ctx.run.device, ctx.run.model
     fused_ok = ctx.fused_ok
     if "statistics" in ctx.phases and any(v in ctx.variants for v in STATS_VARIANTS):

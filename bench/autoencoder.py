@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import family_optimizers as fam
+from .members import twolevel as twolevel_member
 
 SIZES = (64, 128, 64, 16, 64, 128, 64)
 PRECONDITIONER = dict(damping=0.1, T_cov=10, T_inv=10, alpha=0.95, constraint_norm=True,
@@ -48,11 +48,11 @@ DEFAULT_BATCH = 64
 def methods() -> dict[str, tuple[str | None, bool] | None]:
     """name -> (coarse space or None for the correction off, krylov); None: a torch optimizer."""
     out: dict[str, tuple[str | None, bool] | None] = {"SGD": None, "Adam": None}
-    if fam.coarse_off_supported():
+    if twolevel_member.coarse_off_supported():
         out["K-FAC"] = (None, False)
-    for c in fam.COARSE_SPACES:
+    for c in twolevel_member.COARSE_SPACES:
         out[f"two-level {c}"] = (c, False)
-    for c in fam.KRYLOV_SPACES:
+    for c in twolevel_member.KRYLOV_SPACES:
         out[f"two-level {c} + krylov"] = (c, True)
     return out
 
@@ -80,7 +80,7 @@ def build(method: str, spec, net: nn.Module, backend: str):
     if method == "Adam":
         return torch.optim.Adam(net.parameters(), lr=LR["Adam"])
     coarse, krylov = spec
-    return fam.twolevel_sgd(net, LR["K-FAC"], coarse, krylov, backend=backend, **PRECONDITIONER)
+    return twolevel_member.sgd(net, LR["K-FAC"], coarse, krylov, backend=backend, **PRECONDITIONER)
 
 
 def run(method: str, spec, seed: int, data: torch.Tensor, steps: int, batch: int,
@@ -241,7 +241,7 @@ def main(argv: list[str]) -> int:
             parser.error("--plot needs matplotlib: pip install -e .[bench]")
     from rich.console import Console
     console = Console()
-    if not fam.coarse_off_supported():
+    if not twolevel_member.coarse_off_supported():
         console.print("[yellow]note:[/] no K-FAC row: cafin.TwoLevelKFAC no longer has the method "
                       "the bench replaces to switch the coarse correction off")
     start = time.perf_counter()

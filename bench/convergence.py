@@ -13,7 +13,7 @@ never changes), with a constant learning rate:
   AdamW                          lr 1e-3, betas (0.9, 0.999), eps 1e-8, decoupled wd 1e-2
   SGD                            lr 0.05, momentum 0.9, wd 0
 
-The rest of the family, each with its published recommended usage (bench/family_optimizers.py):
+The rest of the family, each with its published recommended usage (bench/members/):
 
   K-FAC + SGD       kfac-pytorch's CIFAR-10 example: factor_update_steps 1, inv_update_steps 10,
                     damping 3e-3, kl_clip 1e-3, SGD momentum 0.9, wd 5e-4, lr 0.1 at batch 128
@@ -78,7 +78,9 @@ from torch import nn
 
 import cafin
 
-from . import family_optimizers as fam
+from .members import kfac as kfac_member
+from .members import twolevel as twolevel_member
+from .peers import soap, soap_available
 
 TARGET_ACCURACY = 0.95
 DEFAULT_EPOCHS = 10
@@ -217,23 +219,24 @@ def family_specs(backend: str, batch_size: int = DEFAULT_BATCH_SIZE) -> list[Opt
     """K-FAC, two-level K-FAC, SINGD, IKFAC, DyKAF and heavyball's SOAP, each with its published
     recommended usage (see the module docstring). Non-default rows (the other coarse spaces)
     run when --optimizers names them ('two-level' picks every two-level row)."""
-    kfac_lr = fam.kfac_lr(batch_size)
+    kfac_lr = kfac_member.lr_for(batch_size)
     specs = [OptimizerSpec(
         f"K-FAC + SGD ({backend})",
         f"kfac-pytorch CIFAR example: factor/inv update 1/10 steps, damping 3e-3, kl_clip 1e-3; "
         f"SGD lr {kfac_lr:g} (0.1 at batch 128, scaled to batch {batch_size}), momentum 0.9, "
-        f"wd 5e-4", lambda m: fam.kfac_sgd(m, batch_size, backend), backend, "kfac")]
+        f"wd 5e-4", lambda m: kfac_member.sgd(m, kfac_lr, 1, 10, backend), backend, "kfac")]
     tl_text = (f"damping 0.1, T_cov = T_inv = 10, alpha 0.95, constraint_norm, clipping 1e-2; "
                f"SGD lr {kfac_lr:g}, momentum 0.9")
     spaces: list[tuple[str | None, bool]] = []
-    if fam.coarse_off_supported():
+    if twolevel_member.coarse_off_supported():
         spaces.append((None, False))
-    spaces += [(c, False) for c in fam.COARSE_SPACES] + [(c, True) for c in fam.KRYLOV_SPACES]
+    spaces += [(c, False) for c in twolevel_member.COARSE_SPACES]
+    spaces += [(c, True) for c in twolevel_member.KRYLOV_SPACES]
     for coarse, krylov in spaces:
         specs.append(OptimizerSpec(
-            fam.twolevel_label(coarse, krylov), tl_text,
-            lambda m, c=coarse, k=krylov: fam.twolevel_sgd(m, kfac_lr, c, k, backend=backend,
-                                                           **TWOLEVEL_CNN),
+            twolevel_member.label(coarse, krylov), tl_text,
+            lambda m, c=coarse, k=krylov: twolevel_member.sgd(m, kfac_lr, c, k, backend=backend,
+                                                              **TWOLEVEL_CNN),
             backend, "kfac", default=(coarse in (None, "nicolaides") and not krylov)))
     singd_text = ("singd defaults: lr 1e-3, momentum 0.9, damping 1e-3, alpha1 0.5, T 10, "
                   "lr_cov 1e-2")
@@ -251,11 +254,11 @@ def family_specs(backend: str, batch_size: int = DEFAULT_BATCH_SIZE) -> list[Opt
         "precondition_frequency 10 (the published usage)",
         lambda m: cafin.DyKAF(m.parameters(), lr=3e-3, betas=(0.95, 0.95), init="eps",
                               backend=backend), backend, "dykaf"))
-    if fam.soap_available()[0]:
+    if soap_available()[0]:
         specs.append(OptimizerSpec(
             "SOAP (heavyball)", "heavyball defaults: lr 3e-3, betas (0.9, 0.95), shampoo_beta "
             "0.95, wd 0.01, precondition_frequency 2; eager (heavyball's compile off)",
-            lambda m: fam.soap(m.parameters(), eager=True), None, "dykaf"))
+            lambda m: soap(m.parameters(), eager=True), None, "dykaf"))
     return specs
 
 
@@ -509,11 +512,11 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
         raise SystemExit(f"batch size must be in [1, {len(data.y_train)}], got {batch_size}")
     specs = select(optimizer_specs(tcov, batch_size), optimizers)
     notes = []
-    soap_ok, why_no_soap = fam.soap_available()
+    soap_ok, why_no_soap = soap_available()
     if not soap_ok and (not optimizers or any(w.strip().lower() in ("dykaf", "soap")
                                               for w in optimizers.split(","))):
         notes.append(f"no SOAP rows: {why_no_soap}")
-    if not fam.coarse_off_supported():
+    if not twolevel_member.coarse_off_supported():
         notes.append("no 'K-FAC (two-level's, coarse off)' row: cafin.TwoLevelKFAC no longer "
                      "has the method the bench replaces to switch the coarse correction off")
     if not fused_available():

@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from . import family_optimizers as fam
+from .measure import Context, Result, Skip, measure
 from .models import loss_for
-
-if TYPE_CHECKING:
-    from .speed import Context
+from .peers import soap, soap_available
 
 FREQUENCY = 10
 NEVER = 10**9  # a refresh only at the first step
 DYKAF = dict(lr=3e-3, betas=(0.95, 0.95), init="eps")
 
 
-def _prepared(ctx: "Context", make: Callable, compiled: bool) -> Callable[[], object]:
+def _prepared(ctx: Context, make: Callable, compiled: bool) -> Callable[[], object]:
     model = copy.deepcopy(ctx.base)
     opt = make(model)
     loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
@@ -69,18 +67,17 @@ def _dykaf(backend: str, frequency: int):
 
 def _soap(eager: bool, frequency: int):
     # use_precond_schedule stays off (heavyball's default): a refresh every `frequency` steps.
-    return lambda m: fam.soap(m.parameters(), eager=eager, precondition_frequency=frequency)
+    return lambda m: soap(m.parameters(), eager=eager, precondition_frequency=frequency)
 
 
-def run_details(ctx: "Context") -> None:
-    from .speed import Result, Skip, measure
+def run_details(ctx: Context) -> None:
     if "step" not in ctx.phases:
         return
     run, progress = ctx.run, ctx.progress
     # Compiles take minutes (inductor, SOAP's many regions): only on request, also on CUDA, so
     # that the GPU check's quick run stays quick.
     want_compiled = "fused-compiled" in ctx.requested
-    soap_ok, why_no_soap = fam.soap_available()
+    soap_ok, why_no_soap = soap_available()
     rows: list[tuple[str, str, Callable, Callable]] = []  # optimizer, variant, plain, refresh
     for backend in ("fused", "reference"):
         if backend == "fused" and not ctx.fused_ok:

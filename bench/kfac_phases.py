@@ -18,74 +18,46 @@ restored after each call (two gradient copies, in every row alike).
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from .measure import Context, PreconditionedSGD, Skip, fmt_ms, fmt_ratio, measure
 from .models import loss_for
-
-if TYPE_CHECKING:
-    from .speed import Context
+from .peers import kfac_pytorch
 
 # The intervals of the rows: never due again after the preparing step (k = 0), or every step.
 NEVER = 10**9
 EVERY = 1
 AMORTISE_EVERY = 10  # inv_update_steps of the amortised-step targets (kfac-pytorch's CIFAR example)
-# kfac-pytorch's CIFAR settings, as the member's step rows use them.
-KW = dict(damping=3e-3, kl_clip=1e-3, lr=0.1)
 KFAC_PYTORCH = "kfac-pytorch"
 # The phases (table titles) of the rows.
 PRECONDITION, INVERSE, FACTORS = "preconditioner alone", "inverse step", "factor statistics"
 
 
-def kfac_pytorch():
-    """kfac-pytorch's module when the user has it installed, else None."""
-    try:
-        import kfac
-        import kfac.preconditioner  # noqa: F401
-    except ImportError:
-        return None
-    return kfac
-
-
-class Restoring:
-    """A preconditioner (and optionally its SGD) as a repeatable step: the gradients it rewrites
-    are put back after each call."""
-
-    def __init__(self, model, pre, sgd: bool, precondition: Callable[[], object] | None = None):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.pre = pre
-        self.precondition = precondition or pre.step
-        self.opt = torch.optim.SGD(self.params, lr=0.1, momentum=0.9, weight_decay=5e-4) if sgd else None
-
-    def step(self):
-        grads = [p for p in self.params if p.grad is not None]
-        saved = [p.grad.clone() for p in grads]
-        self.precondition()
-        if self.opt is not None:
-            self.opt.step()
-        for p, g in zip(grads, saved):
-            p.grad.copy_(g)
-
-
-def build_preconditioner(variant: str, model, inv_every: int):
+def build_preconditioner(variant: str, model, inv_every: int, kw: dict):
+    """`kw`: the member's preconditioner settings (damping, kl_clip, lr), the same for
+    kfac-pytorch."""
     if variant == KFAC_PYTORCH:
         module = kfac_pytorch()
         return module.preconditioner.KFACPreconditioner(
-            model, factor_update_steps=inv_every, inv_update_steps=inv_every, **KW)
+            model, factor_update_steps=inv_every, inv_update_steps=inv_every, **kw)
     import cafin
     backend = "reference" if variant.startswith("reference") else "fused"
     return cafin.KFACPreconditioner(model, factor_update_steps=inv_every,
-                                    inv_update_steps=inv_every, backend=backend, **KW)
+                                    inv_update_steps=inv_every, backend=backend, **kw)
 
 
-def prepared(ctx: "Context", variant: str, inv_every: int, sgd: bool) -> Callable[[], object]:
-    """The repeatable step of `variant` on a model copy whose factors and decompositions one real
-    step (k = 0) prepared."""
+def prepared(ctx: Context, variant: str, inv_every: int, kw: dict,
+             sgd_kw: dict | None) -> Callable[[], object]:
+    """The repeatable step of `variant` (followed by torch's SGD with `sgd_kw`, or alone when
+    None) on a model copy whose factors and decompositions one real step (k = 0) prepared."""
     model = copy.deepcopy(ctx.base)
-    pre = build_preconditioner(variant, model, inv_every)
+    pre = build_preconditioner(variant, model, inv_every, kw)
     loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
-    step = Restoring(model, pre, sgd)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, **sgd_kw) if sgd_kw is not None else None
+    step = PreconditionedSGD(pre, opt, params=params, restore_grads=True)
     step.step()  # k = 0: factors and decompositions; later calls decompose only if inv_every == 1
     if variant.endswith("-compiled"):
         # A compiled step cannot keep the host's step count, so it would gate eigh on the device
@@ -100,14 +72,14 @@ def prepared(ctx: "Context", variant: str, inv_every: int, sgd: bool) -> Callabl
     return step.step
 
 
-def captured_statistics(ctx: "Context", backend: str) -> Callable[[], object]:
+def captured_statistics(ctx: Context, backend: str, kw: dict) -> Callable[[], object]:
     """The factor statistics of one factor-update step: every registered layer's input and
     output-gradient covariance and its EMA fold, on the tensors one forward/backward gave the
     preconditioner's hooks (kept once, then fed to the same methods on every call)."""
     import cafin
     model = copy.deepcopy(ctx.base)
     pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=NEVER,
-                                   backend=backend, **KW)
+                                   backend=backend, **kw)
     calls = []
     take_input, take_grad = pre._input_statistics, pre._grad_statistics
     pre._input_statistics = lambda layer, x, step: calls.append(
@@ -141,8 +113,9 @@ def precondition_flops(base) -> int:
     return total
 
 
-def run_details(ctx: "Context") -> None:
-    from .speed import Skip, measure
+def run_details(ctx: Context, kw: dict, sgd_kw: dict) -> None:
+    """K-FAC's rows; `kw`: the member's preconditioner settings (damping, kl_clip, lr), `sgd_kw`:
+    its SGD's (lr, momentum, weight_decay)."""
     run, progress = ctx.run, ctx.progress
     run.floor["kfac_precondition_flop"] = precondition_flops(ctx.base)
     member = "kfac"
@@ -169,18 +142,18 @@ def run_details(ctx: "Context") -> None:
 
     if "step" in ctx.phases:
         # kfac-pytorch + SGD beside the member's own step rows (same phase, same restoring).
-        row("step", KFAC_PYTORCH, lambda: prepared(ctx, KFAC_PYTORCH, NEVER, True))
+        row("step", KFAC_PYTORCH, lambda: prepared(ctx, KFAC_PYTORCH, NEVER, kw, sgd_kw))
         for variant in ("reference", "fused", "fused-compiled", KFAC_PYTORCH):
             if variant in selected or variant == KFAC_PYTORCH:
                 row(PRECONDITION, variant,
-                    lambda v=variant: prepared(ctx, v, NEVER, False))
+                    lambda v=variant: prepared(ctx, v, NEVER, kw, None))
         for variant in ("reference", "fused", KFAC_PYTORCH):
             if variant in selected or variant == KFAC_PYTORCH:
-                row(INVERSE, variant, lambda v=variant: prepared(ctx, v, EVERY, True))
+                row(INVERSE, variant, lambda v=variant: prepared(ctx, v, EVERY, kw, sgd_kw))
     if "statistics" in ctx.phases:
         for variant in ("reference", "fused"):
             if variant in selected:
-                row(FACTORS, variant, lambda v=variant: captured_statistics(ctx, v))
+                row(FACTORS, variant, lambda v=variant: captured_statistics(ctx, v, kw))
 
 
 def amortised(step_ms: float, inverse_ms: float, every: int = AMORTISE_EVERY) -> float:
@@ -191,8 +164,6 @@ def amortised(step_ms: float, inverse_ms: float, every: int = AMORTISE_EVERY) ->
 def targets(run) -> list[dict]:
     """The K-FAC targets: the amortised preconditioner + SGD step at inv_update_steps=10 against
     AdamW(fused=True)'s step, and against the same amortised step of the reference backend."""
-    from .report import fmt_ms, fmt_ratio
-
     def ms(phase, variant, optimizer="kfac"):
         r = run.result(phase, variant, optimizer)
         return r.median_ms if r else None

@@ -1,14 +1,24 @@
-"""Measuring primitives for the speed bench: wall-clock medians, copy bandwidth, bytes allocated.
+"""What every phase of the speed bench shares; it imports nothing from bench, so every other
+module of bench may import it:
+
+- measuring primitives: wall-clock medians, copy bandwidth, bytes allocated;
+- the run's records: `Budget`, `Result`, `Skip`, `Run`, and `Context` (what a phase is handed);
+- `measure()`: one variant of one phase timed, its allocations counted, or its failure recorded;
+- `PreconditionedSGD`: a preconditioner that rewrites `.grad` followed by torch's SGD, as one
+  optimizer (K-FAC and two-level K-FAC as their users run them);
+- the number formats of the tables and of the members' target rows.
 
 Every CUDA call is guarded by the device type, so a CPU-only build never touches a CUDA API.
 """
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Callable
 
 import torch
@@ -42,6 +52,14 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def adamw_fused_supported(device: torch.device) -> bool:
+    try:
+        from torch.optim.optimizer import _get_fused_kernels_supported_devices
+        return device.type in _get_fused_kernels_supported_devices()
+    except ImportError:  # an older torch: try it
+        return True
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -170,3 +188,277 @@ def allocated_bytes(fn: Callable[[], object], device: torch.device, *, keep: int
         groups[key] = (got[0] + size, got[1] + 1)
     sources = sorted(((b, n, k) for k, (b, n) in groups.items()), key=lambda g: -g[0])
     return Allocations(total, count, sources[:keep])
+
+
+# ------------------------------------------------------------------------------------ the run
+DEFAULT_TCOV = 100  # the published default, at which the whole-step overhead is stated
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long each measurement may take. The first call is untimed (state creation, compile);
+    more warm-up calls, up to `warmup` in all, run while warm-up has taken under warm_s (a
+    compile does not count); then timed calls until time_s is spent, within [min, max] repeats."""
+    warmup: int
+    warm_s: float
+    min_repeats: int
+    max_repeats: int
+    time_s: float
+
+
+FULL = Budget(warmup=5, warm_s=1.0, min_repeats=3, max_repeats=200, time_s=2.5)
+QUICK = Budget(warmup=2, warm_s=0.3, min_repeats=3, max_repeats=40, time_s=0.5)
+
+
+@dataclass
+class Result:
+    model: str
+    phase: str
+    variant: str
+    median_ms: float
+    allocated_bytes: int
+    repeats: int
+    spread: float
+    first_call_s: float  # the first warm-up call: it holds the compile of compiled variants
+    min_ms: float
+    allocations: Allocations | None = None
+    optimizer: str = "adafisher"
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
+                "variant": self.variant, "median_ms": self.median_ms, "min_ms": self.min_ms,
+                "allocated_bytes": self.allocated_bytes,
+                "repeats": self.repeats, "iqr_over_median": _finite_or_none(self.spread),
+                "first_call_s": self.first_call_s,
+                "allocation_sources": [{"bytes": b, "count": n, "source": where} for b, n, where
+                                       in (self.allocations.sources if self.allocations else [])]}
+
+
+@dataclass
+class Skip:
+    model: str
+    phase: str
+    variant: str
+    reason: str
+    error: bool = False  # True: cafin or the bench raised; False: not available, or not cafin's
+    optimizer: str = "adafisher"
+
+    def to_json(self) -> dict:
+        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
+                "variant": self.variant, "reason": self.reason, "error": self.error}
+
+
+@dataclass
+class Run:
+    model: str
+    device: torch.device
+    batch_size: int
+    steps: int
+    quick: bool
+    budget: Budget
+    tcov: int = DEFAULT_TCOV
+    optimizers: list[str] = field(default_factory=list)
+    published: dict[str, str] = field(default_factory=dict)  # member -> path of the user's file
+    results: list[Result] = field(default_factory=list)
+    skipped: list[Skip] = field(default_factory=list)
+    agreement: list[dict] = field(default_factory=list)
+    floor: dict = field(default_factory=dict)
+    breakdown: list[dict] = field(default_factory=list)  # the fused statistics, per op
+    whole_step: list[dict] = field(default_factory=list)
+    whole_step_from_phases: list[dict] = field(default_factory=list)
+
+    def result(self, phase: str, variant: str, optimizer: str | None = None) -> Result | None:
+        """The result of a phase and variant; optimizer None: AdaFisher's, or AdamW's for the
+        adamw-* variants."""
+        if optimizer is None:
+            optimizer = "adamw" if variant.startswith("adamw-") else "adafisher"
+        for r in self.results:
+            if r.phase == phase and r.variant == variant and r.optimizer == optimizer:
+                return r
+        return None
+
+    def whole(self, optimizer: str, variant: str | None = None) -> dict | None:
+        for w in self.whole_step:
+            if w["optimizer"] == optimizer and (variant is None or w["variant"] == variant):
+                return w
+        return None
+
+
+@dataclass
+class Context:
+    """What a phase needs: the run, its model and batch, and the selection."""
+    run: Run
+    progress: object
+    base: torch.nn.Module
+    x: torch.Tensor
+    y: torch.Tensor
+    members: list  # the selected entries of bench/members (Member)
+    published: dict[str, ModuleType]
+    chosen: dict[str, set[str]]  # member -> the variants selected for it
+    baselines: set[str]
+    phases: set[str]
+    fused_ok: bool
+    why_not_fused: str
+    bandwidth: float = math.nan
+    requested: set[str] = field(default_factory=set)  # --variants as given (members' own phases)
+
+    def selected(self, member) -> set[str]:
+        return self.chosen.get(member.name, set())
+
+    @property
+    def variants(self) -> set[str]:  # AdaFisher's selection, for its own phases
+        return self.chosen.get("adafisher", set())
+
+    def why_not(self, member, variant: str) -> str | None:
+        """Why `variant` of `member` cannot run here, or None."""
+        if variant == "published" and member.name not in self.published:
+            return (f"give your copy of the published {member.published_file or 'code'} with "
+                    f"--published {'' if member.name == 'adafisher' else member.name + '='}PATH")
+        if variant.startswith(("fused", "cuda-graph")) and not self.fused_ok:
+            return self.why_not_fused
+        if variant == "cuda-graph" and not is_cuda(self.run.device):
+            return "CUDA only"
+        return None
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def measure(run: Run, progress, phase: str, optimizer: str, variant: str,
+            build: Callable[[], Callable]) -> None:
+    """Time the callable `build()` returns (first call, cheap warm-up, then timed calls within the
+    run's budget) and count its allocations: a `Result` in run.results, or, when building or
+    calling it raises, a `Skip` in run.skipped (an error unless it is the user's published code)."""
+    budget = run.budget
+    task = progress.add_task(f"{phase:<10} {optimizer} {variant}",
+                             total=budget.warmup + budget.max_repeats)
+    try:
+        fn = build()
+        if variant.endswith("-compiled"):
+            progress.update(task, description=f"{phase:<10} {optimizer} {variant} (compiling)")
+        first = time.perf_counter()
+        fn()  # the first call: state creation, compilation
+        sync(run.device)
+        first_s = time.perf_counter() - first
+        progress.update(task, description=f"{phase:<10} {optimizer} {variant}", advance=1)
+        # More warm-up only while it is cheap; a compiled variant gets one more call regardless
+        # (its first call was the compile, not a run).
+        warm_spent = 0.0 if variant.endswith("-compiled") else first_s
+        for _ in range(budget.warmup - 1):
+            if warm_spent > budget.warm_s:
+                break
+            began = time.perf_counter()
+            fn()
+            sync(run.device)
+            warm_spent += time.perf_counter() - began
+            progress.advance(task)
+        sync(run.device)
+        progress.update(task, completed=budget.warmup)
+        timing = time_calls(fn, run.device, warmup=0, min_repeats=budget.min_repeats,
+                            max_repeats=budget.max_repeats, budget_s=budget.time_s,
+                            tick=lambda: progress.advance(task))
+        allocations = allocated_bytes(fn, run.device)
+    except Exception as exc:  # one broken variant must not hide the others' numbers
+        text = f"{type(exc).__name__}: {exc}"
+        if variant == "published":  # the user's file failing is not a failure of cafin
+            run.skipped.append(Skip(run.model, phase, variant, f"the published code raised {text}",
+                                    optimizer=optimizer))
+        else:
+            run.skipped.append(Skip(run.model, phase, variant, text, error=True, optimizer=optimizer))
+        progress.update(task, description=f"[red]{phase:<10} {optimizer} {variant} failed",
+                        completed=0, total=1)
+        return
+    finally:
+        if is_cuda(run.device):
+            torch.cuda.empty_cache()
+    run.results.append(Result(run.model, phase, variant, timing.median_ms, allocations.total_bytes,
+                              len(timing.samples_ms), timing.spread, first_s, min(timing.samples_ms),
+                              allocations, optimizer=optimizer))
+    progress.update(task, total=budget.warmup + len(timing.samples_ms),
+                    completed=budget.warmup + len(timing.samples_ms))
+
+
+# ------------------------------------------------------------------------ preconditioner + SGD
+class PreconditionedSGD:
+    """A preconditioner that rewrites `.grad` (K-FAC, two-level K-FAC, kfac-pytorch) and the torch
+    SGD its users run after it, as one optimizer with `zero_grad()`, `step()` and `remove_hooks()`.
+
+    - `opt` None: the preconditioner alone.
+    - `stats_flag`: the preconditioner takes statistics only while its `update_stats` is True
+      (two-level K-FAC, as its published README trains): raised here and by `zero_grad()`, so the
+      next forward/backward feeds it, and lowered after the step, so that evaluation passes in
+      between never reach the statistics. Its step is then `step(update_params=True)`.
+    - `restore_grads`: the gradients are put back after each step (two copies, counted in the
+      step's time), so the speed bench can repeat `step()` on the same gradients without their
+      growing from one preconditioning to the next.
+    - `precondition`: the call that rewrites the gradients (`pre.step` unless replaced, e.g. by a
+      compiled one)."""
+
+    def __init__(self, pre, opt: torch.optim.Optimizer | None = None, *, params=None,
+                 stats_flag: bool = False, restore_grads: bool = False):
+        self.pre, self.opt = pre, opt
+        if params is None:
+            params = [p for group in opt.param_groups for p in group["params"]]
+        self.params = list(params)
+        self.stats_flag, self.restore_grads = stats_flag, restore_grads
+        if stats_flag:
+            pre.update_stats = True
+            self.precondition = lambda: pre.step(update_params=True)
+        else:
+            self.precondition = pre.step
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.opt is not None:
+            self.opt.zero_grad(set_to_none=set_to_none)
+        if self.stats_flag:
+            self.pre.update_stats = True
+
+    def step(self) -> None:
+        grads = [p for p in self.params if p.grad is not None] if self.restore_grads else []
+        saved = [p.grad.clone() for p in grads]
+        self.precondition()
+        if self.stats_flag:
+            self.pre.update_stats = False
+        if self.opt is not None:
+            self.opt.step()
+        for p, g in zip(grads, saved):
+            p.grad.copy_(g)
+
+    def remove_hooks(self) -> None:
+        self.pre.remove_hooks()
+
+
+# ------------------------------------------------------------------------------------ formats
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_ms(ms: float | None) -> str:
+    if ms is None or not math.isfinite(ms):
+        return "-"
+    size = abs(ms)  # a difference of medians (statistics in training) can come out negative
+    if size >= 100:
+        return f"{ms:.0f}"
+    if size >= 10:
+        return f"{ms:.1f}"
+    if size >= 1:
+        return f"{ms:.2f}"
+    return f"{ms:.3f}"
+
+
+def fmt_ratio(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+
+
+def fmt_pct(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{100 * x:+.1f}%"

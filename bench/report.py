@@ -2,46 +2,17 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:
-    from .speed import Run
+from .measure import Run, fmt_bytes, fmt_ms, fmt_pct, fmt_ratio
+from .singd_phases import T_AMORTISED, amortised
 
 # The targets of the fused implementation (stated for ResNet-18, CPU, batch 32).
 TARGET_CONFIG = ("resnet18", "cpu", 32)
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_ms(ms: float | None) -> str:
-    if ms is None or not math.isfinite(ms):
-        return "-"
-    size = abs(ms)  # a difference of medians (statistics in training) can come out negative
-    if size >= 100:
-        return f"{ms:.0f}"
-    if size >= 10:
-        return f"{ms:.1f}"
-    if size >= 1:
-        return f"{ms:.2f}"
-    return f"{ms:.3f}"
-
-
-def fmt_ratio(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{x:.0f}x" if x >= 100 else f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
 
 
 LABELS = {
@@ -66,7 +37,7 @@ def label(variant: str) -> str:
     return LABELS.get(variant, variant)
 
 
-def header(env: dict, run: "Run") -> Panel:
+def header(env: dict, run: Run) -> Panel:
     lines = Text()
     rows = [("torch", env["torch"]), ("device", f"{env['device']} ({env['device_name']})"),
             ("threads", str(env["threads"])),
@@ -88,7 +59,7 @@ def header(env: dict, run: "Run") -> Panel:
     return Panel(lines, title="cafin bench: speed, memory, agreement", expand=False)
 
 
-def _member_phases(run: "Run") -> list[str]:
+def _member_phases(run: Run) -> list[str]:
     """Phases a member's `details` added (neither the shared step nor AdaFisher's statistics),
     in the order they ran."""
     out = []
@@ -98,12 +69,11 @@ def _member_phases(run: "Run") -> list[str]:
     return out
 
 
-def _singd_amortised(run: "Run") -> list[dict]:
-    from .singd_phases import T_AMORTISED, amortised
+def _singd_amortised(run: Run) -> list[dict]:
     return [dict(a, T=T_AMORTISED) for a in amortised(run)]
 
 
-def _base_of(run: "Run", phase: str, optimizer: str):
+def _base_of(run: Run, phase: str, optimizer: str):
     """The row speed-ups are stated against: the optimizer's published code when it was timed,
     else cafin's plain-PyTorch reference of it. AdamW rows use AdaFisher's."""
     if optimizer == "adamw":
@@ -115,7 +85,7 @@ def _base_of(run: "Run", phase: str, optimizer: str):
     return None
 
 
-def _phase_table(run: "Run", phase: str, floor_ms: float | None, floor_label: str,
+def _phase_table(run: Run, phase: str, floor_ms: float | None, floor_label: str,
                  names: dict[str, str]) -> Table:
     table = Table(title=f"{phase}: {run.model}, batch {run.batch_size}, {run.device}",
                   title_justify="left",
@@ -148,13 +118,7 @@ def _phase_table(run: "Run", phase: str, floor_ms: float | None, floor_label: st
     return table
 
 
-def fmt_pct(x: float | None) -> str:
-    if x is None or not math.isfinite(x):
-        return "-"
-    return f"{100 * x:+.1f}%"
-
-
-def _whole_step_table(run: "Run", names: dict[str, str]) -> Table:
+def _whole_step_table(run: Run, names: dict[str, str]) -> Table:
     relu = " (ReLU not in place for every row: the published hooks need it)" \
         if run.published and run.model == "resnet18" else ""
     table = Table(title=f"whole training step (zero_grad, forward, backward, step), ms: {run.model}, "
@@ -181,7 +145,7 @@ def _whole_step_table(run: "Run", names: dict[str, str]) -> Table:
     return table
 
 
-def _from_phases_lines(run: "Run", names: dict[str, str]) -> list[str]:
+def _from_phases_lines(run: Run, names: dict[str, str]) -> list[str]:
     return [f"{names.get(c['optimizer'], c['optimizer'])} fused, composed from the steadier "
             f"phases: step {fmt_ms(c['step_ms'])} - AdamW step {fmt_ms(c['adamw_step_ms'])} + "
             f"statistics {fmt_ms(c['statistics_ms'])} / {c['tcov']} = {fmt_ms(c['extra_ms'])} ms "
@@ -189,7 +153,7 @@ def _from_phases_lines(run: "Run", names: dict[str, str]) -> list[str]:
             f"{fmt_ms(c['adamw_iteration_ms'])} ms iteration" for c in run.whole_step_from_phases]
 
 
-def targets(run: "Run", members=()) -> list[dict]:
+def targets(run: Run, members=()) -> list[dict]:
     """The targets, each met / missed / n/a with its numbers. AdaFisher's are stated for
     ResNet-18, CPU, batch 32; against the published code when it was timed, else against cafin's
     plain-PyTorch reference; the whole-step overhead goal applies to every member that states one."""
@@ -278,7 +242,7 @@ def targets(run: "Run", members=()) -> list[dict]:
     return out
 
 
-def _targets_table(rows: list[dict], run: "Run") -> Table:
+def _targets_table(rows: list[dict], run: Run) -> Table:
     note = ""
     if (run.model, run.device.type, run.batch_size) != TARGET_CONFIG:
         note = " (the step and statistics targets are stated for resnet18, cpu, batch 32)"
@@ -294,7 +258,7 @@ def _targets_table(rows: list[dict], run: "Run") -> Table:
     return table
 
 
-def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
+def print_all(console: Console, run: Run, env: dict, target_rows: list[dict],
               elapsed_s: float, members=()) -> None:
     names = {m.name: m.label for m in members} | EXTRA_NAMES
     floor = run.floor
@@ -375,8 +339,8 @@ def print_all(console: Console, run: "Run", env: dict, target_rows: list[dict],
     console.print(f"done in {elapsed_s:.0f} s")
 
 
-def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
-    """The run as Markdown tables, for the README's bench section (`--markdown PATH`)."""
+def markdown(run: Run, env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
+    """The run as Markdown tables, for docs/bench.md (`--markdown PATH`)."""
     names = {m.name: m.label for m in members} | EXTRA_NAMES
     load = [env[k] for k in ("load_average_1m", "load_average_1m_end") if env.get(k) is not None]
     out = [f"`python -m bench{_flags(run)}`: {run.model}, batch {run.batch_size}, "
@@ -461,7 +425,7 @@ def markdown(run: "Run", env: dict, target_rows: list[dict], elapsed_s: float, m
     return "\n".join(out)
 
 
-def _flags(run: "Run") -> str:
+def _flags(run: Run) -> str:
     flags = []
     if run.model != "resnet18":
         flags.append(f"--model {run.model}")

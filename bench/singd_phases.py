@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
+from .measure import Context, Skip, measure
 from .models import loss_for
-
-if TYPE_CHECKING:
-    from .speed import Context
+from .peers import singd_class
 
 STRUCTURES = ("dense", "diagonal", "hierarchical15_15", "block30diagonal")
 MODELS = ("mlp", "gpt")
@@ -36,15 +35,6 @@ OPTIMIZER = "SINGD"  # how these rows name the optimizer (the member's label say
 # fused-cached: cache_preconditioner=True (K K^T and C C^T kept from each update: two GEMMs per
 # step instead of four; equal to the others within rounding, not singd's order of products).
 VARIANTS = ("singd", "reference", "fused", "fused-cached", "fused-compiled")
-
-
-def singd_class():
-    """singd's SINGD when the package is importable, else None."""
-    try:
-        from singd.optim.optimizer import SINGD
-    except ImportError:
-        return None
-    return SINGD
 
 
 def _build(variant: str, model, structure: str, T: int):
@@ -68,9 +58,8 @@ def _restorer(variant: str, opt) -> Callable[[], None]:
             opt.H_Ks = copy.deepcopy(saved_k)
             opt.H_Cs = copy.deepcopy(saved_c)
         return restore
-    keys = [(p, k) for layer in opt._curvature for p in (layer.anchor,)
-            for k in opt.state[p] if k.startswith(("H_K.", "H_C.")) or k == "H_count"]
-    live = [opt.state[p][k] for p, k in keys]
+    live = [t for state in opt.state.values() for k, t in state.items()
+            if k.startswith(("H_K.", "H_C.")) or k == "H_count"]
     saved = [t.clone() for t in live]
 
     def restore():
@@ -78,7 +67,7 @@ def _restorer(variant: str, opt) -> Callable[[], None]:
     return restore
 
 
-def step_call(ctx: "Context", variant: str, structure: str, update: bool) -> Callable[[], object]:
+def step_call(ctx: Context, variant: str, structure: str, update: bool) -> Callable[[], object]:
     model = copy.deepcopy(ctx.base)
     opt = _build(variant, model, structure, 1 if update else PLAIN_T)
     loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
@@ -105,8 +94,7 @@ def step_call(ctx: "Context", variant: str, structure: str, update: bool) -> Cal
     return call
 
 
-def run_details(ctx: "Context") -> None:
-    from .speed import Skip, measure
+def run_details(ctx: Context) -> None:
     run = ctx.run
     if "structures" not in ctx.phases:  # opt-in: python -m bench --phases step,structures
         return

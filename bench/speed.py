@@ -1,7 +1,7 @@
 """`python -m bench`: speed, memory and agreement of cafin's optimizers against AdamW, cafin's own
 plain-PyTorch references and (given your copy of it) the published code.
 
-Phases (one model per run, ratios within the run; see DESIGN.md section 6):
+Phases (one model per run, ratios within the run; docs/bench.md says how to read them):
 - step: the optimizer step alone, on gradients and factors prepared by one real curvature step.
   Variants per optimizer: published (your copy of the published file, --published PATH),
   reference (cafin's plain-PyTorch reference: capturable, eager; not the published code's speed),
@@ -26,13 +26,10 @@ import argparse
 import copy
 import json
 import logging
-import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
-from types import ModuleType
 from typing import Callable
 
 import torch
@@ -40,15 +37,15 @@ import torch
 from . import members as members_pkg
 from . import published as published_mod
 from . import report
-from .measure import (Allocations, allocated_bytes, copy_bandwidth, device_name, is_cuda,
-                      machine_threads, sync, time_calls)
+from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
+                      copy_bandwidth, device_name, is_cuda, machine_threads, measure)
 from .members import VARIANTS, Member
 from .models import MODELS, batch_for, loss_for, relu_in_place
+from .whole_step import run_phase as whole_step_phase
 
 LR = 1e-3
 TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, every timed step does not
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
-DEFAULT_TCOV = 100  # the published default, at which the whole-step overhead is stated
 BASELINES = ("adamw-foreach", "adamw-fused")
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
@@ -62,151 +59,12 @@ FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_inp
 KINETO_QUIET = "6"
 
 
-@dataclass(frozen=True)
-class Budget:
-    """How long each measurement may take. The first call is untimed (state creation, compile);
-    more warm-up calls, up to `warmup` in all, run while warm-up has taken under warm_s (a
-    compile does not count); then timed calls until time_s is spent, within [min, max] repeats."""
-    warmup: int
-    warm_s: float
-    min_repeats: int
-    max_repeats: int
-    time_s: float
-
-
-FULL = Budget(warmup=5, warm_s=1.0, min_repeats=3, max_repeats=200, time_s=2.5)
-QUICK = Budget(warmup=2, warm_s=0.3, min_repeats=3, max_repeats=40, time_s=0.5)
-
-
-@dataclass
-class Result:
-    model: str
-    phase: str
-    variant: str
-    median_ms: float
-    allocated_bytes: int
-    repeats: int
-    spread: float
-    first_call_s: float  # the first warm-up call: it holds the compile of compiled variants
-    min_ms: float
-    allocations: Allocations | None = None
-    optimizer: str = "adafisher"
-
-    def to_json(self) -> dict:
-        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
-                "variant": self.variant, "median_ms": self.median_ms, "min_ms": self.min_ms,
-                "allocated_bytes": self.allocated_bytes,
-                "repeats": self.repeats, "iqr_over_median": _finite_or_none(self.spread),
-                "first_call_s": self.first_call_s,
-                "allocation_sources": [{"bytes": b, "count": n, "source": where} for b, n, where
-                                       in (self.allocations.sources if self.allocations else [])]}
-
-
-@dataclass
-class Skip:
-    model: str
-    phase: str
-    variant: str
-    reason: str
-    error: bool = False  # True: cafin or the bench raised; False: not available, or not cafin's
-    optimizer: str = "adafisher"
-
-    def to_json(self) -> dict:
-        return {"model": self.model, "phase": self.phase, "optimizer": self.optimizer,
-                "variant": self.variant, "reason": self.reason, "error": self.error}
-
-
-@dataclass
-class Run:
-    model: str
-    device: torch.device
-    batch_size: int
-    steps: int
-    quick: bool
-    budget: Budget
-    tcov: int = DEFAULT_TCOV
-    optimizers: list[str] = field(default_factory=list)
-    published: dict[str, str] = field(default_factory=dict)  # member -> path of the user's file
-    results: list[Result] = field(default_factory=list)
-    skipped: list[Skip] = field(default_factory=list)
-    agreement: list[dict] = field(default_factory=list)
-    floor: dict = field(default_factory=dict)
-    breakdown: list[dict] = field(default_factory=list)  # the fused statistics, per op
-    whole_step: list[dict] = field(default_factory=list)
-    whole_step_from_phases: list[dict] = field(default_factory=list)
-
-    def result(self, phase: str, variant: str, optimizer: str | None = None) -> Result | None:
-        """The result of a phase and variant; optimizer None: AdaFisher's, or AdamW's for the
-        adamw-* variants."""
-        if optimizer is None:
-            optimizer = "adamw" if variant.startswith("adamw-") else "adafisher"
-        for r in self.results:
-            if r.phase == phase and r.variant == variant and r.optimizer == optimizer:
-                return r
-        return None
-
-    def whole(self, optimizer: str, variant: str | None = None) -> dict | None:
-        for w in self.whole_step:
-            if w["optimizer"] == optimizer and (variant is None or w["variant"] == variant):
-                return w
-        return None
-
-
-@dataclass
-class Context:
-    """What a phase needs: the run, its model and batch, and the selection."""
-    run: Run
-    progress: object
-    base: torch.nn.Module
-    x: torch.Tensor
-    y: torch.Tensor
-    members: list[Member]
-    published: dict[str, ModuleType]
-    chosen: dict[str, set[str]]  # member -> the variants selected for it
-    baselines: set[str]
-    phases: set[str]
-    fused_ok: bool
-    why_not_fused: str
-    bandwidth: float = math.nan
-    requested: set[str] = field(default_factory=set)  # --variants as given (members' own phases)
-
-    def selected(self, member: Member) -> set[str]:
-        return self.chosen.get(member.name, set())
-
-    @property
-    def variants(self) -> set[str]:  # AdaFisher's selection, for its own phases
-        return self.chosen.get("adafisher", set())
-
-    def why_not(self, member: Member, variant: str) -> str | None:
-        """Why `variant` of `member` cannot run here, or None."""
-        if variant == "published" and member.name not in self.published:
-            return (f"give your copy of the published {member.published_file or 'code'} with "
-                    f"--published {'' if member.name == 'adafisher' else member.name + '='}PATH")
-        if variant.startswith(("fused", "cuda-graph")) and not self.fused_ok:
-            return self.why_not_fused
-        if variant == "cuda-graph" and not is_cuda(self.run.device):
-            return "CUDA only"
-        return None
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
 def fused_kernels_missing(device: torch.device) -> list[str]:
     """The cafin ops with no kernel for this device type in the loaded extension."""
     import cafin  # noqa: F401  (registers the ops)
     key = "CUDA" if is_cuda(device) else "CPU"
     return [op for op in FUSED_OPS
             if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cafin::{op}", key)]
-
-
-def adamw_fused_supported(device: torch.device) -> bool:
-    try:
-        from torch.optim.optimizer import _get_fused_kernels_supported_devices
-        return device.type in _get_fused_kernels_supported_devices()
-    except ImportError:  # an older torch: try it
-        return True
 
 
 # --------------------------------------------------------------------------------- the step
@@ -256,57 +114,6 @@ def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], o
 
 
 # --------------------------------------------------------------------------------- the run
-def measure(run: Run, progress, phase: str, optimizer: str, variant: str,
-            build: Callable[[], Callable]) -> None:
-    budget = run.budget
-    task = progress.add_task(f"{phase:<10} {optimizer} {variant}",
-                             total=budget.warmup + budget.max_repeats)
-    try:
-        fn = build()
-        if variant.endswith("-compiled"):
-            progress.update(task, description=f"{phase:<10} {optimizer} {variant} (compiling)")
-        first = time.perf_counter()
-        fn()  # the first call: state creation, compilation
-        sync(run.device)
-        first_s = time.perf_counter() - first
-        progress.update(task, description=f"{phase:<10} {optimizer} {variant}", advance=1)
-        # More warm-up only while it is cheap; a compiled variant gets one more call regardless
-        # (its first call was the compile, not a run).
-        warm_spent = 0.0 if variant.endswith("-compiled") else first_s
-        for _ in range(budget.warmup - 1):
-            if warm_spent > budget.warm_s:
-                break
-            began = time.perf_counter()
-            fn()
-            sync(run.device)
-            warm_spent += time.perf_counter() - began
-            progress.advance(task)
-        sync(run.device)
-        progress.update(task, completed=budget.warmup)
-        timing = time_calls(fn, run.device, warmup=0, min_repeats=budget.min_repeats,
-                            max_repeats=budget.max_repeats, budget_s=budget.time_s,
-                            tick=lambda: progress.advance(task))
-        allocations = allocated_bytes(fn, run.device)
-    except Exception as exc:  # one broken variant must not hide the others' numbers
-        text = f"{type(exc).__name__}: {exc}"
-        if variant == "published":  # the user's file failing is not a failure of cafin
-            run.skipped.append(Skip(run.model, phase, variant, f"the published code raised {text}",
-                                    optimizer=optimizer))
-        else:
-            run.skipped.append(Skip(run.model, phase, variant, text, error=True, optimizer=optimizer))
-        progress.update(task, description=f"[red]{phase:<10} {optimizer} {variant} failed",
-                        completed=0, total=1)
-        return
-    finally:
-        if is_cuda(run.device):
-            torch.cuda.empty_cache()
-    run.results.append(Result(run.model, phase, variant, timing.median_ms, allocations.total_bytes,
-                              len(timing.samples_ms), timing.spread, first_s, min(timing.samples_ms),
-                              allocations, optimizer=optimizer))
-    progress.update(task, total=budget.warmup + len(timing.samples_ms),
-                    completed=budget.warmup + len(timing.samples_ms))
-
-
 def _step_phase(ctx: Context) -> None:
     run, progress = ctx.run, ctx.progress
     for member in ctx.members:
@@ -332,7 +139,6 @@ def _step_phase(ctx: Context) -> None:
 def bench(run: Run, ctx_args: dict, console) -> None:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn)
-    from .whole_step import run_phase as whole_step_phase
     device, name = run.device, run.model
     torch.manual_seed(0)
     base = MODELS[name]().to(device)
@@ -395,7 +201,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="short budgets (under a minute on 2 CPU cores)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--markdown", metavar="PATH",
-                        help="write the results as Markdown tables (the README's bench section)")
+                        help="write the results as Markdown tables (as in docs/bench.md)")
     parser.add_argument("--optimizers", default=None, metavar="NAME,...",
                         help="the members to bench (default: all of them): "
                              + ", ".join(members_pkg.registry()))

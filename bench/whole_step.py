@@ -20,15 +20,12 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
-from .measure import is_cuda, sync
+from .measure import Context, Skip, adamw_fused_supported, is_cuda, sync
 from .models import loss_for, relu_in_place
-
-if TYPE_CHECKING:
-    from .speed import Context
 
 INTERVAL = 2  # the curvature interval the phase trains at: curvature and plain alternate
 LR = 1e-3
@@ -86,9 +83,8 @@ def _captured_iteration(name, model, opt, x, y, device) -> tuple[Callable[[], No
     return graph.replay, warmup
 
 
-def trainers(ctx: "Context") -> list[Trainer]:
+def trainers(ctx: Context) -> list[Trainer]:
     """Build every selected trainer; what cannot run here goes to ctx.run.skipped."""
-    from .speed import Skip, adamw_fused_supported
     run, device, name = ctx.run, ctx.run.device, ctx.run.model
     base = copy.deepcopy(ctx.base)
     if ctx.published:  # one model for every row: the published hooks cannot take in-place ReLU
@@ -134,7 +130,6 @@ def trainers(ctx: "Context") -> list[Trainer]:
 
 
 def _failure(model: str, optimizer: str, variant: str, exc: Exception):
-    from .speed import Skip
     text = f"{type(exc).__name__}: {exc}"
     if variant == "published":  # the user's file failing is not a failure of the bench
         return Skip(model, "whole-step", variant, f"the published code raised {text}",
@@ -152,7 +147,7 @@ def _timed(trainer: Trainer, device: torch.device) -> tuple[float, bool]:
     return (time.perf_counter() - began) * 1e3, curvature
 
 
-def run_phase(ctx: "Context") -> None:
+def run_phase(ctx: Context) -> None:
     run, device, progress = ctx.run, ctx.run.device, ctx.progress
     budget = run.budget
     task = progress.add_task("whole step build + compile", total=1)

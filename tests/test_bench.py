@@ -1,6 +1,7 @@
 """`python -m bench` runs end to end and writes well-formed JSON; `--published` imports a user's
 file and times it; `--optimizers` selects members from the registry. No timing assertions: the
 numbers depend on the machine; only their presence, shape and finiteness are checked."""
+import ast
 import json
 import math
 import os
@@ -19,6 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import members, published  # noqa: E402
 from bench.kfac_phases import FACTORS, INVERSE, PRECONDITION  # noqa: E402
+from bench.measure import PreconditionedSGD  # noqa: E402
 from bench.speed import main as bench_main, parse_args  # noqa: E402
 
 # A stand-in with the published AdaFisher's interface (AdaFisher(model, lr=..., TCov=..., ...),
@@ -352,3 +354,136 @@ def test_kfac_rows(tmp_path):
     assert f"| {PRECONDITION} | median ms | speed-up | allocated |" in text
     assert "| K-FAC + SGD reference (cafin, plain PyTorch) |" in text
     assert f"{PRECONDITION}: mlp" in proc.stdout and f"{INVERSE}: mlp" in proc.stdout
+
+
+def _bench_imports() -> dict[str, set[str]]:
+    """Module -> the bench modules it imports, from every import statement of bench/*.py and
+    bench/members/*.py, those inside functions and under `if TYPE_CHECKING` included. Importing
+    a submodule imports its package first, so that is an edge too. (The registry's discovery,
+    `importlib.import_module` in bench.members.registry(), runs when called, after the package
+    has been imported: it is no import statement and no edge here.)"""
+    files = {}
+    for path in sorted((ROOT / "bench").glob("*.py")) + sorted((ROOT / "bench" / "members").glob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        files[name] = (path, parts[-1] == "__init__")
+    modules = set(files)
+
+    def with_parents(name: str) -> set[str]:
+        out = set()
+        while name:
+            if name in modules:
+                out.add(name)
+            name = name.rpartition(".")[0]
+        return out
+
+    graph = {}
+    for name, (path, is_package) in files.items():
+        package = name if is_package else name.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    edges |= with_parents(alias.name)
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package
+                    for _ in range(node.level - 1):
+                        base = base.rpartition(".")[0]
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module
+                edges |= with_parents(base)
+                for alias in node.names:  # `from . import x` where x is a module
+                    edges |= with_parents(f"{base}.{alias.name}") - with_parents(base)
+        graph[name] = edges - {name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """An import cycle of `graph` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}
+
+    def visit(name: str, path: list[str]) -> list[str] | None:
+        state[name] = "open"
+        for other in sorted(graph[name]):
+            if state.get(other) == "open":
+                return path[path.index(other):] + [other]
+            if other not in state:
+                found = visit(other, path + [other])
+                if found:
+                    return found
+        state[name] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            found = visit(name, [name])
+            if found:
+                return found
+    return None
+
+
+def test_bench_imports_are_acyclic():
+    """No import cycle among bench's modules: measure (shared types, measure(), the
+    preconditioner + SGD wrapper) imports nothing from bench; phases import the leaves; the report
+    is imported by the entry alone; nothing but __main__ imports the entry."""
+    graph = _bench_imports()
+    assert {"bench.measure", "bench.speed", "bench.report", "bench.members",
+            "bench.members.kfac", "bench.kfac_phases"} <= set(graph)
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    importers = {name: {m for m, edges in graph.items() if name in edges} for name in graph}
+    assert graph["bench.measure"] <= {"bench"}
+    assert importers["bench.report"] == {"bench.speed"}
+    assert importers["bench.speed"] == {"bench.__main__"}
+    assert not any(m.startswith("bench.members.") for m in graph["bench.kfac_phases"])
+
+
+def test_bench_import_graph_sees_cycles(tmp_path, monkeypatch):
+    """The graph above finds imports inside functions (the way the cycles used to hide)."""
+    package = tmp_path / "bench"
+    (package / "members").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "members" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .b import x\n")
+    (package / "b.py").write_text("def f():\n    from . import a\n")
+    (package / "members" / "m.py").write_text("from .. import a\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    graph = _bench_imports()
+    assert graph["bench.a"] == {"bench", "bench.b"} and graph["bench.b"] == {"bench", "bench.a"}
+    assert graph["bench.members.m"] == {"bench", "bench.a"}
+    assert _cycle(graph) == ["bench.a", "bench.b", "bench.a"]
+    (package / "b.py").write_text("def f():\n    return 1\n")
+    assert _cycle(_bench_imports()) is None
+
+
+def test_preconditioned_sgd_drives_a_step():
+    """The one preconditioner-then-SGD wrapper: the preconditioner runs before SGD; with
+    stats_flag its update_stats is up from construction and after zero_grad and down after the
+    step; restore_grads puts the gradients back."""
+    calls = []
+
+    class Pre:
+        update_stats = False
+
+        def step(self, update_params=None):
+            calls.append(("pre", update_params, self.update_stats))
+            for p in params:
+                p.grad.mul_(2)
+
+    params = [torch.nn.Parameter(torch.ones(3))]
+    opt = torch.optim.SGD(params, lr=0.5)
+    pre = Pre()
+    wrapped = PreconditionedSGD(pre, opt, stats_flag=True, restore_grads=True)
+    assert pre.update_stats
+    params[0].grad = torch.ones(3)
+    wrapped.step()
+    assert calls == [("pre", True, True)] and not pre.update_stats
+    assert torch.equal(params[0].grad, torch.ones(3))  # restored
+    assert torch.equal(params[0].detach(), torch.zeros(3))  # 1 - 0.5 * 2
+    wrapped.zero_grad()
+    assert params[0].grad is None and pre.update_stats
+    plain = PreconditionedSGD(Pre(), None, params=params)
+    params[0].grad = torch.ones(3)
+    plain.step()
+    assert calls[-1] == ("pre", None, False) and torch.equal(params[0].grad, 2 * torch.ones(3))

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import singd_phases  # noqa: E402
-from bench.speed import Result  # noqa: E402
+from bench.measure import Result  # noqa: E402
 
 
 def _ctx():
@@ -45,27 +45,38 @@ def test_update_calls_are_repeatable_and_leave_the_base_model(structure, variant
     assert any(not torch.equal(a, b) for a, b in zip(runs[0], start))
 
 
+def _watched(call) -> list[tuple[list[float], list[torch.Tensor]]]:
+    """(H_count per layer, copies of the K and C factors) of the timed call's optimizer, before and
+    after each of its steps (torch.optim's public step hooks)."""
+    opt, seen = call.optimizer, []
+
+    def record(*_):
+        seen.append(([st["H_count"].item() for st in opt.state.values() if "H_count" in st],
+                     [t.clone() for st in opt.state.values() for k, t in st.items()
+                      if k.startswith(("K.", "C."))]))
+    opt.register_step_pre_hook(record)
+    opt.register_step_post_hook(record)
+    return seen
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_each_update_call_updates_the_preconditioner_from_restored_statistics():
-    import cafin
-    seen = []
-    original = cafin.SINGD._update_preconditioners_fused
-
-    def spy(self, items, c_g):
-        seen.append([self.state[layer.anchor]["H_count"].item() for layer, _ in items])
-        return original(self, items, c_g)
-
-    cafin.SINGD._update_preconditioners_fused = spy
-    try:
-        call = singd_phases.step_call(_ctx(), "fused", "dense", update=True)
-        assert seen == [[1.0, 1.0]]  # the setup's real update at k = 0
-        call()
-        call()
-        assert seen == [[1.0, 1.0]] * 3  # every call: the same one pass of statistics again
-        plain = singd_phases.step_call(_ctx(), "fused", "dense", update=False)
-        plain()
-        assert seen[3:] == [[1.0, 1.0]]  # the setup's update; the plain step updates none
-    finally:
-        cafin.SINGD._update_preconditioners_fused = original
+    call = singd_phases.step_call(_ctx(), "fused", "dense", update=True)
+    seen = _watched(call)
+    call()
+    call()
+    (before1, k0), (after1, k1), (before2, k1_again), (after2, k2) = seen
+    # Every call: the same one pass of statistics again, consumed by an update of the factors.
+    assert before1 == before2 == [1.0, 1.0] and after1 == after2 == [0.0, 0.0]
+    assert not _same(k0, k1) and _same(k1, k1_again) and not _same(k1, k2)
+    plain = singd_phases.step_call(_ctx(), "fused", "dense", update=False)
+    seen = _watched(plain)
+    plain()
+    (before, k0), (after, k1) = seen
+    assert before == after == [0.0, 0.0] and _same(k0, k1)  # the plain step updates no factor
 
 
 def test_amortised():

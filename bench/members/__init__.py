@@ -1,8 +1,13 @@
-"""The optimizers the bench compares, one small file per member of the family.
+"""The registry of the optimizers the bench compares: one file per member of the family, each
+the one place that says how the member is built on a model (for the speed bench and, where it
+has one, for `python -m bench convergence`) and how a step drives it (a preconditioner followed
+by SGD goes through `bench.measure.PreconditionedSGD`).
 
 Plugging a member in: add `bench/members/<name>.py` defining `MEMBER = Member(...)`; nothing else
 changes (the files of this package are discovered). `python -m bench --optimizers a,b` then
-selects it by `Member.name`.
+selects it by `Member.name`. A member's own phases live in `bench/<name>_phases.py`, which its
+file imports; phases modules import only the leaves (bench/measure.py, bench/models.py,
+bench/peers.py), never a member's file nor the report.
 
 What a member supplies (see `Member`):
 - `build(model, backend, curvature_every)`: a fresh optimizer for `model` (already on its device)
@@ -40,26 +45,6 @@ from torch import nn
 
 # The variants the step and whole-step phases know, in table order.
 VARIANTS = ("published", "reference", "reference-compiled", "fused", "fused-compiled", "cuda-graph")
-
-
-class PreconditionerWithSGD:
-    """A preconditioner that rewrites `.grad` (K-FAC, two-level K-FAC) and the torch SGD its users
-    run after it, as one optimizer. The step phase repeats `step()` on the same gradients, so they
-    are restored after each step (two copies of the gradients, counted in the step's time)."""
-
-    def __init__(self, params, pre, opt):
-        self.params, self.pre, self.opt = params, pre, opt
-
-    def step(self):
-        grads = [p for p in self.params if p.grad is not None]
-        saved = [p.grad.clone() for p in grads]
-        self.pre.step()
-        self.opt.step()
-        for p, g in zip(grads, saved):
-            p.grad.copy_(g)
-
-    def zero_grad(self, set_to_none: bool = True):
-        self.opt.zero_grad(set_to_none=set_to_none)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """AdaFisher (cafin.AdaFisher): the bench's first member, and the model for the others."""
 from __future__ import annotations
 
+from .. import adafisher_phases
 from . import Member
 
 LR = 1e-3
@@ -16,14 +17,8 @@ def published(module, model, curvature_every: int):
     # TCov=..., weight_decay=..., dist=...), the same defaults as cafin's.
     return module.AdaFisher(model, lr=LR, TCov=curvature_every)
 
-
-def details(ctx) -> None:
-    from ..adafisher_phases import run_details
-    run_details(ctx)
-
-
 MEMBER = Member(
     name="adafisher", label="AdaFisher", build=build, backends=("fused", "reference"),
     default_variants=("published", "reference", "fused", "fused-compiled", "cuda-graph"),
     published=published, published_file="AdaFisher.py", published_class="AdaFisher",
-    details=details, overhead_goal=0.03, order=0)
+    details=adafisher_phases.run_details, overhead_goal=0.03, order=0)

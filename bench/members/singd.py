@@ -3,6 +3,7 @@ AdamW-priced configuration; its own phases (bench/singd_phases.py) time the step
 without the preconditioner update per structure against singd itself."""
 from __future__ import annotations
 
+from .. import singd_phases
 from . import Member
 
 
@@ -11,12 +12,7 @@ def build(model, backend: str, curvature_every: int):
     return cafin.SINGD(model, T=curvature_every, structures=("diagonal", "diagonal"),
                        warn_unsupported=False, backend=backend)
 
-
-def details(ctx) -> None:
-    from ..singd_phases import run_details
-    run_details(ctx)
-
-
 MEMBER = Member(
     name="singd", label="SINGD (diagonal)", build=build, backends=("fused", "reference"),
-    compiles=True, captures=True, default_variants=("fused",), details=details, order=20)
+    compiles=True, captures=True, default_variants=("fused",), details=singd_phases.run_details,
+    order=20)
