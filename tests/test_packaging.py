@@ -29,3 +29,25 @@ def test_extension_is_one_build():
     builds = list((ROOT / "cafin").glob("_C*.so"))
     assert len(builds) <= 1, builds
     assert cafin._C.__file__.startswith(str(ROOT / "cafin")) or not builds
+
+
+MEMBERS = ("AdaFisher", "AdaFisherW", "KFACPreconditioner", "TwoLevelKFAC", "SINGD", "DyKAF")
+
+
+def undocumented(cls, doc):
+    """The constructor arguments of `cls` without an `Args:` entry (`name (type...): ...`) in doc."""
+    import inspect
+    names = [n for n in inspect.signature(cls.__init__).parameters if n != "self"]
+    return [n for n in names if not re.search(rf"^\s+{re.escape(n)} \([^)]*\):", doc or "", flags=re.M)]
+
+
+def test_every_constructor_argument_is_in_the_docstring():
+    import cafin
+    for name in MEMBERS:
+        cls = getattr(cafin, name)
+        assert undocumented(cls, cls.__doc__) == [], name
+        # the check can fail: dropping any one entry is caught
+        for arg in ("lr", "backend", "process_group", "published_bugs", "grad_scaler"):
+            entry = re.search(rf"^\s+{arg} \(.*$", cls.__doc__, flags=re.M)
+            if entry is not None:
+                assert undocumented(cls, cls.__doc__.replace(entry.group(0), "")) == [arg], (name, arg)

@@ -28,37 +28,13 @@ from ..core import (
 from ..layers import discover, supported_types
 from ..sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
+from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
 
 
 class AdaFisher(CurvatureOptimizer):
-    """AdaFisher with coupled L2 weight decay: g' = g + wd*theta, m <- beta*m + (1-beta)*g',
-    theta <- theta - lr/(1-beta^t) * m / F~.
-
-    Args:
-        model: the module whose Linear, Conv2d, BatchNorm2d and LayerNorm layers (and subclasses)
-            are hooked for curvature statistics. Other parameters use F~ = 1.
-        lr, beta, Lambda, weight_decay: per param group (Lambda is the damping added to F~).
-        gamma: factor averaging, F <- 0.1*gamma*F + 0.01*gamma*z_hat (as published).
-        TCov: statistics are taken every TCov steps.
-        params: parameters or param-group dicts (default: the model's trainable parameters).
-        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch, the published way).
-        statistics: "per_step" (default): every forward/backward pass of a curvature step adds to
-            the statistics and the step folds their mean into the factors once, so k
-            micro-batches of gradient accumulation update the factors once; "per_pass": each
-            pass updates the factors right away, as the published code does (then the factors
-            change before the step can see a GradScaler's overflow: not usable with one).
-        process_group: with torch.distributed initialised, factors are averaged over this group
-            (default: the world) once per curvature update, in one collective.
-        grad_scaler: the torch.amp.GradScaler in use, needed only when gradients are unscaled
-            before the step (`scaler.unscale_(opt)`, e.g. for clipping), so the gradient
-            statistics, taken from scaled gradients, can still be unscaled.
-    lr, beta, Lambda and weight_decay are kept as 0-dim tensors on the parameters' device, so
-    schedulers update them in place (or assign numbers) and a compiled step does not recompile.
-    """
-
     # name -> (low, high, low_open, high_open, dtype): lr in the parameters' op-math dtype (as
     # torch's fused optimizers keep it); the others in float64, the precision the published code
     # forms its coefficients in (from Python floats).
@@ -366,12 +342,77 @@ class AdaFisher(CurvatureOptimizer):
         return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
                 for r in self._curvature]
 
+_ADAFISHER_ARGS = rf"""
+    Args:
+        model (nn.Module): the model, first as in the published code; its Linear, Conv2d,
+            BatchNorm2d and LayerNorm layers (and subclasses) are hooked for the curvature
+            statistics. Other parameters use :math:`\tilde F = 1`.
+        lr (float or Tensor, optional): learning rate :math:`\eta`, >= 0; per param group
+            (default: 1e-3)
+        beta (float, optional): first-moment decay :math:`\beta`, in [0, 1); per param group.
+            Mirrored as ``betas = (beta,)`` in every group, so that OneCycleLR and CyclicLR,
+            which cycle Adam's beta1 there, cycle it (default: 0.9)
+        Lambda (float, optional): damping :math:`\Lambda` added to :math:`\tilde F`, > 0; per
+            param group (default: 1e-3)
+        gamma (float, optional): factor averaging, :math:`F \leftarrow 0.1\gamma F +
+            0.01\gamma \hat z` (as published), in (0, 10] (default: 0.8)
+        TCov (int, optional): statistics are taken every TCov steps, on the passes of the
+            steps k with k % TCov == 0 (default: 100)
+        weight_decay (float, optional): weight decay :math:`\lambda`, >= 0; per param group
+            (default: 0)
+        {_optional_params_doc}
+            (default: the model's trainable parameters); keyword only
+        {_backend_doc}
+            "reference" computes the way the published code does.
+        statistics (str, optional): "per_step": every forward/backward pass of a curvature
+            step adds to the statistics and the step folds their mean into the factors once,
+            so k micro-batches of gradient accumulation update the factors once; "per_pass":
+            each pass updates the factors right away, as the published code does (then the
+            factors change before the step can see a GradScaler's overflow: not usable with
+            one) (default: "per_step")
+        {_process_group_doc}
+            The factors are averaged once per curvature update, in one collective.
+        {_grad_scaler_doc}
+
+    lr, beta, Lambda and weight_decay are kept as 0-dim tensors on the parameters' device, so
+    schedulers update them in place (or assign numbers) and a compiled step does not recompile.
+    Speed and convergence: docs/adafisher.md.
+    """
+
+AdaFisher.__doc__ = (
+    r"""AdaFisher: Adam with its second moment replaced by a diagonal Kronecker-factored Fisher.
+
+    Coupled L2 weight decay. Per parameter, with :math:`\tilde F` the diagonal Kronecker-factored
+    Fisher of its layer (arXiv 2405.16397), :math:`S` and :math:`H` averaged every TCov steps:
+
+    .. math::
+        \tilde F = S \otimes H + \Lambda, \qquad
+        g' = g + \lambda \theta, \qquad
+        m \leftarrow \beta m + (1 - \beta) g', \qquad
+        \theta \leftarrow \theta - \frac{\eta}{1 - \beta^t} \, \frac{m}{\tilde F}
+    """
+    + _ADAFISHER_ARGS
+)
+
+
 class _BetaMirror(tuple):
     """A group's `betas` as AdaFisher wrote it (a scheduler writes a plain tuple)."""
 
 
 class AdaFisherW(AdaFisher):
-    """AdaFisherW: decoupled weight decay, m <- beta*m + (1-beta)*g,
-    theta <- theta - lr*(m/((1-beta^t)*F~) + wd*theta). Same arguments as AdaFisher."""
-
     decoupled_weight_decay = True
+
+
+AdaFisherW.__doc__ = (
+    r"""AdaFisherW: AdaFisher with decoupled weight decay.
+
+    The same arguments as :class:`AdaFisher`; the weight decay is applied to the weights, not
+    added to the gradient:
+
+    .. math::
+        \tilde F = S \otimes H + \Lambda, \qquad
+        m \leftarrow \beta m + (1 - \beta) g, \qquad
+        \theta \leftarrow \theta - \eta \left( \frac{m}{(1 - \beta^t) \tilde F} + \lambda \theta \right)
+    """
+    + _ADAFISHER_ARGS
+)

@@ -28,6 +28,7 @@ from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real
 from ..maths import dykaf as dykaf_maths
 from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
+from ._docs import _backend_doc, _params_doc, _published_bugs_doc
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _KINDS = ("kron2d", "kron4d", "ema")
@@ -44,36 +45,6 @@ _SETTINGS = {
 
 
 class DyKAF(CoreOptimizer):
-    """DyKAF over `params` (parameters or param-group dicts), with the published signature.
-
-    Args (published meaning): lr; betas (Adam's beta1, beta2); shampoo_beta (factor decay, < 0:
-    betas[1]; frozen at a parameter's first step); eps (start of the rank-one moment, epsilon of the
-    full second moment); weight_decay (decoupled, on the updated weights); precondition_frequency
-    (refresh of the eigenbases, frozen at the first step); max_precond_dim (a mode longer than this
-    is not rotated); merge_dims; precondition_1d; normalize_grads; data_format ("channels_first" or
-    "channels_last": how merge_dims reads 4-D tensors); correct_bias; init ("kron", "eps" or
-    "zeros": the start of the 2-D factors); adam_rank_one (rank-one second moment for matrices).
-    cafin's keywords:
-        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch).
-        rank_one_eps: 0 (published): the rank-one denominator is sqrt(l r^T) with no epsilon.
-            > 0: it is sqrt(l r^T) + rank_one_eps, and a rank-one moment that collapsed to zero
-            restarts from the uniform direction instead of turning NaN.
-        seed: the starting vectors of the "kron" and 4-D (HOPM) power iterations are drawn from a
-            CPU generator seeded with this (the published code uses the global torch.randn).
-        published_bugs: False (default): the 4-D (conv kernel) factor step keeps unit factors and
-            carries the weight as the norm of each mode's update, and the HOPM start takes |s|; a
-            4-D weight with any mode over max_precond_dim takes the EMA path, that mode unrotated.
-            True: the published step, whose weight roughly squares every step (it overflows to NaN
-            on a small CNN within 13 steps) and whose start is NaN for a negative s; and the
-            published limit: only mode 0 of a 4-D weight is compared with max_precond_dim, the
-            factor split then preconditions every mode whatever its size.
-    The first step of each parameter only builds its state (no update, no decay), as published.
-    lr and betas are kept as 0-dim float64 tensors on the parameters' device, so schedulers change
-    them in place (for betas: `group["betas"][i].fill_(x)`) and a compiled step does not recompile;
-    a number assigned instead works too. Every setting is checked at construction, at each step
-    (before anything is written) and in `load_state_dict`.
-    """
-
     hyperparameters = {
         "lr": Real(0.0, inf, high_open=True, dtype=torch.float64),
         "betas": Pair(_BETA, _BETA),
@@ -429,7 +400,7 @@ class DyKAF(CoreOptimizer):
         (indices, stacked Q_L, stacked Q_R). On a GPU one batched GEMM per group saves launches;
         on a CPU every matrix is a group of its own, a view without a copy: there stacking
         copied every basis, factor and gradient each step and bmm ran no faster than mm
-        (measured on the bench's GPT: 9 ms of copies and 6 ms more GEMM time in a 122 ms step)."""
+        (measured: docs/dykaf.md, "Speed (CPU only)")."""
         groups: dict[tuple, list[int]] = {}
         for i, (p, st) in enumerate(zip(params, states)):
             if st["kind"] == "kron2d" and all(Q is not None for Q in st["bases"]):
@@ -572,6 +543,83 @@ class DyKAF(CoreOptimizer):
                 raise ValueError(f"{where}: exp_avg_rot_step {rot_step} without exp_avg_rot")
             entry["exp_avg_rot_step"] = rot_step
         return {key: entry[key] for key in saved}  # the saved order
+
+
+DyKAF.__doc__ = (
+    r"""DyKAF: Adam in the eigenbasis of dynamically tracked Kronecker factors of the Fisher.
+
+    A drop-in for ``TensorDyKAF`` (Vepricov/LIB, arXiv 2511.06477): the published signature,
+    defaults and numbers. For a matrix parameter with gradient :math:`g`, factors :math:`L, R`
+    track the nearest Kronecker approximation :math:`L \otimes R` of the moving-average empirical
+    Fisher :math:`F \leftarrow \beta_s F + (1 - \beta_s)\,\mathrm{vec}(g)\mathrm{vec}(g)^\top` by
+    one projector-splitting step per iteration, and :math:`Q_L, Q_R`, their eigenbases, are
+    refreshed every precondition_frequency updates. The update, with a rank-one second moment
+    :math:`l r^\top`:
+
+    .. math::
+        m \leftarrow \beta_1 m + (1 - \beta_1) g, \qquad \tilde g = Q_L^\top g Q_R, \qquad
+        l r^\top \approx \beta_2 l r^\top + (1 - \beta_2)\, \tilde g \odot \tilde g,
+
+        u = Q_L \frac{Q_L^\top m Q_R}{\sqrt{l r^\top}} Q_R^\top, \qquad
+        \theta \leftarrow \theta - \eta \frac{\sqrt{1 - \beta_2^t}}{1 - \beta_1^t} u, \qquad
+        \theta \leftarrow \theta - \eta \lambda \theta
+
+    Conv kernels (4-D) use a 4-mode factor split and a full second moment; the other
+    preconditioned tensors SOAP's EMA of per-mode products (docs/dykaf.md). The first step of each parameter only builds its
+    state (no update, no decay), as published.
+    """
+    + rf"""
+    Args:
+        {_params_doc}
+        lr (float or Tensor, optional): :math:`\eta`, >= 0 (default: 3e-3)
+        betas (tuple[float, float], optional): Adam's :math:`\beta_1, \beta_2`, each in
+            [0, 1) (default: (0.95, 0.95))
+        shampoo_beta (float, optional): :math:`\beta_s`, the factor decay, <= 1; < 0: betas[1];
+            frozen at a parameter's first step (default: -1)
+        eps (float, optional): the start of the rank-one moment (:math:`l = r = \epsilon
+            \mathbf 1`) and the epsilon of the full second moment; finite and > 0
+            (default: 1e-8)
+        weight_decay (float, optional): :math:`\lambda`, decoupled, on the updated weights,
+            >= 0 (default: 0.01)
+        precondition_frequency (int, optional): updates between refreshes of the eigenbases,
+            >= 1; frozen at a parameter's first step (default: 10)
+        max_precond_dim (int, optional): a mode longer than this is not rotated (default: 10000)
+        merge_dims (bool, optional): merge the dimensions of a tensor before preconditioning it,
+            as SOAP does (default: False)
+        precondition_1d (bool, optional): precondition 1-D tensors too (default: False)
+        normalize_grads (bool, optional): divide the update by its RMS (default: False)
+        data_format (str, optional): "channels_first" or "channels_last": how merge_dims reads
+            4-D tensors (default: "channels_first")
+        correct_bias (bool, optional): Adam's bias correction (default: True)
+        init (str, optional): the start of the 2-D factors: "kron", "eps" or "zeros"
+            (default: "kron")
+        adam_rank_one (bool, optional): the rank-one second moment for matrices (default: True)
+        {_backend_doc}
+            cafin's own, keyword only, as all below.
+        rank_one_eps (float, optional): 0 (published): the rank-one denominator is
+            :math:`\sqrt{{l r^\top}}` with no epsilon. > 0: it is :math:`\sqrt{{l r^\top}}` +
+            rank_one_eps, and a rank-one moment that collapsed to zero restarts from the
+            uniform direction instead of turning NaN (default: 0.0)
+        seed (int, optional): the starting vectors of the "kron" and 4-D (HOPM) power
+            iterations are drawn from a CPU generator seeded with this (the published code
+            uses the global torch.randn) (default: 0)
+        {_published_bugs_doc}
+            False: the 4-D (conv kernel) factor step keeps unit factors and carries the weight
+            as the norm of each mode's update, and the HOPM start takes |s|; a 4-D weight with
+            any mode over max_precond_dim takes the EMA path, that mode unrotated. True: the
+            published step, whose weight roughly squares every step (it overflows to NaN on a
+            small CNN within 13 steps) and whose start is NaN for a negative s; and the
+            published limit: only mode 0 of a 4-D weight is compared with max_precond_dim, the
+            factor split then preconditioning every mode whatever its size.
+
+    All but backend, data_format, adam_rank_one, rank_one_eps, seed and published_bugs may
+    differ per param group. lr and betas are kept as 0-dim float64 tensors on the parameters'
+    device, so schedulers change them in place (for betas: ``group["betas"][i].fill_(x)``) and
+    a compiled step does not recompile; a number assigned instead works too. Every setting is
+    checked at construction, at each step (before anything is written) and in
+    ``load_state_dict``. Speed: docs/dykaf.md.
+    """
+)
 
 
 def _refresh_due(state) -> bool:

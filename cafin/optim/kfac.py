@@ -30,6 +30,7 @@ from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
+from ._docs import _backend_doc, _process_group_doc
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
 
 __all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
@@ -74,56 +75,6 @@ class _LayerState:
 
 
 class KFACPreconditioner(Preconditioner):
-    """K-FAC gradient preconditioner (kfac-pytorch 0.4.2's contract; see docs/kfac.md).
-
-    Args (as kfac-pytorch; callables take the step count `steps` and are evaluated by eager
-    steps, which check what they return before anything is written):
-        model: Linear and Conv2d modules (and subclasses) whose parameters all require grad are
-            registered, except those matched by `skip_layers`.
-        factor_update_steps, inv_update_steps: intervals of factor updates and decompositions.
-        damping, factor_decay, kl_clip, lr: K-FAC hyperparameters; kl_clip=None (or a callable
-            returning None) turns clipping off; lr is only used by the KL clip. Kept as 0-dim
-            device tensors (assigning `preconditioner.lr = x` between steps does not recompile
-            a compiled step).
-        accumulation_steps: forward/backward passes per step; their factors are averaged.
-        allreduce_bucket_cap_mb, assignment_strategy, colocate_factors, grad_worker_fraction,
-            symmetry_aware: accepted and checked as kfac-pytorch does (cafin.optim.kfac_compat);
-            every rank here computes every layer's second-order data, so results do not depend
-            on them.
-        compute_method: "eigen"/"inverse" or a ComputeMethod (cafin's or kfac-pytorch's).
-        compute_eigenvalue_outer_product: precompute 1/(d_G d_A^T + damping) at decomposition.
-        grad_scaler: a GradScaler (or a callable returning the scale): gradient statistics are
-            unscaled with it.
-        factor_dtype: dtype of the factors (default: the layer weight's dtype).
-        inv_dtype: dtype of the decompositions and of the preconditioning products.
-        skip_layers: a regular expression, or a list of them, searched in module names and
-            class names.
-        update_factors_in_hook: fold statistics into the factors in the hooks (True) or at the
-            start of step(). A statistic holding inf or NaN (a GradScaler overflow pass) is
-            dropped, never folded: counted in `skipped_factor_updates` and, for layers on the
-            CPU, reported by step() as a RuntimeWarning.
-        loglevel: level of the registration log lines.
-    cafin's own:
-        backend: "fused" (C++/CUDA kernels) or "reference" (plain PyTorch). The choice is made
-            once, here, per (device, dtype) of the tensors each op works on (a layer's weight
-            gradients, its factors, the inv_dtype products): "fused" runs the kernels where cafin
-            has them, float32/float64 tensors on the CPU and on CUDA when this build carries the
-            CUDA kernels, and the plain-PyTorch ops of the same semantics elsewhere (a bfloat16
-            model's gradients, bfloat16 factors). Non-contiguous gradients (channels_last) are
-            written through a contiguous copy. A layer moved to another device or dtype after
-            construction is an error at the step.
-        decompose_dtype: dtype eigh/inv run in (kfac-pytorch: a float32 copy; torch.float64 is
-            the precise choice for float64 models).
-        process_group: group the factors are averaged over when torch.distributed is initialised.
-
-    Layers of several dtypes or devices work with KL clipping: the clip factor is one reduction
-    over all of them (in float64 when any gradient is float64).
-
-    `copy.deepcopy` copies the model with the preconditioner (or uses the model's copy when one
-    deepcopy call copies both): the copy is hooked to the copied model and trains as the
-    original does. The backend modules and the process group are shared.
-    """
-
     def __init__(
         self,
         model: nn.Module,
@@ -795,6 +746,108 @@ class KFACPreconditioner(Preconditioner):
                 sizes["a_inverses" if key in ("qa", "da", "a_inv") else "g_inverses"] += t.nbytes
         sizes["total"] = sum(sizes.values())
         return dict(sizes)
+
+
+KFACPreconditioner.__doc__ = (
+    r"""K-FAC gradient preconditioner, a drop-in for kfac-pytorch 0.4.2's ``KFACPreconditioner``.
+
+    ``step()`` after ``backward()`` rewrites the gradients of the registered layers in place;
+    any torch optimizer then steps. Per layer, with :math:`A = E[\bar a \bar a^\top]` over its
+    input rows (:math:`\bar a = [a; 1]` with a bias) and :math:`G = E[g g^\top]` over its
+    output-gradient rows (kfac-pytorch's normalisation), every factor_update_steps steps
+    :math:`F \leftarrow \rho F + (1 - \rho) F_{new}` (:math:`\rho`: factor_decay, from
+    :math:`F = I`), every inv_update_steps steps :math:`A = Q_A \mathrm{diag}(d_A) Q_A^\top`,
+    :math:`G = Q_G \mathrm{diag}(d_G) Q_G^\top`, and every step:
+
+    .. math::
+        V = Q_G \big[ (Q_G^\top \nabla_W Q_A) \oslash (d_G d_A^\top + \lambda) \big] Q_A^\top
+            \quad \text{(or } (G + \lambda I)^{-1} \nabla_W (A + \lambda I)^{-1}
+            \text{ with "inverse")},
+
+        \nu = \min\Big(1, \sqrt{\kappa \,/\, \big|\textstyle\sum_{layers} \eta^2
+            \langle V, \nabla_W \rangle\big|}\Big), \qquad \nabla_W \leftarrow \nu V
+
+    (:math:`\nabla_W`: the weight gradient with the bias gradient as its last column;
+    :math:`\lambda`: damping, :math:`\kappa`: kl_clip, :math:`\eta`: lr). The conventions are
+    kfac-pytorch's; docs/kfac.md lists them and what differs.
+
+    The arguments after model are keyword only. Up to loglevel they are kfac-pytorch's, with
+    its meaning; backend, decompose_dtype and process_group are cafin's own. A callable takes
+    the step count ``steps`` and is evaluated by eager steps, which check what it returns
+    before anything is written.
+    """
+    + rf"""
+    Args:
+        model (nn.Module): the model; its Linear and Conv2d modules (and subclasses) whose
+            parameters all require grad are registered, except those matched by skip_layers.
+        factor_update_steps (int or callable, optional): interval of the factor updates:
+            statistics are taken on the passes where steps % factor_update_steps == 0
+            (default: 1)
+        inv_update_steps (int or callable, optional): interval of the decompositions (best a
+            multiple of factor_update_steps; a warning says so otherwise) (default: 1)
+        damping (float or callable, optional): :math:`\lambda` (default: 0.001)
+        factor_decay (float or callable, optional): :math:`\rho`, the factors' moving-average
+            weight (default: 0.95)
+        kl_clip (float, callable or None, optional): :math:`\kappa`; None (or a callable
+            returning None) turns the clipping off (default: 0.001)
+        lr (float or callable, optional): :math:`\eta`, only used by the KL clip (default: 0.1)
+        accumulation_steps (int, optional): forward/backward passes per step; their factors
+            are averaged (default: 1)
+        allreduce_bucket_cap_mb (float, optional): a KAISA option, accepted and checked as
+            kfac-pytorch does (cafin.optim.kfac_compat); every rank here computes every
+            layer's second-order data, so results do not depend on it (default: 25.0)
+        assignment_strategy (AssignmentStrategy or str, optional): a KAISA option, as
+            allreduce_bucket_cap_mb (default: AssignmentStrategy.COMPUTE)
+        colocate_factors (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
+            (default: True)
+        compute_method (ComputeMethod or str, optional): "eigen" or "inverse", or a
+            ComputeMethod (cafin's or kfac-pytorch's) (default: ComputeMethod.EIGEN)
+        compute_eigenvalue_outer_product (bool, optional): precompute
+            :math:`1/(d_G d_A^\top + \lambda)` at decomposition (default: True)
+        grad_worker_fraction (DistributedStrategy or float, optional): a KAISA option, as
+            allreduce_bucket_cap_mb (default: DistributedStrategy.COMM_OPT)
+        symmetry_aware (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
+            (default: False)
+        grad_scaler (torch.amp.GradScaler or callable, optional): a GradScaler (or a callable
+            returning the scale): the gradient statistics are unscaled with it (default: None)
+        factor_dtype (torch.dtype, optional): dtype of the factors (default: None: the layer
+            weight's dtype)
+        inv_dtype (torch.dtype, optional): dtype of the decompositions and of the
+            preconditioning products (default: torch.float32)
+        skip_layers (str or list[str], optional): a regular expression, or a list of them,
+            searched in module names and class names (default: None)
+        update_factors_in_hook (bool, optional): fold the statistics into the factors in the
+            hooks (True) or at the start of step(). A statistic holding inf or NaN (a
+            GradScaler overflow pass) is dropped, never folded: counted in
+            ``skipped_factor_updates`` and, for layers on the CPU, reported by step() as a
+            RuntimeWarning (default: True)
+        loglevel (int, optional): level of the registration log lines (default: logging.DEBUG)
+        {_backend_doc}
+            The choice is made once, here, per (device, dtype) of the tensors
+            each op works on (a layer's weight gradients, its factors, the inv_dtype
+            products): "fused" runs the kernels where cafin has them, float32/float64 tensors
+            on the CPU and on CUDA when this build carries the CUDA kernels, and the
+            plain-PyTorch ops of the same semantics elsewhere (a bfloat16 model's gradients,
+            bfloat16 factors). Non-contiguous gradients (channels_last) are written through a
+            contiguous copy. A layer moved to another device or dtype after construction is
+            an error at the step.
+        decompose_dtype (torch.dtype, optional): the dtype eigh/inv run in,
+            torch.float32 or torch.float64 (kfac-pytorch: a float32 copy; torch.float64 is the
+            precise choice for float64 models) (default: torch.float32)
+        {_process_group_doc}
+            The factors are averaged over it.
+
+    damping, factor_decay, kl_clip and lr are kept as 0-dim device tensors (assigning
+    ``preconditioner.lr = x`` between steps does not recompile a compiled step).
+
+    Layers of several dtypes or devices work with KL clipping: the clip factor is one reduction
+    over all of them (in float64 when any gradient is float64).
+
+    ``copy.deepcopy`` copies the model with the preconditioner (or uses the model's copy when
+    one deepcopy call copies both): the copy is hooked to the copied model and trains as the
+    original does. The backend modules and the process group are shared. Speed: docs/kfac.md.
+    """
+)
 
 
 # ------------------------------------------------------------------------------ helpers

@@ -32,6 +32,7 @@ from ..maths import singd as singd_maths
 from .. import ops
 from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
+from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
@@ -91,40 +92,6 @@ def _scalar_tensor(value, device, dtype) -> Tensor:
 
 
 class SINGD(CurvatureOptimizer):
-    """Structured inverse-free natural gradient descent (singd 0.0.5's contract).
-
-    Args (as singd): model; params (default: the parameters of the model's Linear and Conv2d
-    layers; others are warned about when warn_unsupported); lr (beta2); momentum (alpha2);
-    damping (lambda); alpha1 (Riemannian momentum); weight_decay (gamma); T (preconditioner
-    update interval); loss_average (None, "batch", "batch+sequence"); lr_cov (beta1, a number or
-    a callable of the step count); structures ((K's, C's) of "dense", "diagonal",
-    "block30diagonal", "hierarchical15_15", "triltoeplitz", "triutoeplitz"); kfac_approx
-    ("expand", "reduce"); kfac_like (IKFAC; forces alpha1 = 0); preconditioner_dtype ((K's, C's)
-    storage dtype, None = the weight's); init_grad_scale; normalize_lr_cov.
-    Every one but model, params and warn_unsupported may differ per param group. structures,
-    preconditioner_dtype and a zero alpha1 are fixed once a group's factors are built: a group
-    entry or a checkpoint that changes them is rejected.
-    lr, momentum, damping, weight_decay and a numeric lr_cov are 0-dim tensors in the groups
-    (schedules change them in place or assign numbers; a compiled step does not recompile).
-    alpha1 stays a number: whether it is 0 decides whether m_K and m_C are kept at all.
-
-    Beyond singd (keyword only):
-        backend: "fused" (batched multi-tensor updates) or "reference" (per layer, singd's order).
-        exact_block_transposes: block30diagonal with true transposes (singd multiplies by K where
-            K^T is meant); per group. Default False: singd's numbers.
-        process_group: with torch.distributed initialised, the H terms are averaged (summed for
-            loss_average=None) over this group in one collective per preconditioner update.
-        cache_preconditioner: for a factor with the dense structure, keep P = K K^T (C C^T) from
-            each preconditioner update, so the step multiplies by it once instead of by K and K^T
-            (a dense-dense layer: two GEMMs instead of four). singd's order of products is then
-            not kept: the numbers differ by rounding. Structured factors keep their cheaper
-            structured products (a dense cache would cost more).
-        grad_scaler: the torch.amp.GradScaler in use, needed only when the gradients are unscaled
-            before the step (`scaler.unscale_(opt)`, e.g. to clip them).
-    Parameters in params that no Linear/Conv2d owns are updated with their plain gradient
-    (weight decay and momentum as the others); singd silently never updates them.
-    """
-
     # name -> (low, high, low_open, high_open, dtype): all in the parameters' op-math dtype, the
     # precision singd's Python floats take in its float32/float64 tensor arithmetic.
     hyperparameters = {
@@ -953,6 +920,99 @@ class SINGD(CurvatureOptimizer):
             if not callable(group["lr_cov"]):
                 group["lr_cov"] = hyperparameter_tensor(group["lr_cov"], group["params"])
         self._grad_scale_prev = prev
+
+
+SINGD.__doc__ = (
+    r"""Structured inverse-free natural gradient descent (SINGD; IKFAC with ``kfac_like=True``).
+
+    singd 0.0.5's contract: the same arguments, defaults and numbers. Per Linear/Conv2d layer,
+    structured factors :math:`K` (:math:`d_K \times d_K`) and :math:`C` (:math:`d_C \times d_C`)
+    track :math:`K K^\top \approx (A + \lambda)^{-1}` and :math:`C C^\top \approx (G +
+    \lambda)^{-1}` by matrix products only. Every T steps, from the layer inputs :math:`a` and
+    output gradients :math:`g` of that step's passes:
+
+    .. math::
+        m_K \leftarrow \alpha_1 m_K + s \Big( c \, \tfrac{\mathrm{tr} H_C}{d_C} H_K
+            + \lambda \tfrac{\mathrm{tr}(C^\top C)}{d_C} \Pi(K^\top K) - I \Big), \qquad
+        K \leftarrow K - \beta_1 K m_K,
+
+        H_K = \Pi(K^\top a^\top a K), \qquad H_C = \Pi(C^\top g^\top g C),
+
+    and the same for :math:`C` with the roles swapped (:math:`\Pi`: projection onto the
+    structure; :math:`s = 1/2`; :math:`c`: the gradient-scale correction, 1 without AMP;
+    kfac_like: the trace factors are 1). Every step, SGD with momentum on the natural gradient:
+
+    .. math::
+        u = C C^\top [\nabla_W \,|\, \nabla_b] K K^\top + \gamma \theta, \qquad
+        b \leftarrow \alpha_2 b + u, \qquad
+        \theta \leftarrow \theta - \beta_2 b
+    """
+    + rf"""
+    Args:
+        model (nn.Module): the model, first as in singd; its Linear and Conv2d layers are
+            hooked.
+        {_optional_params_doc}
+            (default: the parameters of the model's Linear and Conv2d layers; others are
+            warned about when warn_unsupported). Parameters in params that no Linear/Conv2d
+            owns are updated with their plain gradient (weight decay and momentum as the
+            others); singd silently never updates them.
+        lr (float, optional): :math:`\beta_2`, the learning rate, >= 0; per param group
+            (default: 0.001)
+        momentum (float, optional): :math:`\alpha_2`, SGD momentum, >= 0; per param group
+            (default: 0.9)
+        damping (float, optional): :math:`\lambda`, >= 0; per param group (default: 0.001)
+        alpha1 (float, optional): :math:`\alpha_1`, the Riemannian momentum of the factor
+            updates, >= 0; per param group. It stays a number: whether it is 0 decides whether
+            m_K and m_C are kept at all (default: 0.5)
+        weight_decay (float, optional): :math:`\gamma`, L2 weight decay, >= 0; per param group
+            (default: 0)
+        T (int, optional): preconditioner update interval: statistics come from the passes of
+            the steps k with k % T == 0, summed over micro-batches; per param group
+            (default: 10)
+        loss_average (str or None, optional): None, "batch" or "batch+sequence": the gradient
+            rows are scaled by sqrt(B) ("batch") or sqrt(B * locations) ("batch+sequence"),
+            as the loss is averaged; per param group (default: "batch")
+        lr_cov (float or callable, optional): :math:`\beta_1`, the factors' step size, >= 0: a
+            number or a callable of the step count; per param group (default: 0.01)
+        structures (tuple[str, str], optional): K's and C's structure, each of "dense",
+            "diagonal", "block30diagonal", "hierarchical15_15", "triltoeplitz",
+            "triutoeplitz"; per param group (default: ("dense", "dense"))
+        kfac_approx (str, optional): "expand" or "reduce", for layers that share weights over
+            locations ("reduce": the mean of the input rows, the sum of the gradient rows);
+            per param group (default: "expand")
+        warn_unsupported (bool, optional): warn about the model's parameters outside Linear
+            and Conv2d layers when params is not given (default: True)
+        kfac_like (bool, optional): IKFAC; forces alpha1 = 0 (with a warning); per param group
+            (default: False)
+        preconditioner_dtype (tuple, optional): K's and C's storage dtype, None = the
+            weight's; per param group (default: (None, None))
+        init_grad_scale (float, optional): the gradient scale assumed for step 0's H_C (H_C
+            uses the previous step's scale), finite and > 0 (default: 1.0)
+        normalize_lr_cov (bool, optional): :math:`s = (1 - \alpha_1)/2` and :math:`\beta_1`
+            divided by :math:`\max(1, \|m\|_\infty)`; per param group (default: False)
+        {_backend_doc}
+            Beyond singd, keyword only, as all below. "fused": batched multi-tensor updates;
+            "reference": per layer, in singd's order.
+        exact_block_transposes (bool, optional): block30diagonal with true transposes (singd
+            multiplies by K where K^T is meant); per param group (default: False: singd's
+            numbers)
+        {_process_group_doc}
+            The H terms are averaged (summed for loss_average=None) in one collective per
+            preconditioner update.
+        {_grad_scaler_doc}
+        cache_preconditioner (bool, optional): for a factor with the dense structure, keep
+            P = K K^T (C C^T) from each preconditioner update, so the step multiplies by it
+            once instead of by K and K^T (a dense-dense layer: two GEMMs instead of four).
+            singd's order of products is then not kept: the numbers differ by rounding.
+            Structured factors keep their cheaper structured products (a dense cache would
+            cost more) (default: False)
+
+    structures, preconditioner_dtype and a zero alpha1 are fixed once a group's factors are
+    built: a group entry or a checkpoint that changes them is rejected. lr, momentum, damping,
+    weight_decay and a numeric lr_cov are 0-dim tensors in the groups (schedules change them in
+    place or assign numbers; a compiled step does not recompile). Speed: docs/singd.md.
+    """
+)
 
 
 __all__ = ["SINGD", "STRUCTURES"]

@@ -42,6 +42,7 @@ from ..core.preconditioner import Preconditioner
 from ..factors import input_rows
 from ..maths import state_dtype
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
+from ._docs import _process_group_doc, _published_bugs_doc
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES", "NonFiniteStatisticsWarning", "EigendecompositionWarning"]
 
@@ -66,45 +67,6 @@ def _accept(module: nn.Module) -> bool:
 
 
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
-    r"""Two-level K-FAC: K-FAC's block-diagonal direction plus a coarse correction coupling the layers.
-
-    A gradient preconditioner, a drop-in for `TwolevelKFAC` of Abdoulaye-Koroko/natural-gradients:
-    `step(update_params=True)` after backward rewrites the gradient of every registered Linear
-    and Conv2d layer; a torch optimizer (SGD with momentum) then steps. Per layer l, with K-FAC
-    factors A_l = E[x x^T], G_l = E[g g^T] (EMAs, updated every `T_cov` steps, eigendecomposed
-    every `T_inv` steps, damping added inside the decomposition):
-
-    .. math::
-        v_l = (G_l + \lambda I)^{-1} g_l (A_l + \lambda I)^{-1} + y_l r_l, \qquad
-        y = F_c^{-1} (R g), \quad (R g)_l = \langle r_l, g_l \rangle,
-
-        (F_c)_{ij} = \tfrac{1}{B} \textstyle\sum_n \langle r_i, G_{n,i} \rangle
-        \langle r_j, G_{n,j} \rangle + \lambda \, |r_i| \, [i = j]
-
-    with one coarse vector r_l per layer (two with `krylov=True`) and G_{n,l} sample n's gradient.
-    Layers whose parameters are all frozen are skipped. Factors and decompositions of float16 and
-    bfloat16 models are kept in float32. A step whose statistics hold inf/NaN drops them with a
-    `NonFiniteStatisticsWarning` (counted in `dropped_statistics`).
-
-    Args:
-        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are registered.
-        damping (float, 1e-3): Tikhonov damping lambda, > 0.
-        pi (bool, False): accepted, no effect (published: feeds a branch that is never taken).
-        T_cov (int, 100): steps between factor and coarse-matrix updates.
-        T_inv (int, 100): steps between eigendecompositions.
-        alpha (float, 0.95): EMA weight cap, rho = min(1 - 1/k, alpha), in [0, 1].
-        constraint_norm (bool, False): scale the directions by min(sqrt(clipping / |<v, g>|), 1).
-        clipping (float, 1e-2): the bound of `constraint_norm`, >= 0.
-        batch_size (int, 64): initial batch size (overwritten by each collection).
-        coarse_space (str, "nicolaides"): "nicolaides", "spectral", "residual" or "tpselepedis".
-        krylov (bool, False): add a second, Krylov coarse vector (nicolaides and residual only).
-        backend (str, "fused"): coarse-matrix assembly, "fused" or "reference" (pair by pair).
-            The gradients are written by K-FAC's kernel for float32/float64 layers on one
-            device and by its plain-PyTorch twin otherwise, decided here.
-        published_bugs (bool, False): reproduce the published code's four bugs (docs/twolevel.md).
-        process_group (ProcessGroup, None): the group statistics are averaged over (None: world or FSDP2 mesh).
-    """
-
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
                  krylov=False, *, backend="fused", published_bugs=False, process_group=None):
@@ -932,6 +894,62 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             # then round as they did before the save (a bit-identical resume)
             entry[key] = entry[key].t().contiguous().t()
         return entry
+
+
+TwoLevelKFAC.__doc__ = (
+    r"""Two-level K-FAC: K-FAC's block-diagonal direction plus a coarse correction coupling the layers.
+
+    A gradient preconditioner, a drop-in for ``TwolevelKFAC`` of Abdoulaye-Koroko/natural-gradients
+    (arXiv 2303.18083): ``step(update_params=True)`` after backward rewrites the gradient of every
+    registered Linear and Conv2d layer; a torch optimizer (SGD with momentum) then steps. Per
+    layer l, with K-FAC factors :math:`A_l = E[x x^\top]`, :math:`G_l = E[g g^\top]` (EMAs,
+    updated every T_cov steps, eigendecomposed every T_inv steps, damping added inside the
+    decomposition):
+
+    .. math::
+        v_l = (G_l + \lambda I)^{-1} g_l (A_l + \lambda I)^{-1} + y_l r_l, \qquad
+        y = F_c^{-1} (R g), \quad (R g)_l = \langle r_l, g_l \rangle,
+
+        (F_c)_{ij} = \tfrac{1}{B} \textstyle\sum_n \langle r_i, G_{n,i} \rangle
+        \langle r_j, G_{n,j} \rangle + \lambda \, |r_i| \, [i = j]
+
+    with one coarse vector :math:`r_l` per layer (two with ``krylov=True``) and :math:`G_{n,l}`
+    sample n's gradient. Layers whose parameters are all frozen are skipped. Factors and
+    decompositions of float16 and bfloat16 models are kept in float32. A step whose statistics
+    hold inf/NaN drops them with a ``NonFiniteStatisticsWarning`` (counted in
+    ``dropped_statistics``).
+    """
+    + rf"""
+    Args:
+        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are
+            registered.
+        damping (float, optional): Tikhonov damping :math:`\lambda`, > 0 (default: 1e-3)
+        pi (bool, optional): accepted, no effect (published: feeds a branch that is never
+            taken) (default: False)
+        T_cov (int, optional): steps between factor and coarse-matrix updates (default: 100)
+        T_inv (int, optional): steps between eigendecompositions (default: 100)
+        alpha (float, optional): EMA weight cap, :math:`\rho = \min(1 - 1/k, \alpha)`, in
+            [0, 1] (default: 0.95)
+        constraint_norm (bool, optional): scale the directions by
+            min(sqrt(clipping / |<v, g>|), 1) (default: False)
+        clipping (float, optional): the bound of constraint_norm, >= 0 (default: 1e-2)
+        batch_size (int, optional): initial batch size (overwritten by each collection)
+            (default: 64)
+        coarse_space (str, optional): "nicolaides", "spectral", "residual" or "tpselepedis"
+            (default: "nicolaides")
+        krylov (bool, optional): add a second, Krylov coarse vector (nicolaides and residual
+            only) (default: False)
+        backend (str, optional): how :math:`F_c` is assembled: "fused", the per-sample coarse
+            projections of every layer at once, or "reference", pair by pair as the published
+            code does (see the module's docstring); keyword only, as all below. Either way the
+            gradients are written by K-FAC's kernel for float32/float64 layers on one device
+            and by its plain-PyTorch twin otherwise, decided here (default: "fused")
+        {_published_bugs_doc}
+            Here: the four bugs docs/twolevel.md lists and says why each is one.
+        {_process_group_doc}
+            The statistics are averaged over it.
+    """
+)
 
 
 def _checkpoint_int(value, name: str, low: int) -> int:
