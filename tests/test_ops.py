@@ -440,16 +440,16 @@ def test_fisher_average_found_inf(device):
 
 
 # ----------------------------------------------------------------------------------- kernel paths
-# Sizes past the single-pass limits of the CUDA kernels (csrc/cuda/statistics.cu, average.cu), so
+# Sizes past the single-pass limits of the CUDA kernels (csrc/cuda/adafisher_statistics.cu, adafisher_average.cu), so
 # their second passes run: a run longer than one segment a warp sums, more rows than the column-sum
 # grid has threads for, more runs or patch entries than the grid has warps, more input positions
 # than one grid covers, more factors than one fisher_average_ launch holds. The CPU runs the same
 # cases (a few seconds), which also checks the tests themselves where no GPU is at hand.
-SEGMENT = 8192               # statistics.cu kSegment: elements of a run one warp sums
-GRID_WARPS = 4096 * 8        # statistics.cu kMaxGrid blocks x kWarps
-GRID_THREADS = 4096 * 256    # statistics.cu kMaxGrid blocks x kThreads
-COLUMN_GRID_ROWS = 4096 * 4  # statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
-AVERAGE_ENTRIES = 128        # average.cu kMaxEntries: statistics one fisher_average_ launch folds
+SEGMENT = 8192               # adafisher_statistics.cu kSegment: elements of a run one warp sums
+GRID_WARPS = 4096 * 8        # adafisher_statistics.cu kMaxGrid blocks x kWarps
+GRID_THREADS = 4096 * 256    # adafisher_statistics.cu kMaxGrid blocks x kThreads
+COLUMN_GRID_ROWS = 4096 * 4  # adafisher_statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
+AVERAGE_ENTRIES = 128        # adafisher_average.cu kMaxEntries: statistics one fisher_average_ launch folds
 
 
 def channel_view(shape, start, end):
