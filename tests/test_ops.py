@@ -837,6 +837,35 @@ def test_no_graph_no_warning_with_grad_mode_on(device):
                         assert not t.requires_grad, name
 
 
+# ----------------------------------------------------------------------------------- registry
+def registered_ops() -> list[str]:
+    """The names of the cafin ops, read from the dispatcher: the schemas of csrc/ops.cpp are the
+    one list of ops, and everything below is checked against it."""
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("cafin::"))
+
+
+def test_every_op_has_faces_fake_autograd_kernel_and_opcheck_test():
+    """Each op defined in csrc/ops.cpp has a Python face in cafin.ops and a twin in
+    cafin.reference, a fake implementation (torch.compile), the below-autograd kernel (ops.cpp
+    registers it for every schema it defines) and an opcheck test (it is named in a test file
+    that runs torch's opcheck)."""
+    from torch._library.simple_registry import singleton
+
+    names = registered_ops()
+    assert len(names) >= 18, names
+    opcheck_sources = [p.read_text() for p in Path(__file__).parent.glob("test_*.py")
+                       if "opcheck" in p.read_text()]
+    for name in names:
+        qualname = f"cafin::{name}"
+        assert callable(getattr(ops, name, None)), f"{name}: no Python face in cafin.ops"
+        assert callable(getattr(ref, name, None)), f"{name}: no twin in cafin.reference"
+        assert singleton.find(qualname).fake_impl.kernel is not None, f"{name}: no fake implementation"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd"), \
+            f"{name}: no Autograd kernel"
+        assert any(name in text for text in opcheck_sources), f"{name}: no opcheck test"
+
+
 # ----------------------------------------------------------------------------------- opcheck
 def opcheck_samples(device):
     """Small samples of every op (tensors that can require grad do, so the autograd registration
