@@ -55,12 +55,13 @@ TORCH_LIBRARY(cafin, m) {
   // C^2 G K^2 (K read from k_offsets[i] on, one entry per column of the parameter viewed as
   // [C.numel(), -1]; K and C both empty: no factors, g itself), weight decay, momentum (none when
   // momentum_buffers is empty), update.
-  // lr, momentum and weight_decay are 0-dim tensors of the op-math dtype read on the device, so
-  // schedules of any of them do not recompile.
+  // lr, momentum, weight_decay and grad_scale (the gradients' divisor; None: unscaled) are 0-dim
+  // tensors of the op-math dtype read on the device: schedules of any of them do not recompile,
+  // and a GradScaler's scale needs no host sync.
   m.def(
       "singd_diag_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, Tensor momentum, Tensor weight_decay, "
-      "float grad_scale=1.0) -> ()",
+      "Tensor? grad_scale=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // SINGD preconditioner update, elementwise over the parts of structured factors (one list entry
   // per part; the GEMMs around it stay in torch). Where go[i]: m <- scale*(c_h*H + c_damp*pi*KtK
