@@ -55,12 +55,13 @@ TORCH_LIBRARY(cafin, m) {
   // C^2 G K^2 (K read from k_offsets[i] on, one entry per column of the parameter viewed as
   // [C.numel(), -1]; K and C both empty: no factors, g itself), weight decay, momentum (none when
   // momentum_buffers is empty), update.
-  // lr, momentum and weight_decay are 0-dim tensors of the op-math dtype read on the device, so
-  // schedules of any of them do not recompile.
+  // lr, momentum, weight_decay and grad_scale (the gradients' divisor; None: unscaled) are 0-dim
+  // tensors of the op-math dtype read on the device: schedules of any of them do not recompile,
+  // and a GradScaler's scale needs no host sync.
   m.def(
       "singd_diag_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor[] K, Tensor[] C, int[] k_offsets, Tensor lr, Tensor momentum, Tensor weight_decay, "
-      "float grad_scale=1.0) -> ()",
+      "Tensor? grad_scale=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // SINGD preconditioner update, elementwise over the parts of structured factors (one list entry
   // per part; the GEMMs around it stay in torch). Where go[i]: m <- scale*(c_h*H + c_damp*pi*KtK
@@ -151,14 +152,12 @@ void below_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::j
 
 }  // namespace
 
+// Every op TORCH_LIBRARY above defines (it runs first: same translation unit, earlier), so the
+// m.def list is the one list of ops.
 TORCH_LIBRARY_IMPL(cafin, Autograd, m) {
-  for (const char* name : {"adafisher_step_", "sumsq_stats_", "conv2d_input_stats_",
-                           "norm_input_stats_", "norm_grad_stats_", "fisher_average_",
-                           "singd_diag_step_", "kfac_factor_ema_", "kfac_eigen_scale_",
-                           "kfac_precondition_apply_",
-                           "dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
-                           "dykaf_apply_", "dykaf_split_normalize_", "dykaf_split_scale_",
-                           "singd_momentum_", "singd_factor_step_"}) {
-    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
+  for (const c10::OperatorName& op : c10::Dispatcher::singleton().getAllOpNames()) {
+    const auto ns = op.getNamespace();
+    if (!ns.has_value() || *ns != "cafin") continue;
+    m.impl(op.name.c_str(), torch::CppFunction::makeFromBoxedFunction<&below_autograd>());
   }
 }

@@ -14,7 +14,8 @@ namespace cafin {
 inline void check_singd_diag_step(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                            at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
                            const at::Tensor& lr, const at::Tensor& momentum,
-                           const at::Tensor& weight_decay) {
+                           const at::Tensor& weight_decay,
+                           const std::optional<at::Tensor>& grad_scale) {
   const size_t n = params.size();
   TORCH_CHECK_VALUE(grads.size() == n && K.size() == n && C.size() == n && k_offsets.size() == n,
                     "grads, K, C and k_offsets must have as many entries as params (", n, ")");
@@ -29,6 +30,7 @@ inline void check_singd_diag_step(at::TensorList params, at::TensorList grads, a
   check_scalar_tensor(lr, "lr", device, factor);
   check_scalar_tensor(momentum, "momentum", device, factor);
   check_scalar_tensor(weight_decay, "weight_decay", device, factor);
+  if (grad_scale.has_value()) check_scalar_tensor(*grad_scale, "grad_scale", device, factor);
   for (size_t i = 0; i < n; ++i) {
     TORCH_CHECK_TYPE(params[i].scalar_type() == dtype && grads[i].scalar_type() == dtype &&
                          (bufs.empty() || bufs[i].scalar_type() == dtype),

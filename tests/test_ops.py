@@ -440,16 +440,16 @@ def test_fisher_average_found_inf(device):
 
 
 # ----------------------------------------------------------------------------------- kernel paths
-# Sizes past the single-pass limits of the CUDA kernels (csrc/cuda/statistics.cu, average.cu), so
+# Sizes past the single-pass limits of the CUDA kernels (csrc/cuda/adafisher_statistics.cu, adafisher_average.cu), so
 # their second passes run: a run longer than one segment a warp sums, more rows than the column-sum
 # grid has threads for, more runs or patch entries than the grid has warps, more input positions
 # than one grid covers, more factors than one fisher_average_ launch holds. The CPU runs the same
 # cases (a few seconds), which also checks the tests themselves where no GPU is at hand.
-SEGMENT = 8192               # statistics.cu kSegment: elements of a run one warp sums
-GRID_WARPS = 4096 * 8        # statistics.cu kMaxGrid blocks x kWarps
-GRID_THREADS = 4096 * 256    # statistics.cu kMaxGrid blocks x kThreads
-COLUMN_GRID_ROWS = 4096 * 4  # statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
-AVERAGE_ENTRIES = 128        # average.cu kMaxEntries: statistics one fisher_average_ launch folds
+SEGMENT = 8192               # adafisher_statistics.cu kSegment: elements of a run one warp sums
+GRID_WARPS = 4096 * 8        # adafisher_statistics.cu kMaxGrid blocks x kWarps
+GRID_THREADS = 4096 * 256    # adafisher_statistics.cu kMaxGrid blocks x kThreads
+COLUMN_GRID_ROWS = 4096 * 4  # adafisher_statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
+AVERAGE_ENTRIES = 128        # adafisher_average.cu kMaxEntries: statistics one fisher_average_ launch folds
 
 
 def channel_view(shape, start, end):
@@ -835,6 +835,35 @@ def test_no_graph_no_warning_with_grad_mode_on(device):
                     assert t.grad_fn is None, name
                     if key == "stat":
                         assert not t.requires_grad, name
+
+
+# ----------------------------------------------------------------------------------- registry
+def registered_ops() -> list[str]:
+    """The names of the cafin ops, read from the dispatcher: the schemas of csrc/ops.cpp are the
+    one list of ops, and everything below is checked against it."""
+    return sorted(name.split("::", 1)[1] for name in torch._C._dispatch_get_all_op_names()
+                  if name.startswith("cafin::"))
+
+
+def test_every_op_has_faces_fake_autograd_kernel_and_opcheck_test():
+    """Each op defined in csrc/ops.cpp has a Python face in cafin.ops and a twin in
+    cafin.reference, a fake implementation (torch.compile), the below-autograd kernel (ops.cpp
+    registers it for every schema it defines) and an opcheck test (it is named in a test file
+    that runs torch's opcheck)."""
+    from torch._library.simple_registry import singleton
+
+    names = registered_ops()
+    assert len(names) >= 18, names
+    opcheck_sources = [p.read_text() for p in Path(__file__).parent.glob("test_*.py")
+                       if "opcheck" in p.read_text()]
+    for name in names:
+        qualname = f"cafin::{name}"
+        assert callable(getattr(ops, name, None)), f"{name}: no Python face in cafin.ops"
+        assert callable(getattr(ref, name, None)), f"{name}: no twin in cafin.reference"
+        assert singleton.find(qualname).fake_impl.kernel is not None, f"{name}: no fake implementation"
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "Autograd"), \
+            f"{name}: no Autograd kernel"
+        assert any(name in text for text in opcheck_sources), f"{name}: no opcheck test"
 
 
 # ----------------------------------------------------------------------------------- opcheck

@@ -572,12 +572,15 @@ def diag_case(device, dtype, momentum, seed=0):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
-@pytest.mark.parametrize("grad_scale", [1.0, 8.0])
+@pytest.mark.parametrize("grad_scale", [None, 1.0, 8.0])
 def test_diag_step_op_matches_reference_and_oracle(device, dtype, momentum, grad_scale):
     args = diag_case(device, dtype, momentum)
     want = copy.deepcopy(args)
-    cafin.reference.singd.singd_diag_step_(**want, grad_scale=grad_scale)
-    cafin.ops.singd_diag_step_(**args, grad_scale=grad_scale)
+    # the divisor is a 0-dim tensor of the op-math dtype on the device, read there (no host sync)
+    scale = None if grad_scale is None else torch.tensor(grad_scale, dtype=args["lr"].dtype, device=device)
+    cafin.reference.singd.singd_diag_step_(**want, grad_scale=scale)
+    torch.ops.cafin.singd_diag_step_(**args, grad_scale=scale)
+    grad_scale = 1.0 if grad_scale is None else grad_scale
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else \
         dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for got, exp in zip(args["params"] + args["momentum_buffers"], want["params"] + want["momentum_buffers"]):
@@ -616,6 +619,12 @@ def test_diag_step_op_opcheck_and_errors(device):
         cafin.ops.singd_diag_step_(**dict(args, weight_decay=args["weight_decay"].double()))
     with pytest.raises(TypeError, match="dtype"):
         cafin.ops.singd_diag_step_(**dict(args, K=[k.double() for k in args["K"]]))
+    with pytest.raises(TypeError, match="grad_scale"):  # a host float: a GradScaler's tensor would sync
+        cafin.ops.singd_diag_step_(**dict(args, grad_scale=8.0))
+    with pytest.raises(TypeError, match="grad_scale"):
+        cafin.ops.singd_diag_step_(**dict(args, grad_scale=torch.tensor(8.0, dtype=torch.float64, device=device)))
+    with pytest.raises(ValueError, match="grad_scale"):
+        cafin.ops.singd_diag_step_(**dict(args, grad_scale=torch.ones(1, device=device)))
     for p, q in zip(args["params"], before):
         assert torch.equal(p, q)
 

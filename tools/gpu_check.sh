@@ -145,7 +145,7 @@ if passed prereq; then
   # A clean build: an extension left in place (a CPU-only one, say) looks up to date to setuptools.
   stale=$(ls -d build cafin/_C*.so 2>/dev/null | tr '\n' ' ')
   [[ -n $stale ]] && rm -rf build cafin/_C*.so
-  # Cold: the 3 .cu files (about a minute each) and the C++ files, compiled in parallel.
+  # Cold: the .cu files (about a minute each) and the C++ files, compiled in parallel.
   run build 300 bash -c "echo 'removed stale build outputs: ${stale:-none}'; \
     exec $py -m pip install --no-deps --no-build-isolation -v -e ."
   build_rc=$rc build_time=$elapsed

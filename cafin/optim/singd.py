@@ -622,7 +622,7 @@ class SINGD(CurvatureOptimizer):
         """One SINGD step; a closure is evaluated with grad enabled and its loss returned."""
         loss = None
         if closure is None:
-            scale, divide, found_inf = self._prepare_step()
+            scale, divide, divisor, found_inf = self._prepare_step()
         else:
             # A closure that raises, or a step rejected after it ran, must not leave the
             # statistics of its passes behind (the step will be retried, closure and all).
@@ -630,7 +630,7 @@ class SINGD(CurvatureOptimizer):
             try:
                 with torch.enable_grad():
                     loss = closure()
-                scale, divide, found_inf = self._prepare_step()
+                scale, divide, divisor, found_inf = self._prepare_step()
             except BaseException:
                 self._restore_statistics(saved)
                 raise
@@ -648,22 +648,25 @@ class SINGD(CurvatureOptimizer):
                 torch._foreach_zero_(list(self._parts(layer, "H_K") + self._parts(layer, "H_C")))
                 self.state[layer.anchor]["H_count"].zero_()
         else:
-            self._step(scale, divide)
+            self._step(scale, divide, divisor)
         self._grad_scale_prev = scale
         self._steps.advance()
         return loss
 
-    def _prepare_step(self) -> tuple[float, float, Tensor | None]:
+    def _prepare_step(self) -> tuple[float, float, Tensor | None, Tensor | None]:
         """Everything that can reject the step, before it writes anything: the groups, this
-        step's callable lr_cov values and the gradient scale (H_C's, the gradients' divisor)."""
+        step's callable lr_cov values and the gradient scale (H_C's, the gradients' divisor, and
+        the GradScaler's tensor holding that divisor, if it is one)."""
         self._begin_step()
         self._lr_cov_now = self._evaluate_lr_cov()
         grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
         found_inf = getattr(self, "found_inf", None)
+        divisor = None
         if self._manual_scale is not None:  # set_current_grad_scale, as singd
             scale, divide = self._manual_scale, self._manual_scale
         elif grad_scale is not None:
             scale = divide = float(grad_scale)
+            divisor = grad_scale
         elif found_inf is not None:
             # scaler.unscale_(opt) ran before the step (clipping): the gradients are unscaled,
             # but the H_C taken from scaled gradients still needs this step's scale.
@@ -674,7 +677,7 @@ class SINGD(CurvatureOptimizer):
             scale, divide = float(self.grad_scaler.get_scale()), 1.0
         else:
             scale = divide = 1.0
-        return scale, divide, found_inf
+        return scale, divide, divisor, found_inf
 
     def _save_statistics(self) -> list[tuple[Tensor, Tensor]]:
         """Copies of the accumulators that passes of this step can add to (the layers whose
@@ -701,7 +704,7 @@ class SINGD(CurvatureOptimizer):
         hand); the gradients are divided by it."""
         self._manual_scale = _grad_scale(grad_scale, "grad_scale")
 
-    def _step(self, scale: float, grad_scale: float) -> None:
+    def _step(self, scale: float, grad_scale: float, divisor: Tensor | None) -> None:
         c_g = self._grad_scale_prev / scale ** 2
         dues = [(layer, self._steps.host_due(self._group(layer)["T"])) for layer in self._curvature]
         if distributed():
@@ -726,7 +729,7 @@ class SINGD(CurvatureOptimizer):
             else:
                 self._queue_natural_gradient(layer, grads, full.get(id(layer)), sk, sc, K, C,
                                              grad_scale, per_group)
-        self._apply_updates(per_group, per_diag, owned, grad_scale)
+        self._apply_updates(per_group, per_diag, owned, grad_scale, divisor)
 
     def _queue_diagonal_step(self, layer: Layer, K, C, per_diag) -> None:
         """Queue a layer with diagonal K and C for the fused diagonal step (the op forms the
@@ -780,9 +783,11 @@ class SINGD(CurvatureOptimizer):
             updates.append(piece.reshape(local(p).shape))
             bufs.append(local(self.state[p]["momentum_buffer"]))
 
-    def _apply_updates(self, per_group, per_diag, owned, grad_scale: float) -> None:
+    def _apply_updates(self, per_group, per_diag, owned, grad_scale: float,
+                       divisor: Tensor | None) -> None:
         """Per group: the SGD update of the queued natural gradients and of the parameters no
-        Linear/Conv2d owns (their plain gradient), then the fused diagonal steps."""
+        Linear/Conv2d owns (their plain gradient), then the fused diagonal steps, which read the
+        gradients' divisor on the device (`divisor`, the GradScaler's tensor, when there is one)."""
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
             for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
@@ -794,9 +799,14 @@ class SINGD(CurvatureOptimizer):
             if params:
                 self._apply(params, updates, bufs, group)
             for (device, dtype), (ps, gs, bs, ks, cs, offs) in per_diag.get(index, {}).items():
-                lr, momentum, wd = (self._hyperparameter(group, name, device, _work_dtype(dtype))
+                work = _work_dtype(dtype)
+                lr, momentum, wd = (self._hyperparameter(group, name, device, work)
                                     for name in ("lr", "momentum", "weight_decay"))
-                ops.singd_diag_step_(ps, gs, bs, ks, cs, offs, lr, momentum, wd, grad_scale)
+                scale = None  # unscaled
+                if grad_scale != 1.0:
+                    scale = divisor.to(device=device, dtype=work) if divisor is not None else \
+                        torch.tensor(grad_scale, dtype=work, device=device)
+                ops.singd_diag_step_(ps, gs, bs, ks, cs, offs, lr, momentum, wd, scale)
 
     def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor]]:
         """FSDP2: the full gradients of the sharded layers whose structures multiply the whole

@@ -12,14 +12,14 @@ from ..maths.singd import sgd_update_
 
 def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor],
                      K: list[Tensor], C: list[Tensor], k_offsets: list[int], lr: Tensor,
-                     momentum: Tensor, weight_decay: Tensor, grad_scale: float = 1.0) -> None:
+                     momentum: Tensor, weight_decay: Tensor, grad_scale: Tensor | None = None) -> None:
     """The op of the same name in plain PyTorch: the natural gradient of diagonal K and C in singd's
     order of products (K and C both empty: the gradient itself), then
     `cafin.maths.singd.sgd_update_` (no momentum when momentum_buffers is empty)."""
     updates = []
     for p, g, k, c, off in zip(params, grads, K, C, k_offsets):
         g = g.reshape(max(c.numel(), 1), -1).to(k.dtype)
-        if grad_scale != 1.0:
+        if grad_scale is not None:
             g = g / grad_scale
         if c.numel() == 0:  # no factors: the gradient itself
             updates.append(g.reshape(p.shape))

@@ -61,14 +61,14 @@ void diag_tensor(scalar_t* theta, const scalar_t* grad, scalar_t* buf, const opm
 void singd_diag_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                          at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
                          const at::Tensor& lr, const at::Tensor& momentum,
-                         const at::Tensor& weight_decay, double grad_scale) {
-  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay);
+                         const at::Tensor& weight_decay, const std::optional<at::Tensor>& grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay, grad_scale);
   if (params.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
+    const opmath_t scale = grad_scale.has_value() ? *grad_scale->const_data_ptr<opmath_t>() : opmath_t(1);
     const SingdCoeffs<opmath_t> s{*lr.const_data_ptr<opmath_t>(), *momentum.const_data_ptr<opmath_t>(),
-                                  *weight_decay.const_data_ptr<opmath_t>(),
-                                  static_cast<opmath_t>(grad_scale), grad_scale != 1.0};
+                                  *weight_decay.const_data_ptr<opmath_t>(), scale, scale != opmath_t(1)};
     for (size_t i = 0; i < params.size(); ++i) {
       const bool plain = C[i].numel() == 0;
       const int64_t cols = plain ? params[i].numel() : params[i].numel() / C[i].numel();

@@ -1,6 +1,7 @@
-// CUDA kernel of singd_diag_step_: one multi-tensor-apply launch per table of the bucket; lr is
-// read through a device pointer (no host sync, capturable). Semantics: cafin/reference/singd.py;
-// arithmetic: singd_math.h, shared with the CPU kernel.
+// CUDA kernel of singd_diag_step_: one multi-tensor-apply launch per table of the bucket; lr,
+// momentum, weight_decay and grad_scale are read through device pointers (no host sync,
+// capturable). Semantics: cafin/reference/singd.py; arithmetic: singd_math.h, shared with the CPU
+// kernel.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
@@ -34,7 +35,7 @@ struct DiagArgs {
   const opmath_t* lr;
   const opmath_t* momentum;
   const opmath_t* weight_decay;
-  double grad_scale;
+  const opmath_t* grad_scale;  // nullptr: gradients are not scaled
 };
 
 constexpr int kMaxDiagTensors = 30;
@@ -52,8 +53,8 @@ __global__ void __launch_bounds__(kBlockSize)
   const DiagMeta<scalar_t, opmath_t>& t = table.meta[slot];
   const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = min(table.numel[slot], begin + kChunkSize);
-  const SingdCoeffs<opmath_t> s{*args.lr, *args.momentum, *args.weight_decay,
-                                static_cast<opmath_t>(args.grad_scale), args.grad_scale != 1.0};
+  const opmath_t scale = args.grad_scale != nullptr ? *args.grad_scale : opmath_t(1);
+  const SingdCoeffs<opmath_t> s{*args.lr, *args.momentum, *args.weight_decay, scale, scale != opmath_t(1)};
   for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
     const int64_t row = i / t.cols;
     opmath_t th = static_cast<opmath_t>(t.theta[i]);
@@ -70,8 +71,8 @@ __global__ void __launch_bounds__(kBlockSize)
 void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs,
                           at::TensorList K, at::TensorList C, at::IntArrayRef k_offsets,
                           const at::Tensor& lr, const at::Tensor& momentum,
-                          const at::Tensor& weight_decay, double grad_scale) {
-  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay);
+                          const at::Tensor& weight_decay, const std::optional<at::Tensor>& grad_scale) {
+  check_singd_diag_step(params, grads, bufs, K, C, k_offsets, lr, momentum, weight_decay, grad_scale);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard guard(params[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -88,7 +89,8 @@ void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
       numels.push_back(params[i].numel());
     }
     const DiagArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(), momentum.const_data_ptr<opmath_t>(),
-                                  weight_decay.const_data_ptr<opmath_t>(), grad_scale};
+                                  weight_decay.const_data_ptr<opmath_t>(),
+                                  grad_scale.has_value() ? grad_scale->const_data_ptr<opmath_t>() : nullptr};
     multi_tensor_apply<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>(
         metas, numels, [&](const DiagTable<scalar_t, opmath_t>& table, int blocks) {
           if (bufs.empty()) {

@@ -18,7 +18,7 @@
 #include "adafisher_math.h"
 #include "checks.h"
 #include "cpu/vectorize.h"
-#include "statistics_math.h"
+#include "adafisher_statistics_math.h"
 
 namespace cafin {
 namespace {

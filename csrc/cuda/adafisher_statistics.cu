@@ -21,7 +21,7 @@
 
 #include "adafisher_math.h"
 #include "checks.h"
-#include "statistics_math.h"
+#include "adafisher_statistics_math.h"
 
 namespace cafin {
 namespace cuda {
