@@ -25,7 +25,8 @@ concern.
 - `preconditioner.py`: `Preconditioner`, the base of the members that rewrite `.grad` and leave
   the update to a torch optimizer (K-FAC, two-level K-FAC).
 """
-from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_hyperparameter, check_int,
+from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_gradient,
+                     check_hyperparameter, check_int,
                      check_range, hyperparameter_tensor, real_number)
 from .collectives import average_over_ranks, distributed
 from .discovery import Layer, discover
@@ -38,6 +39,6 @@ from .steps import StepCounter, run_closure
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
            "Flag", "Hooks", "Int", "Layer", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
-           "as_rule", "average_over_ranks", "capturing", "check_hyperparameter", "check_int",
+           "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
            "check_range", "discover", "distributed", "hyperparameter_tensor", "on", "real_number",
            "run_closure", "unwrap"]

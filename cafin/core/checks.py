@@ -172,3 +172,17 @@ class Choice(Setting):
 def as_rule(rule: Any) -> Real | Pair | Setting:
     """A rule, or a tuple (low, high, low_open, high_open, dtype) read as a tensor `Real`."""
     return rule if isinstance(rule, (Real, Pair, Setting)) else Real(*rule)
+
+
+def check_gradient(p: torch.Tensor, owner: str, where: str) -> None:
+    """A parameter's gradient (if any) dense and of its parameter's shape, dtype and device, or
+    an error naming `where` (kernels would reject it, or write the wrong thing)."""
+    grad = p.grad
+    if grad is None:
+        return
+    if grad.is_sparse:
+        raise RuntimeError(f"{owner} does not support sparse gradients ({where})")
+    if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
+        raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
+                         f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
+                         f"shape {tuple(p.shape)} on {p.device}")

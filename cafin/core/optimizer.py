@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..sharding import check_sharded
-from .checks import Pair, as_rule
+from .checks import Pair, as_rule, check_gradient
 from .collectives import distributed
 from .discovery import Layer
 from .hooks import Hooks
@@ -146,16 +146,10 @@ class CoreOptimizer(torch.optim.Optimizer):
             except (TypeError, ValueError) as e:
                 raise type(e)(f"param group {index}: {e}") from None
         for p in group["params"]:
-            grad = p.grad
-            if grad is None:
+            if p.grad is None:
                 continue
             where = f"param group {index}, parameter of shape {tuple(p.shape)}"
-            if grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients ({where})")
-            if grad.shape != p.shape or grad.dtype != p.dtype or grad.device != p.device:
-                raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
-                                 f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
-                                 f"shape {tuple(p.shape)} on {p.device}")
+            check_gradient(p, type(self).__name__, where)
             if self.contiguous_params and not p.is_contiguous():
                 raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
                                  "channels_last after the optimizer was built); cafin needs "

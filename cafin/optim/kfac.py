@@ -26,7 +26,7 @@ from torch import nn
 from .. import factors
 from .. import ops, reference
 from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
-                         capturing, check_int, discover, distributed, unwrap)
+                         capturing, check_gradient, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
@@ -501,15 +501,7 @@ class KFACPreconditioner(Preconditioner):
         error naming it before the step writes anything."""
         for layer in self._layers:
             for name, p in layer.module.named_parameters(recurse=False):
-                g = p.grad
-                if g is None:
-                    continue
-                if g.is_sparse:
-                    raise RuntimeError(f"KFACPreconditioner: layer '{layer.name}' has a sparse {name} gradient")
-                if g.dtype != p.dtype or g.shape != p.shape or g.device != p.device:
-                    raise ValueError(f"KFACPreconditioner: layer '{layer.name}': its {name} gradient is a "
-                                     f"{g.dtype} tensor of shape {tuple(g.shape)} on {g.device}, expected "
-                                     f"{p.dtype} of shape {tuple(p.shape)} on {p.device}")
+                check_gradient(p, "KFACPreconditioner", f"KFACPreconditioner: layer '{layer.name}', {name}")
 
     def _grads(self, layer: Layer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The layer's weight and bias gradients: the full ones gathered this step when sharded."""
