@@ -22,8 +22,8 @@ from torch import nn
 
 from .. import ops, reference
 from ..core import (
-    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_hyperparameter, check_int,
-    check_range, distributed, on, run_closure,
+    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int, check_range,
+    distributed, on, run_closure,
 )
 from ..layers import discover, supported_types
 from ..sharding import is_sharded, local, module_class, rows
@@ -105,7 +105,7 @@ class AdaFisher(CurvatureOptimizer):
                                  f"must be a 1-tuple (beta,), got {betas!r}")
             if not torch.compiler.is_compiling():
                 try:
-                    check_hyperparameter(betas[0], "betas[0] (beta)", *self.hyperparameters["beta"][:4])
+                    self._rules["beta"].check(betas[0], "betas[0] (beta)")
                 except (TypeError, ValueError) as e:
                     raise type(e)(f"param group {index}: {e}") from None
             group["beta"] = betas[0]
