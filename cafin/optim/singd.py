@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..core import (CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int,
-                         discover, distributed, hyperparameter_tensor, real_number, unwrap)
+from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
+                         check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..maths import singd as singd_maths
 from .. import ops
 from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
@@ -36,6 +36,16 @@ from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _proces
 
 _SUPPORTED = (nn.Linear, nn.Conv2d)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
+# Rules of the settings the statistics hooks read, shared by the constructor's, a checkpoint's and
+# the forward pass's checks.
+_LOSS_AVERAGE = Choice(*_LOSS_AVERAGES)
+_KFAC_APPROX = Choice("expand", "reduce")
+_FLAG = Flag()
+
+
+def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
+    _LOSS_AVERAGE.check(group["loss_average"], f"{where}loss_average")
+    _KFAC_APPROX.check(group["kfac_approx"], f"{where}kfac_approx")
 _BACKENDS = ("fused", "reference")
 _FACTORS = ("K", "C", "m_K", "m_C", "H_K", "H_C")
 _MAX_PARTS = 5  # the most parts a structure has (hierarchical)
@@ -195,15 +205,8 @@ class SINGD(CurvatureOptimizer):
                 _lr_cov_value(group["lr_cov"])
             check_int(group["T"], "T", 1)
             for name in ("kfac_like", "normalize_lr_cov", "exact_block_transposes"):
-                if not isinstance(group[name], bool):
-                    raise TypeError(f"{name} must be True or False, got "
-                                    f"{type(group[name]).__name__} {group[name]!r}")
-            if group["loss_average"] not in _LOSS_AVERAGES:
-                raise ValueError(f"loss_average must be one of {_LOSS_AVERAGES}, got "
-                                 f"{group['loss_average']!r}")
-            if group["kfac_approx"] not in ("expand", "reduce"):
-                raise ValueError(f"kfac_approx must be 'expand' or 'reduce', got "
-                                 f"{group['kfac_approx']!r}")
+                _FLAG.check(group[name], name)
+            _check_statistics_choices(group, "")
             st = group["structures"]
             if not (isinstance(st, (tuple, list)) and len(st) == 2):
                 raise ValueError(f"structures must be a pair of structure names, got {st!r}")
@@ -364,12 +367,7 @@ class SINGD(CurvatureOptimizer):
         checked in the forward pass, before its statistics are taken (the step checks the rest)."""
         where = f"param group {index}: "
         check_int(group["T"], f"{where}T", 1)
-        if group["loss_average"] not in _LOSS_AVERAGES:
-            raise ValueError(f"{where}loss_average must be one of {_LOSS_AVERAGES}, got "
-                             f"{group['loss_average']!r}")
-        if group["kfac_approx"] not in ("expand", "reduce"):
-            raise ValueError(f"{where}kfac_approx must be 'expand' or 'reduce', got "
-                             f"{group['kfac_approx']!r}")
+        _check_statistics_choices(group, where)
         structures, dtypes, _ = self._built[index]
         if group["structures"] != structures or group["preconditioner_dtype"] != dtypes:
             self._check_settings(group, index)
