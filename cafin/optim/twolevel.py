@@ -73,6 +73,37 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
         self._init_settings({"damping": damping, "alpha": alpha, "clipping": clipping})
+        self._check_arguments(pi=pi, T_cov=T_cov, T_inv=T_inv, constraint_norm=constraint_norm,
+                              batch_size=batch_size, coarse_space=coarse_space, krylov=krylov,
+                              backend=backend, published_bugs=published_bugs, process_group=process_group)
+        model = unwrap(net)
+        # FSDP2: the statistics hooks see the unsharded call, so the factors and the coarse
+        # matrix are DDP's once averaged over the parameters' mesh; the update gathers each
+        # layer's full gradient (one all_gather per step) and each rank keeps its own rows.
+        mesh_group = check_sharded(model.parameters(), "TwoLevelKFAC")
+        self._sharded = mesh_group is not None
+        if process_group is None:
+            self.process_group = mesh_group
+        super().__init__(self._register_layers(model), {})
+        self.update_stats = False
+        # factors, statistics and decompositions: float32 for float16/bfloat16 layers (eigh has
+        # no half-precision kernels, and their EMAs would lose the small updates)
+        self._work = [state_dtype(layer.module.weight.dtype) for layer in self._layers]
+        self._writer = self._choose_writer()
+        self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
+        self._sizes: dict[tuple, torch.Tensor] = {}
+        self._ones = self._create_ones()
+        self.f_coarse = None
+        self.f_coarse_inv = None
+        # per layer: {"calls": one dict per forward call since the last step, "task": the
+        # backward pass that delivered the latest output gradient}
+        self._pending: dict[int, dict[str, Any]] = {}
+        # k, the completed update steps: on the host while steps run eagerly, on the device (and
+        # every interval decided there) once a step is compiled; the hooks
+        self._start(self._layers)
+
+    def _check_arguments(self, *, pi, T_cov, T_inv, constraint_norm, batch_size, coarse_space, krylov,
+                         backend, published_bugs, process_group) -> None:
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
         self.T_inv = check_int(T_inv, "T_inv", 1)
@@ -94,16 +125,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             raise ValueError("process_group given but torch.distributed is not initialised")
         self.process_group = process_group
 
-        model = unwrap(net)
-        # FSDP2: the statistics hooks see the unsharded call, so the factors and the coarse
-        # matrix are DDP's once averaged over the parameters' mesh; the update gathers each
-        # layer's full gradient (one all_gather per step) and each rank keeps its own rows.
-        mesh_group = check_sharded(model.parameters(), "TwoLevelKFAC")
-        self._sharded = mesh_group is not None
-        if process_group is None:
-            self.process_group = mesh_group
-        # A layer whose parameters are all frozen takes no part (no curvature, no hooks): the
-        # published code registers it and fails at the step on its missing gradient.
+    def _register_layers(self, model: nn.Module) -> list[dict[str, Any]]:
+        """The layers two-level K-FAC preconditions, checked, as one param group each. A layer
+        whose parameters are all frozen takes no part (no curvature, no hooks): the published
+        code registers it and fails at the step on its missing gradient."""
         self._layers = discover(model, [p for p in model.parameters() if p.requires_grad], _accept)
         if not self._layers:
             raise ValueError("net has no Linear or Conv2d layer with trainable parameters")
@@ -133,34 +158,26 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                                  "TwoLevelKFAC needs every Linear and Conv2d layer under fully_shard "
                                  "(wrap the root too)")
             groups.append({"params": params, "layer_type": module_class(m).__name__})
-        super().__init__(groups, {})
-        self.update_stats = False
-        # factors, statistics and decompositions: float32 for float16/bfloat16 layers (eigh has
-        # no half-precision kernels, and their EMAs would lose the small updates)
-        self._work = [state_dtype(layer.module.weight.dtype) for layer in self._layers]
-        # The gradient writer, chosen once: K-FAC's kernel where it has one (float32/float64
-        # layers on one device), its plain-PyTorch twin otherwise (float16/bfloat16 layers,
-        # layers on several devices), whatever `backend` says about the coarse assembly.
+        return groups
+
+    def _choose_writer(self):
+        """The gradient writer, chosen once: K-FAC's kernel where it has one (float32/float64
+        layers on one device), its plain-PyTorch twin otherwise (float16/bfloat16 layers,
+        layers on several devices), whatever `backend` says about the coarse assembly."""
         fused = (all(layer.module.weight.dtype in (torch.float32, torch.float64) for layer in self._layers)
                  and len({layer.module.weight.device for layer in self._layers}) == 1)
-        self._writer = ops if fused else reference
-        self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
-        self._sizes: dict[tuple, torch.Tensor] = {}
-        # the lr K-FAC's gradient-writing op reads (unused without its KL clip)
-        self._ones: dict[torch.device, torch.Tensor] = {}
-        for layer in self._layers:  # device state now: a compiled step cannot create it
+        return ops if fused else reference
+
+    def _create_ones(self) -> dict[torch.device, torch.Tensor]:
+        """The lr K-FAC's gradient-writing op reads (1: two-level has no KL clip), one per
+        device, created now because a compiled step cannot create device state."""
+        ones = {}
+        for layer in self._layers:
             device = layer.module.weight.device
-            if device not in self._ones:
-                self._ones[device] = torch.ones((), dtype=torch.float64, device=device)
-                torch._dynamo.mark_static_address(self._ones[device], guard=False)
-        self.f_coarse = None
-        self.f_coarse_inv = None
-        # per layer: {"calls": one dict per forward call since the last step, "task": the
-        # backward pass that delivered the latest output gradient}
-        self._pending: dict[int, dict[str, Any]] = {}
-        # k, the completed update steps: on the host while steps run eagerly, on the device (and
-        # every interval decided there) once a step is compiled; the hooks
-        self._start(self._layers)
+            if device not in ones:
+                ones[device] = torch.ones((), dtype=torch.float64, device=device)
+                torch._dynamo.mark_static_address(ones[device], guard=False)
+        return ones
 
     # ------------------------------------------------------------------ hyperparameters
     # damping 0 would leave the factors' zero eigenvalues undamped, and the published
@@ -601,10 +618,45 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             decompose = self.update_stats and k % self.T_inv == 0
         else:
             collect = decompose = self.update_stats
+        self._check_ready(k, update_params, collect, decompose, compiled=not eager)
+        # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
+        full = self._gather() if update_params and self._sharded else None
+        stats = self._statistics() if collect else None  # an unused layer raises here
+        self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
+        raws = [self._grad_matrix(g, full[i] if full else None).to(dtype, copy=True)
+                for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
+        states = [self.state[g["params"][0]] for g in self.param_groups]
+        covs, gate_fold, undo = self._store_statistics(states, stats, gate_cov) if collect else ([], gate_cov, None)
+        if distributed():
+            self._average(covs, raws if update_params and eager and k % self.T_cov == 0 else None)
+        if eager and covs and not self._all_finite(covs):
+            undo()
+            covs = []
+            if "xxt" not in states[0]:
+                return  # nothing to precondition with yet: the gradients are left as they are
+        for state, new in zip(states, covs):
+            self._covs(state, new, rho, gate_fold)
+        if decompose:
+            self._decompose(states, gate_inv)
+        if not update_params:
+            return
+        final = self._two_level(raws, self._kfac_directions(states, raws))
+        if final is None:
+            return  # no coarse matrix yet (this step's was dropped): the gradients are left as they are
+        if self.constraint_norm:
+            final = self._clip(final, raws)
+        self._write_all(final, full)
+        self._steps.advance()
+
+    def _check_ready(self, k: int, update_params: bool, collect: bool, decompose: bool, compiled: bool) -> None:
+        """Refuse a step that would read state no earlier step created, or a gradient that is missing."""
+        if compiled and distributed():
+            raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
+                               "supported: run its steps eagerly")
         for layer, group in zip(self._layers, self.param_groups):
             state = self.state[group["params"][0]]
             ready = "Q_x" in state and (self.f_coarse is not None or not update_params)
-            if gate_cov is not None and not ready:
+            if compiled and not ready:
                 raise RuntimeError("TwoLevelKFAC: a compiled step updates the state an eager step "
                                    "creates: run the first step (step 0, with update_stats) eagerly")
             if "xxt" not in state and not collect:
@@ -619,66 +671,50 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                             "in the forward pass, or frozen after the optimizer was built): the coarse "
                             "space couples every registered layer, so each one needs a gradient at "
                             "every step (freeze a layer before building the optimizer to skip it)")
-        ddp = distributed()
-        if ddp and gate_cov is not None:
-            raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
-                               "supported: run its steps eagerly")
-        # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
-        full = self._gather() if update_params and self._sharded else None
-        stats = self._statistics() if collect else None  # an unused layer raises here
-        self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        raws = [self._grad_matrix(g, full[i] if full else None).to(dtype, copy=True)
-                for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
-        states = [self.state[g["params"][0]] for g in self.param_groups]
-        gate_fold = gate_cov
-        if collect:
-            kept = [{key: st[key] for key in ("x", "gy", "num_locations") if key in st} for st in states]
-            kept_batch = self.batch_size
-            gate_fold = self._store(stats, gate_cov)
-        covs = [self._batch_covs(st) for st in states] if collect else []
-        if ddp:
-            self._average(covs, raws if update_params and eager and k % self.T_cov == 0 else None)
-        if eager and covs:
-            # Averaged over the ranks first, so that every rank drops the same steps.
-            finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).view(-1, 2).all(1)
-            bad = [layer.name for layer, ok in zip(self._layers, finite.tolist()) if not ok]
-            if bad:
-                for state, entries in zip(states, kept):
-                    for key in ("x", "gy", "num_locations"):
-                        state.pop(key, None)
-                    state.update(entries)
-                self.batch_size = kept_batch
-                self.__dict__.pop("_early_parts", None)
-                covs = []
-                self._drop(f"the statistics (inputs or output gradients) of the layers {bad}")
-                if "xxt" not in states[0]:
-                    return  # nothing to precondition with yet: the gradients are left as they are
-        for state, new in zip(states, covs):
-            self._covs(state, new, rho, gate_fold)
-        if decompose:
-            self._decompose(states, gate_inv)
+
+    def _store_statistics(self, states, stats, gate_cov):
+        """Store this step's statistics and return (the batch covariances, the gate of their
+        fold into the EMAs, a function that puts the previous statistics back)."""
+        kept = [{key: st[key] for key in ("x", "gy", "num_locations") if key in st} for st in states]
+        kept_batch = self.batch_size
+
+        def undo():
+            for state, entries in zip(states, kept):
+                for key in ("x", "gy", "num_locations"):
+                    state.pop(key, None)
+                state.update(entries)
+            self.batch_size = kept_batch
+            self.__dict__.pop("_early_parts", None)
+
+        gate_fold = self._store(stats, gate_cov)
+        return [self._batch_covs(st) for st in states], gate_fold, undo
+
+    def _all_finite(self, covs) -> bool:
+        """Whether every layer's batch covariances are finite; a drop is counted and warned of.
+        Checked after the average over the ranks, so that every rank drops the same steps."""
+        finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).view(-1, 2).all(1)
+        bad = [layer.name for layer, ok in zip(self._layers, finite.tolist()) if not ok]
+        if bad:
+            self._drop(f"the statistics (inputs or output gradients) of the layers {bad}")
+        return not bad
+
+    def _kfac_directions(self, states, raws) -> list[torch.Tensor]:
+        """Every layer's first-level (K-FAC) direction, per location for convolutions."""
         pres = []
-        for i, group in enumerate(self.param_groups):
-            state = states[i]
-            if update_params:
-                p = self._kfac_inverse(state, raws[i])
-                if group["layer_type"] == "Conv2d" or state["num_locations"] != 1:
-                    p = p / state["num_locations"]
-                pres.append(p)
-        if not update_params:
-            return
-        final = self._two_level(raws, pres)
-        if final is None:
-            return  # no coarse matrix yet (this step's was dropped): the gradients are left as they are
-        if self.constraint_norm:
-            # published: sum over tensors of |<final, raw>|, weight and bias apart, then
-            # min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)
-            norm = self._fisher_norm(final, raws)
-            clip = self._hp("clipping", norm).to(norm.dtype)
-            scale = ((clip / norm) ** 0.5).clamp(max=1.0)
-            final = torch._foreach_mul(final, scale)
-        self._write_all(final, full)
-        self._steps.advance()
+        for group, state, raw in zip(self.param_groups, states, raws):
+            p = self._kfac_inverse(state, raw)
+            if group["layer_type"] == "Conv2d" or state["num_locations"] != 1:
+                p = p / state["num_locations"]
+            pres.append(p)
+        return pres
+
+    def _clip(self, final, raws) -> list[torch.Tensor]:
+        """published: the sum over tensors of |<final, raw>|, weight and bias apart, then
+        min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)"""
+        norm = self._fisher_norm(final, raws)
+        clip = self._hp("clipping", norm).to(norm.dtype)
+        scale = ((clip / norm) ** 0.5).clamp(max=1.0)
+        return torch._foreach_mul(final, scale)
 
     def _write_all(self, final, full=None) -> None:
         """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
