@@ -47,9 +47,7 @@ DEFAULT_BATCH = 64
 
 def methods() -> dict[str, tuple[str | None, bool] | None]:
     """name -> (coarse space or None for the correction off, krylov); None: a torch optimizer."""
-    out: dict[str, tuple[str | None, bool] | None] = {"SGD": None, "Adam": None}
-    if twolevel_member.coarse_off_supported():
-        out["K-FAC"] = (None, False)
+    out: dict[str, tuple[str | None, bool] | None] = {"SGD": None, "Adam": None, "K-FAC": (None, False)}
     for c in twolevel_member.COARSE_SPACES:
         out[f"two-level {c}"] = (c, False)
     for c in twolevel_member.KRYLOV_SPACES:
@@ -241,9 +239,6 @@ def main(argv: list[str]) -> int:
             parser.error("--plot needs matplotlib: pip install -e .[bench]")
     from rich.console import Console
     console = Console()
-    if not twolevel_member.coarse_off_supported():
-        console.print("[yellow]note:[/] no K-FAC row: cafin.TwoLevelKFAC no longer has the method "
-                      "the bench replaces to switch the coarse correction off")
     start = time.perf_counter()
     with console.status("training") as status:
         results = run_experiment(steps, seeds, args.batch_size, args.threads, args.optimizers,

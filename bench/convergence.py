@@ -227,9 +227,7 @@ def family_specs(backend: str, batch_size: int = DEFAULT_BATCH_SIZE) -> list[Opt
         f"wd 5e-4", lambda m: kfac_member.sgd(m, kfac_lr, 1, 10, backend), backend, "kfac")]
     tl_text = (f"damping 0.1, T_cov = T_inv = 10, alpha 0.95, constraint_norm, clipping 1e-2; "
                f"SGD lr {kfac_lr:g}, momentum 0.9")
-    spaces: list[tuple[str | None, bool]] = []
-    if twolevel_member.coarse_off_supported():
-        spaces.append((None, False))
+    spaces: list[tuple[str | None, bool]] = [(None, False)]
     spaces += [(c, False) for c in twolevel_member.COARSE_SPACES]
     spaces += [(c, True) for c in twolevel_member.KRYLOV_SPACES]
     for coarse, krylov in spaces:
@@ -516,9 +514,6 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
     if not soap_ok and (not optimizers or any(w.strip().lower() in ("dykaf", "soap")
                                               for w in optimizers.split(","))):
         notes.append(f"no SOAP rows: {why_no_soap}")
-    if not twolevel_member.coarse_off_supported():
-        notes.append("no 'K-FAC (two-level's, coarse off)' row: cafin.TwoLevelKFAC no longer "
-                     "has the method the bench replaces to switch the coarse correction off")
     if not fused_available():
         dropped = [s.name for s in specs if s.backend == "fused"]
         specs = [s for s in specs if s.backend != "fused"]

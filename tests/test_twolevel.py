@@ -109,6 +109,9 @@ class Oracle:
             return torch.linalg.solve(Gd[i], torch.linalg.solve(Ad[i], v.t()).t())
 
         P = [minv(i, g) / s["T"] for i, (s, g) in enumerate(zip(stats, grads))]
+        if self.coarse == "none":  # the first level alone
+            self.k += 1
+            return P
         # dense empirical Fisher times the K-FAC direction, by per-sample inner products
         proj = sum((s["G"] * p).sum((1, 2)) for s, p in zip(stats, P))
         FP = [(s["G"] * proj.view(-1, 1, 1)).sum(0) / B for s in stats]
@@ -172,7 +175,7 @@ CASES = [("nicolaides", False), ("spectral", False), ("residual", False), ("tpse
 
 # The oracle's tpselepedis has no interpolation between location counts: MLPs only here; Conv2d
 # networks are checked against the published code (docs/twolevel.md).
-ORACLE_CASES = [(k, b, c, kr) for k in ("mlp", "cnn") for b in (True, False) for c, kr in CASES
+ORACLE_CASES = [(k, b, c, kr) for k in ("mlp", "cnn") for b in (True, False) for c, kr in [*CASES, ("none", False)]
                 if not (k == "cnn" and c == "tpselepedis")]
 
 
@@ -238,7 +241,7 @@ def test_reference_pairwise_assembly_equals_the_cheap_one(coarse, krylov):
     want = cafin.maths.twolevel.coarse_matrix_pairwise([s["x"] for s in per], [s["gy"] for s in per],
                                                   [s["num_locations"] for s in per], flat, opt.batch_size,
                                                   DAMP, symmetric=not krylov)
-    assert torch.allclose(opt._assemble(vectors), want, rtol=1e-10, atol=1e-12)
+    assert torch.allclose(opt.coarse_matrix(vectors), want, rtol=1e-10, atol=1e-12)
 
 
 def test_published_bugs_switch_changes_only_what_it_should():
@@ -312,6 +315,8 @@ def test_arguments():
         cafin.TwoLevelKFAC(net, coarse_space="spectral", krylov=True)
     with pytest.raises(ValueError, match="krylov"):
         cafin.TwoLevelKFAC(net, coarse_space="tselepidis", krylov=True)
+    with pytest.raises(ValueError, match="krylov"):
+        cafin.TwoLevelKFAC(net, coarse_space="none", krylov=True)
     assert cafin.TwoLevelKFAC(net, coarse_space="tselepidis").coarse_space == "tpselepedis"
     with pytest.raises(ValueError, match="damping"):
         cafin.TwoLevelKFAC(net, damping=-1.0)

@@ -10,7 +10,6 @@ projection through an N' x N' matrix). It runs on a small CNN of its own whateve
 "coarse assembly", as "two-level" (a short label: a longer one makes the table wrap)."""
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import nn
@@ -24,37 +23,14 @@ COARSE_SPACES = ("nicolaides", "spectral", "residual", "tselepidis")
 KRYLOV_SPACES = ("nicolaides", "residual")  # krylov=True is defined for these only
 
 
-@functools.cache
-def _coarse_off_class():
-    """The same K-FAC (factors, damping, schedule, conventions, clipping) with the coarse
-    correction off: the baseline the two-level paper compares against. cafin offers no switch
-    for it, so this replaces the one internal method that applies the correction; when that
-    method is gone (TwoLevelKFAC was reorganised) `coarse_off_supported()` says so and the rows
-    are not offered."""
-    import cafin
-
-    class CoarseOff(cafin.TwoLevelKFAC):
-        def _two_level(self, raws, pres):  # the K-FAC directions, uncorrected
-            return pres
-    return CoarseOff
-
-
-def coarse_off_supported() -> bool:
-    import cafin
-    return callable(getattr(cafin.TwoLevelKFAC, "_two_level", None))
-
-
 def sgd(model: nn.Module, lr: float, coarse_space: str | None = "nicolaides", krylov: bool = False,
         restore_grads: bool = False, **kwargs) -> PreconditionedSGD:
     """SGD (momentum 0.9) after cafin.TwoLevelKFAC(model, coarse_space, krylov, **kwargs);
-    coarse_space None: the same K-FAC with the coarse correction off."""
+    coarse_space None: the same K-FAC with the coarse correction off ("none")."""
     import cafin
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    if coarse_space is None:
-        pre = _coarse_off_class()(model, **kwargs)
-    else:
-        pre = cafin.TwoLevelKFAC(model, coarse_space=coarse_space, krylov=krylov, **kwargs)
+    pre = cafin.TwoLevelKFAC(model, coarse_space=coarse_space or "none", krylov=krylov, **kwargs)
     return PreconditionedSGD(pre, opt, stats_flag=True, restore_grads=restore_grads)
 
 
@@ -110,9 +86,7 @@ def details(ctx) -> None:
             flat, pre.batch_size, pre.damping)
 
     def cheap():
-        # TwoLevelKFAC's own assembly of F_c (its fused backend): internal, and the only way to
-        # time it apart from the rest of a curvature step.
-        return lambda: pre._assemble(vectors)
+        return lambda: pre.coarse_matrix(vectors)
     # A phase of its own: beside AdaFisher's statistics its floor and totals would mean nothing.
     measure(ctx.run, ctx.progress, "coarse assembly", "twolevel", "reference", published)
     measure(ctx.run, ctx.progress, "coarse assembly", "twolevel", "fused", cheap)

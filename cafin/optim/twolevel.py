@@ -109,12 +109,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self.T_inv = check_int(T_inv, "T_inv", 1)
         self.constraint_norm = bool(constraint_norm)
         self.batch_size = check_int(batch_size, "batch_size", 1)
-        if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in COARSE_SPACES:
-            raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)} (or 'tselepidis'), "
+        if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in (*COARSE_SPACES, "none"):
+            raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)}, 'tselepidis' or 'none', "
                              f"got {coarse_space!r}")
         self.coarse_space = _ALIASES.get(coarse_space, coarse_space)
         self.krylov = bool(krylov)
-        if self.krylov and self.coarse_space in ("spectral", "tpselepedis"):
+        if self.krylov and self.coarse_space in ("spectral", "tpselepedis", "none"):
             raise ValueError(f"krylov=True is defined for coarse_space 'nicolaides' or 'residual' only, "
                              f"got coarse_space={coarse_space!r}")
         if backend not in ("fused", "reference"):
@@ -487,7 +487,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         # published: damping added again to eigenvalues that already hold it
         return self._kfac_inverse(state, v, self._hp("damping", v) if self.published_bugs else 0.0)
 
-    def _assemble(self, vectors) -> torch.Tensor:
+    def coarse_matrix(self, vectors: list[list[torch.Tensor]]) -> torch.Tensor:
+        """The coarse matrix F_c of the stored statistics for the given coarse vectors (per
+        layer, a list of [d_out, d_in (+1)] matrices in the layout of its gradient), assembled
+        the way `backend` says: the statistics the step folds into F_c's EMA on a T_cov step."""
         return self._combine(self._coarse_parts(vectors), vectors)
 
     def _coarse_parts(self, vectors) -> list[torch.Tensor]:
@@ -655,7 +658,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                                "supported: run its steps eagerly")
         for layer, group in zip(self._layers, self.param_groups):
             state = self.state[group["params"][0]]
-            ready = "Q_x" in state and (self.f_coarse is not None or not update_params)
+            ready = "Q_x" in state and (self.f_coarse is not None or not update_params
+                                        or self.coarse_space == "none")
             if compiled and not ready:
                 raise RuntimeError("TwoLevelKFAC: a compiled step updates the state an eager step "
                                    "creates: run the first step (step 0, with update_stats) eagerly")
@@ -765,6 +769,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return total
 
     def _two_level(self, raws, pres) -> list[torch.Tensor]:
+        if self.coarse_space == "none":  # the first level alone: the paper's K-FAC baseline
+            return pres
         states = [self.state[g["params"][0]] for g in self.param_groups]
         if self.published_bugs:
             raws = [self._published_layout(g, r) for g, r in zip(self.param_groups, raws)]
@@ -811,7 +817,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             return True
 
         def fresh():
-            new = self._assemble(vectors)
+            new = self.coarse_matrix(vectors)
             f = torch.where(torch.isfinite(new).all(), rho * self.f_coarse + (1 - rho) * new, self.f_coarse)
             return f, torch.linalg.inv_ex(f)[0]
 
@@ -971,8 +977,9 @@ TwoLevelKFAC.__doc__ = (
         clipping (float, optional): the bound of constraint_norm, >= 0 (default: 1e-2)
         batch_size (int, optional): initial batch size (overwritten by each collection)
             (default: 64)
-        coarse_space (str, optional): "nicolaides", "spectral", "residual" or "tpselepedis"
-            (default: "nicolaides")
+        coarse_space (str, optional): "nicolaides", "spectral", "residual" or "tpselepedis";
+            "none" (not in the published code) turns the coarse correction off: the same K-FAC
+            directions, uncorrected, the baseline the paper compares with (default: "nicolaides")
         krylov (bool, optional): add a second, Krylov coarse vector (nicolaides and residual
             only) (default: False)
         backend (str, optional): how :math:`F_c` is assembled: "fused", the per-sample coarse
