@@ -123,10 +123,8 @@ class DyKAF(CoreOptimizer):
         state: dict[str, Any] = {}
         work = state_dtype(p.dtype)
         g = g.to(work).contiguous()
-        limit = group["max_precond_dim"]
         shampoo_beta = float(group["shampoo_beta"])
         beta = shampoo_beta if shampoo_beta >= 0 else float(group["betas"][1])
-        merged = self._merged_shape(p, group)
         state["step"] = 0
         state["device_step"] = torch.zeros((), dtype=torch.float64, device=p.device)
         state["precondition_frequency"] = group["precondition_frequency"]
@@ -139,20 +137,7 @@ class DyKAF(CoreOptimizer):
             state["r"] = torch.full((p.shape[1],), eps, dtype=work, device=p.device)
         else:
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
-        if kind == "kron2d":
-            factors = self._start_2d(g, group, beta)
-        elif kind == "kron4d":
-            start = dykaf_maths.hopm_start(g, self.seed, self.published_bugs)
-            factors = dykaf_maths.tensor_proj_split(start, g, beta, self.published_bugs)
-        else:
-            shape = merged if merged is not None else p.shape
-            if p.dim() == 1 and not group["precondition_1d"]:
-                factors = [None]
-            else:
-                gm = self._to_merged(g, shape) if merged is not None else g
-                factors = [None if sh > limit else torch.zeros(sh, sh, dtype=work, device=p.device)
-                           for sh in gm.shape]
-                self._ema(factors, gm, beta)
+        factors = self._first_factors(p, g, group, kind, beta)
         kept = [f for f in factors if f is not None]
         where = f"DyKAF: parameter of shape {tuple(p.shape)}"
         if kept and not bool(torch.stack([torch.isfinite(f).all() for f in kept]).all()):
@@ -176,6 +161,25 @@ class DyKAF(CoreOptimizer):
             state["exp_avg_rot_step"] = -1
         # In place: under FSDP2 the parameter and its full-size stand-in share this dict.
         self.state[p].update(state)
+
+    def _first_factors(self, p: torch.Tensor, g: torch.Tensor, group, kind: str,
+                       beta: float) -> list[torch.Tensor | None]:
+        """A parameter's Kronecker factors from its first gradient `g` (in the state dtype):
+        per side, a factor, or None for a side that is not preconditioned."""
+        if kind == "kron2d":
+            return self._start_2d(g, group, beta)
+        if kind == "kron4d":
+            start = dykaf_maths.hopm_start(g, self.seed, self.published_bugs)
+            return dykaf_maths.tensor_proj_split(start, g, beta, self.published_bugs)
+        if p.dim() == 1 and not group["precondition_1d"]:
+            return [None]
+        limit = group["max_precond_dim"]
+        merged = self._merged_shape(p, group)
+        gm = self._to_merged(g, merged) if merged is not None else g
+        factors = [None if sh > limit else torch.zeros(sh, sh, dtype=g.dtype, device=p.device)
+                   for sh in gm.shape]
+        self._ema(factors, gm, beta)
+        return factors
 
     def _start_2d(self, g: torch.Tensor, group, beta: float) -> list[torch.Tensor | None]:
         m, n = g.shape
@@ -472,17 +476,10 @@ class DyKAF(CoreOptimizer):
                 st["step"] = int(st["device_step"].item())
         return sd
 
-    def _checkpoint_entry(self, index, p: torch.Tensor, saved: dict[str, Any],
-                          group: dict[str, Any]) -> dict[str, Any]:
-        """The validated copy of one parameter's saved state (the core calls this for every
-        parameter before it replaces anything). Checked against the parameter and its group's
-        settings as loaded: the kind, the keys it needs, every tensor's shape (factors and bases
-        against the parameter's modes, or its merged shape), that it is real and finite (moments
-        also >= 0), the counts. Tensors are copied onto the parameter's device in its state
-        dtype."""
-        if not saved:
-            return {}  # a parameter that waits for a usable first gradient
-        where = f"checkpoint state of parameter {index}"
+    def _checked_layout(self, where: str, p: torch.Tensor, saved: dict[str, Any],
+                        group: dict[str, Any]) -> tuple[str, tuple[int, ...]]:
+        """A saved state's kind, checked against the parameter's shape and its group's
+        merge_dims, and its keys against the kind; returns (kind, the modes its factors cover)."""
         kind = saved.get("kind")
         if not isinstance(kind, str) or kind not in _KINDS:
             raise ValueError(f"{where}: kind must be one of {', '.join(map(repr, _KINDS))}, got {kind!r}")
@@ -500,6 +497,20 @@ class DyKAF(CoreOptimizer):
             raise ValueError(f"{where} has keys {sorted(map(str, keys))}, expected "
                              f"{sorted(required)}" + (f" (and optionally {sorted(optional)})"
                                                       if optional else ""))
+        return kind, modes
+
+    def _checkpoint_entry(self, index, p: torch.Tensor, saved: dict[str, Any],
+                          group: dict[str, Any]) -> dict[str, Any]:
+        """The validated copy of one parameter's saved state (the core calls this for every
+        parameter before it replaces anything). Checked against the parameter and its group's
+        settings as loaded: the kind, the keys it needs, every tensor's shape (factors and bases
+        against the parameter's modes, or its merged shape), that it is real and finite (moments
+        also >= 0), the counts. Tensors are copied onto the parameter's device in its state
+        dtype."""
+        if not saved:
+            return {}  # a parameter that waits for a usable first gradient
+        where = f"checkpoint state of parameter {index}"
+        kind, modes = self._checked_layout(where, p, saved, group)
         work = state_dtype(p.dtype)
 
         def tensor(key, shape, dtype=work, nonnegative=False):
@@ -522,19 +533,7 @@ class DyKAF(CoreOptimizer):
             entry["r"] = tensor("r", p.shape[1:], nonnegative=True)
         else:
             entry["exp_avg_sq"] = tensor("exp_avg_sq", p.shape, nonnegative=True)
-        for key in ("factors", "bases"):
-            value = saved[key]
-            if not isinstance(value, (list, tuple)) or len(value) != len(modes):
-                raise ValueError(f"{where}: {key} must be a list of {len(modes)} entries (one per "
-                                 f"mode of {modes}), got {type(value).__name__} "
-                                 f"{len(value) if isinstance(value, (list, tuple)) else ''}".rstrip())
-            entry[key] = [None if x is None else _saved_tensor(x, f"{where}: {key}[{k}]", (d, d), work,
-                                                              p.device)
-                          for k, (x, d) in enumerate(zip(value, modes))]
-        if [f is None for f in entry["factors"]] != [b is None for b in entry["bases"]]:
-            raise ValueError(f"{where}: factors and bases must be None for the same modes")
-        if kind == "kron4d" and any(f is None for f in entry["factors"]):
-            raise ValueError(f"{where}: a kron4d state needs all four factors")
+        entry.update(_checked_factors(where, saved, kind, modes, work, p.device))
         if "exp_avg_rot" in saved:
             entry["exp_avg_rot"] = tensor("exp_avg_rot", p.shape)
         if "exp_avg_rot_step" in saved:
@@ -640,6 +639,26 @@ def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor
 
 
 # ----------------------------------------------------------------------------------- checkpoints
+def _checked_factors(where: str, saved: dict[str, Any], kind: str, modes: tuple[int, ...],
+                     dtype: torch.dtype, device: torch.device) -> dict[str, list]:
+    """A saved state's factors and bases: one [d, d] tensor or None per mode, None for the same
+    modes in both (a kron4d state has all four)."""
+    out: dict[str, list] = {}
+    for key in ("factors", "bases"):
+        value = saved[key]
+        if not isinstance(value, (list, tuple)) or len(value) != len(modes):
+            raise ValueError(f"{where}: {key} must be a list of {len(modes)} entries (one per "
+                             f"mode of {modes}), got {type(value).__name__} "
+                             f"{len(value) if isinstance(value, (list, tuple)) else ''}".rstrip())
+        out[key] = [None if x is None else _saved_tensor(x, f"{where}: {key}[{k}]", (d, d), dtype, device)
+                    for k, (x, d) in enumerate(zip(value, modes))]
+    if [f is None for f in out["factors"]] != [b is None for b in out["bases"]]:
+        raise ValueError(f"{where}: factors and bases must be None for the same modes")
+    if kind == "kron4d" and any(f is None for f in out["factors"]):
+        raise ValueError(f"{where}: a kron4d state needs all four factors")
+    return out
+
+
 def _saved_tensor(value, what: str, shape, dtype: torch.dtype, device: torch.device,
                   nonnegative: bool = False) -> torch.Tensor:
     """A checkpoint's tensor, checked (real, of `shape`, finite; >= 0 when asked) and copied

@@ -864,6 +864,32 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             if name in extra:
                 self._check_setting(name, extra[name], " (in checkpoint 'twolevel')")
                 values[name] = extra[name]
+        new_state = self._checked_layer_states(groups, saved_state, batch_size)
+        fs = [extra["f_coarse"], extra["f_coarse_inv"]]
+        if (fs[0] is None) != (fs[1] is None):
+            raise ValueError("checkpoint 'twolevel' must hold both f_coarse and f_coarse_inv, or neither")
+        n = len(self._layers) * (2 if self.krylov else 1)
+        device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
+        for j, name in enumerate(("f_coarse", "f_coarse_inv")):
+            if fs[j] is not None:
+                fs[j] = _checkpoint_tensor(fs[j], name, (n, n), self._work[0], device)
+        if fs[0] is not None and not new_state:
+            raise ValueError("checkpoint has a coarse matrix (f_coarse) but no layer state")
+        if not new_state and k > 0:
+            raise ValueError(f"checkpoint has no layer state but iteration_counter = {k} > 0")
+        # Everything checked: now replace.
+        self.state.clear()
+        for i, entry in new_state.items():
+            self.state[self.param_groups[i]["params"][0]] = entry
+        self._iteration_counter = k
+        self.batch_size = batch_size
+        self.f_coarse, self.f_coarse_inv = fs
+        for name, v in values.items():
+            self._set(name, v)
+
+    def _checked_layer_states(self, groups, saved_state, batch_size: int) -> dict[int, dict[str, Any]]:
+        """The checkpoint's per-layer state, checked against this optimizer's layers: layer
+        position -> its state (no entry: a layer before its first step)."""
         if not isinstance(groups, (list, tuple)) or len(groups) != len(self.param_groups):
             raise ValueError(f"checkpoint 'param_groups' must list {len(self.param_groups)} groups (one "
                              f"per layer), got {len(groups) if isinstance(groups, (list, tuple)) else groups!r}")
@@ -892,27 +918,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         for index, i in anchors.items():
             if index in saved_state:
                 new_state[i] = self._checked_layer_state(i, saved_state[index], batch_size)
-        fs = [extra["f_coarse"], extra["f_coarse_inv"]]
-        if (fs[0] is None) != (fs[1] is None):
-            raise ValueError("checkpoint 'twolevel' must hold both f_coarse and f_coarse_inv, or neither")
-        n = len(self._layers) * (2 if self.krylov else 1)
-        device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
-        for j, name in enumerate(("f_coarse", "f_coarse_inv")):
-            if fs[j] is not None:
-                fs[j] = _checkpoint_tensor(fs[j], name, (n, n), self._work[0], device)
-        if fs[0] is not None and not new_state:
-            raise ValueError("checkpoint has a coarse matrix (f_coarse) but no layer state")
-        if not new_state and k > 0:
-            raise ValueError(f"checkpoint has no layer state but iteration_counter = {k} > 0")
-        # Everything checked: now replace.
-        self.state.clear()
-        for i, entry in new_state.items():
-            self.state[self.param_groups[i]["params"][0]] = entry
-        self._iteration_counter = k
-        self.batch_size = batch_size
-        self.f_coarse, self.f_coarse_inv = fs
-        for name, v in values.items():
-            self._set(name, v)
+        return new_state
 
     def _checked_layer_state(self, i: int, saved, batch_size: int) -> dict[str, Any]:
         layer = self._layers[i]
