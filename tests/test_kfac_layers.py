@@ -345,9 +345,12 @@ def oracle_factors(model: Tiny, x: torch.Tensor, approx: str = "expand"):
     a fixed output gradient."""
     inputs, outputs = {}, {}
     hooks = []
+    def keep(m, i, o, name):
+        inputs[name] = i[0]
+        o.register_hook(lambda g: outputs.__setitem__(name, g))
+
     for name, m in model.named_children():
-        hooks.append(m.register_forward_hook(lambda m, i, o, name=name: inputs.__setitem__(name, i[0])))
-        hooks.append(m.register_full_backward_hook(lambda m, gi, go, name=name: outputs.__setitem__(name, go[0])))
+        hooks.append(m.register_forward_hook(lambda m, i, o, name=name: keep(m, i, o, name)))
     model.zero_grad()
     out = model(x)
     out.backward(torch.linspace(-1, 1, out.numel(), dtype=D).view_as(out))
@@ -565,3 +568,45 @@ def test_gpt2_every_weight_matrix_and_the_embeddings_get_curvature_and_train():
         assert st.seen and st.decomposed and torch.isfinite(st.A).all() and torch.isfinite(st.G).all()
     assert pre._state["transformer.wte"].A.shape == (1, 101)
     assert losses[-1] < losses[0], losses
+
+
+# ------------------------------------------------------------------------------ two-level K-FAC
+@pytest.mark.parametrize("layer", [nn.Embedding(5, 4), nn.Conv1d(4, 4, 1), nn.Conv3d(4, 4, 1), Conv1D(4, 4)],
+                         ids=["Embedding", "Conv1d", "Conv3d", "Conv1D"])
+def test_twolevel_refuses_the_layers_it_has_no_coarse_space_for(layer):
+    model = nn.ModuleDict({"lin": nn.Linear(4, 4), "other": layer})
+    with pytest.raises(ValueError, match="layer 'other'"):
+        cafin.TwoLevelKFAC(model)
+    layer.requires_grad_(False)  # frozen: not trained, not refused
+    assert len(cafin.TwoLevelKFAC(model).param_groups) == 1
+
+
+# ------------------------------------------------------------------------------ compiled step
+@pytest.mark.parametrize("method", ["eigen"])
+def test_compiled_step_equals_eager(method):
+    """The device-gated step (folds and decompositions decided on the device) with a diagonal
+    factor in it: torch.compile(step) trains as the eager step."""
+    torch._dynamo.reset()
+    torch.manual_seed(9)
+    base = Tiny(padding_idx=0)
+    batches = [torch.randint(0, 7, (4, 6)) for _ in range(5)]
+
+    def run(compiled):
+        model = Tiny(padding_idx=0)
+        model.load_state_dict(base.state_dict())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        pre = cafin.KFACPreconditioner(model, compute_method=method, factor_update_steps=2, inv_update_steps=2,
+                                       compute_eigenvalue_outer_product=method == "eigen")
+        step = torch.compile(pre.step, fullgraph=True) if compiled else pre.step
+        for i, x in enumerate(batches):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            (pre.step if i == 0 else step)()
+            opt.step()
+        return model, pre
+    eager, _ = run(False)
+    compiled, pre = run(True)
+    torch._dynamo.reset()
+    assert pre._steps.device_gated
+    for a, b in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
