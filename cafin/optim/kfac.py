@@ -1,9 +1,11 @@
 """K-FAC as a gradient preconditioner, a drop-in for kfac-pytorch 0.4.2's
 `kfac.preconditioner.KFACPreconditioner` (KAISA, gpauloski/kfac-pytorch): `step()` after
-`backward()` rewrites the gradients of the registered Linear and Conv2d layers in place with
-their K-FAC preconditioned, KL-clipped values, and any torch optimizer then steps.
+`backward()` rewrites the gradients of the registered Linear, Conv1d/2d/3d, Embedding and
+transformers' Conv1D layers in place with their K-FAC preconditioned, KL-clipped values, and any
+torch optimizer then steps.
 
-Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation),
+Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation;
+an Embedding's A is diagonal, kept and decomposed as a vector),
 an EMA of each from the identity, a periodic decomposition (eigh, or damped inverses) and the
 preconditioned gradient Q_G[(Q_G^T dW Q_A) / (d_G d_A^T + damping)]Q_A^T (or G^-1 dW A^-1).
 Conventions (docs/kfac.md) are kfac-pytorch's; what differs is listed there.
@@ -309,7 +311,8 @@ class KFACPreconditioner(Preconditioner):
                  ("compute_method", self.compute_method), ("damping", self._values["damping"]),
                  ("factor_decay", self._values["factor_decay"]),
                  ("factor_update_steps", self._factor_update_steps),
-                 ("inv_update_steps", self._inv_update_steps), ("kl_clip", self._values["kl_clip"]),
+                 ("inv_update_steps", self._inv_update_steps), ("kfac_approx", self.kfac_approx),
+                 ("kl_clip", self._values["kl_clip"]),
                  ("layers", len(self._layers)), ("lr", self._values["lr"]),
                  ("update_factors_in_hook", self._update_factors_in_hook)]
         return "KFACPreconditioner(\n" + "\n".join(f"  {k}={v}," for k, v in items) + "\n)"
@@ -808,8 +811,10 @@ KFACPreconditioner.__doc__ = (
     """
     + rf"""
     Args:
-        model (nn.Module): the model; its Linear and Conv2d modules (and subclasses) whose
-            parameters all require grad are registered, except those matched by skip_layers.
+        model (nn.Module): the model; its Linear, Conv1d, Conv2d, Conv3d and Embedding
+            modules (and subclasses) and transformers' ``Conv1D`` modules whose parameters all
+            require grad are registered, except those matched by skip_layers. An Embedding
+            with max_norm, scale_grad_by_freq or sparse=True is a ValueError naming it.
         factor_update_steps (int or callable, optional): interval of the factor updates:
             statistics are taken on the passes where steps % factor_update_steps == 0
             (default: 1)
@@ -866,6 +871,11 @@ KFACPreconditioner.__doc__ = (
             precise choice for float64 models) (default: torch.float32)
         {_process_group_doc}
             The factors are averaged over it.
+        kfac_approx (str, optional): "expand" (one statistics row per location: kfac-pytorch)
+            or "reduce" (Eschenhagen et al., 2023: one row per sample, the mean of its input
+            rows and the sum of its gradient rows over the shared dims of a Linear's input or a
+            convolution's output locations; an Embedding always expands). Equal for a Linear
+            on 2-D inputs (default: "expand")
 
     damping, factor_decay, kl_clip and lr are kept as 0-dim device tensors (assigning
     ``preconditioner.lr = x`` between steps does not recompile a compiled step).
