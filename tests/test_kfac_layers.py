@@ -132,7 +132,8 @@ CONV3D = [
     dict(in_channels=3, out_channels=3, kernel_size=2, padding=1, padding_mode="circular", groups=3, stride=2),
     dict(in_channels=2, out_channels=2, kernel_size=3, padding="valid", padding_mode="reflect"),
 ]
-SPATIAL = {nn.Conv1d: (11,), nn.Conv3d: (5, 6, 4)}
+CONV2D = dict(in_channels=4, out_channels=6, kernel_size=(2, 3), dilation=(2, 1), groups=2, padding=1, stride=(1, 2))
+SPATIAL = {nn.Conv1d: (11,), nn.Conv2d: (7, 6), nn.Conv3d: (5, 6, 4)}
 CASES = [(nn.Conv1d, s) for s in CONV1D] + [(nn.Conv3d, s) for s in CONV3D]
 
 
@@ -178,10 +179,10 @@ def test_conv_rows_and_factors_against_explicit_patches(case, unbatched):
     assert factors.factor_sizes(conv) == (conv.groups, abar.shape[2], grows.shape[2])
 
 
-@pytest.mark.parametrize("cls", [nn.Conv1d, nn.Conv3d])
+@pytest.mark.parametrize("cls", [nn.Conv1d, nn.Conv2d, nn.Conv3d])
 def test_conv_reduce_against_per_sample_means_and_sums(cls):
     torch.manual_seed(1)
-    spec = CONV1D[2] if cls is nn.Conv1d else CONV3D[2]
+    spec = {nn.Conv1d: CONV1D[2], nn.Conv2d: CONV2D, nn.Conv3d: CONV3D[2]}[cls]
     conv = cls(**spec).to(D)
     B = 3
     x = torch.randn(B, spec["in_channels"], *SPATIAL[cls], dtype=D)
