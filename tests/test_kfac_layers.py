@@ -291,9 +291,10 @@ def test_linear_reduce_against_oracle(bias, shape):
 
 @pytest.mark.parametrize("module", [nn.Linear(4, 3), nn.Linear(4, 3, bias=False), Conv1D(3, 4)],
                          ids=["Linear", "Linear-nobias", "Conv1D"])
-def test_reduce_equals_expand_on_2d_inputs(module):
+@pytest.mark.parametrize("shape", [(6, 4), (4,)], ids=["BD", "unbatched"])
+def test_reduce_equals_expand_on_2d_inputs(module, shape):
     module = module.to(D)
-    x = torch.randn(6, 4, dtype=D)
+    x = torch.randn(*shape, dtype=D)
     g = output_grad(module, x)
     for t, fn in ((x, factors.kfac_input_factor), (g, factors.kfac_grad_factor)):
         torch.testing.assert_close(fn(module, t, "reduce"), fn(module, t, "expand"), rtol=1e-14, atol=0)
