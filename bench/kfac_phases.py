@@ -100,8 +100,9 @@ def captured_statistics(ctx: Context, backend: str, kw: dict) -> Callable[[], ob
 def precondition_flops(base) -> int:
     """The floating-point operations of the eigenbasis products of one preconditioning step,
     Q_G (Q_G^T V Q_A ⊘ (d_G d_A^T + λ)) Q_A^T, over the registered layers: four GEMMs, i.e.
-    4 d_g d_a (d_g + d_a) per group of each layer. The fused and reference backends run the
-    same products (in torch); only the work around them differs."""
+    4 d_g d_a (d_g + d_a) per group of each layer (4 d_g^2 d_a with a diagonal A). The fused
+    and reference backends run the same products (in torch); only the work around them
+    differs."""
     import cafin
     from cafin import factors as kf
     pre = cafin.KFACPreconditioner(copy.deepcopy(base), backend="reference")
@@ -109,7 +110,8 @@ def precondition_flops(base) -> int:
     total = 0
     for layer in pre.layers:
         groups, d_a, d_g = kf.factor_sizes(layer.module)
-        total += groups * 4 * d_g * d_a * (d_g + d_a)
+        # a diagonal A (an Embedding's) has no Q_A: two GEMMs with Q_G and a scaling
+        total += groups * 4 * d_g * d_a * (d_g if kf.diagonal_input(layer.module) else d_g + d_a)
     return total
 
 

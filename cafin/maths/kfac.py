@@ -3,7 +3,9 @@ factors' decompositions (eigenbasis or damped inverse), the preconditioned gradi
 clipping scale.
 
 Layouts: a layer's factors are A [groups, d_a, d_a] and G [groups, d_g, d_g]; its gradient as a
-matrix is [groups, d_g, d_a] with the bias gradient as the last column (cafin.factors).
+matrix is [groups, d_g, d_a] with the bias gradient as the last column (cafin.factors). A diagonal
+A (an Embedding's) is kept as its diagonal [groups, d_a]: its eigenbasis is I (no Q_A), its
+inverse a vector.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import torch
 
 __all__ = [
     "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
-    "inverse_precondition", "kl_clip_scale",
+    "inverse_precondition", "kl_clip_scale", "diagonal_factor_ema_", "diagonal_eigenvalues",
+    "diagonal_damped_inverse",
 ]
 
 
@@ -46,21 +49,60 @@ def eigenvalue_reciprocal(dg: torch.Tensor, da: torch.Tensor, damping) -> torch.
     return 1.0 / (dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
 
 
-def eigen_precondition(grad: torch.Tensor, qa: torch.Tensor, qg: torch.Tensor, *,
+def eigen_precondition(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor, *,
                        dgda: torch.Tensor | None = None, da: torch.Tensor | None = None,
                        dg: torch.Tensor | None = None, damping=None, scale_=None) -> torch.Tensor:
     """Q_G [(Q_G^T grad Q_A) (*) dgda] Q_A^T, or with (dg da^T + damping) divided out when
-    dgda is None; grad [groups, d_g, d_a] in the decomposition's dtype."""
-    v = torch.matmul(torch.matmul(qg.transpose(-1, -2), grad), qa)
+    dgda is None; grad [groups, d_g, d_a] in the decomposition's dtype. qa None: Q_A = I (a
+    diagonal A)."""
+    v = torch.matmul(qg.transpose(-1, -2), grad)
+    if qa is not None:
+        v = torch.matmul(v, qa)
     if dgda is not None:
         v.mul_(dgda)
     elif scale_ is not None:
         scale_([v], [dg], [da], damping)
     else:
         v.div_(dg.unsqueeze(-1) * da.unsqueeze(-2) + damping)
-    return torch.matmul(torch.matmul(qg, v), qa.transpose(-1, -2))
+    v = torch.matmul(qg, v)
+    return v if qa is None else torch.matmul(v, qa.transpose(-1, -2))
 
 
 def inverse_precondition(grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor) -> torch.Tensor:
-    """G^-1 grad A^-1."""
-    return torch.matmul(torch.matmul(g_inv, grad), a_inv)
+    """G^-1 grad A^-1 (a_inv [groups, d_a]: a diagonal A's inverse)."""
+    v = torch.matmul(g_inv, grad)
+    if a_inv.dim() == grad.dim() - 1:
+        return v * a_inv.unsqueeze(-2)
+    return torch.matmul(v, a_inv)
+
+
+def diagonal_factor_ema_(factor: torch.Tensor, stat: torch.Tensor, count: torch.Tensor,
+                         decay: torch.Tensor, step: torch.Tensor | None = None,
+                         interval: int = 1) -> None:
+    """`kfac_factor_ema_` for one diagonal factor [groups, d] (nothing to symmetrise):
+    factor <- decay * factor + (1 - decay) * stat / count where count > 0, stat is finite and
+    (with `step`) step % interval == 0; stat and count are zeroed either way."""
+    d = decay.to(factor.dtype)
+    new = d * factor + (1 - d) * (stat / count.clamp_min(1).to(factor.dtype))
+    keep = (count > 0) & torch.isfinite(stat).all()
+    if step is not None:
+        keep = keep & (torch.remainder(step, interval) == 0)
+    factor.copy_(torch.where(keep, new, factor))
+    stat.zero_()
+    count.zero_()
+
+
+def diagonal_eigenvalues(factor: torch.Tensor, *, decompose_dtype: torch.dtype = torch.float32,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The eigenvalues of a diagonal factor [groups, d] (its entries, through `decompose_dtype`
+    as `eigen_decompose` takes them, clamped at 0); its eigenbasis is I."""
+    return factor.to(decompose_dtype).to(out_dtype).clamp(min=0.0)
+
+
+def diagonal_damped_inverse(factor: torch.Tensor, damping, *,
+                            decompose_dtype: torch.dtype = torch.float32,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """1 / (a + damping) of a diagonal factor [groups, d], as `damped_inverse` takes it: damping
+    added in the factor's dtype, inverted in `decompose_dtype`."""
+    damped = factor + (damping.to(factor.dtype) if isinstance(damping, torch.Tensor) else damping)
+    return damped.to(decompose_dtype).reciprocal().to(out_dtype)

@@ -1,9 +1,11 @@
 """K-FAC as a gradient preconditioner, a drop-in for kfac-pytorch 0.4.2's
 `kfac.preconditioner.KFACPreconditioner` (KAISA, gpauloski/kfac-pytorch): `step()` after
-`backward()` rewrites the gradients of the registered Linear and Conv2d layers in place with
-their K-FAC preconditioned, KL-clipped values, and any torch optimizer then steps.
+`backward()` rewrites the gradients of the registered Linear, Conv1d/2d/3d, Embedding and
+transformers' Conv1D layers in place with their K-FAC preconditioned, KL-clipped values, and any
+torch optimizer then steps.
 
-Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation),
+Per layer: A = E[abar abar^T] and G = E[g g^T] (cafin.factors, kfac-pytorch's normalisation;
+an Embedding's A is diagonal, kept and decomposed as a vector),
 an EMA of each from the identity, a periodic decomposition (eigh, or damped inverses) and the
 preconditioned gradient Q_G[(Q_G^T dW Q_A) / (d_G d_A^T + damping)]Q_A^T (or G^-1 dW A^-1).
 Conventions (docs/kfac.md) are kfac-pytorch's; what differs is listed there.
@@ -25,7 +27,7 @@ from torch import nn
 
 from .. import factors
 from .. import ops, reference
-from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
+from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
                          capturing, check_gradient, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
@@ -44,10 +46,14 @@ class _LayerState:
     def __init__(self, layer: Layer, factor_dtype: torch.dtype, device: torch.device,
                  eigen: bool, prediv: bool, inv_dtype: torch.dtype) -> None:
         groups, d_a, d_g = factors.factor_sizes(layer.module)
+        # An Embedding's A is diagonal: kept as its diagonal [groups, d_a], decomposed as itself.
+        diagonal = factors.diagonal_input(layer.module)
         like = dict(dtype=factor_dtype, device=device)
         eye = lambda n: torch.eye(n, **like).expand(groups, n, n).clone()  # noqa: E731
-        self.A, self.G = eye(d_a), eye(d_g)  # the EMA starts from I: kfac-pytorch's first update
-        self.stat_A = torch.zeros(groups, d_a, d_a, **like)
+        # the EMA starts from I: kfac-pytorch's first update
+        self.A = torch.ones(groups, d_a, **like) if diagonal else eye(d_a)
+        self.G = eye(d_g)
+        self.stat_A = torch.zeros(groups, d_a, **like) if diagonal else torch.zeros(groups, d_a, d_a, **like)
         self.stat_G = torch.zeros(groups, d_g, d_g, **like)
         # Passes counted per side, in one-element tensors (the ops read 0-dim views): Dynamo
         # traces a captured 0-dim float64 CPU tensor as a Python float, and the AOTAutograd
@@ -60,13 +66,14 @@ class _LayerState:
         inv = dict(dtype=inv_dtype, device=device)
         eye_inv = lambda n: torch.eye(n, **inv).expand(groups, n, n).clone()  # noqa: E731
         if eigen:
-            self.second = {"qa": eye_inv(d_a), "qg": eye_inv(d_g)}
+            self.second = {"qg": eye_inv(d_g)} if diagonal else {"qa": eye_inv(d_a), "qg": eye_inv(d_g)}
             if prediv:
                 self.second["dgda"] = torch.ones(groups, d_g, d_a, **inv)
             else:
                 self.second.update(da=torch.ones(groups, d_a, **inv), dg=torch.ones(groups, d_g, **inv))
         else:
-            self.second = {"a_inv": eye_inv(d_a), "g_inv": eye_inv(d_g)}
+            a_inv = torch.ones(groups, d_a, **inv) if diagonal else eye_inv(d_a)
+            self.second = {"a_inv": a_inv, "g_inv": eye_inv(d_g)}
         self.seen = False  # statistics ever taken (a layer whose forward never ran keeps its grad)
         self.decomposed = False  # decomposed at least once by an eager step
         for t in (self.A, self.G, self.stat_A, self.stat_G, self.count_A, self.count_G,
@@ -102,7 +109,9 @@ class KFACPreconditioner(Preconditioner):
         backend: str = "fused",
         decompose_dtype: torch.dtype = torch.float32,
         process_group=None,
+        kfac_approx: str = "expand",
     ) -> None:
+        Choice(*factors.KFAC_APPROXIMATIONS).check(kfac_approx, "kfac_approx")
         compute_method, kaisa, skip_layers = self._check_arguments(
             model, factor_update_steps=factor_update_steps, inv_update_steps=inv_update_steps,
             damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr,
@@ -130,6 +139,7 @@ class KFACPreconditioner(Preconditioner):
         self.skip_layers = skip_layers
         self.backend = backend
         self.process_group = process_group
+        self.kfac_approx = kfac_approx
         self._accumulation_steps = accumulation_steps
         self._update_factors_in_hook = update_factors_in_hook
         self._factor_update_steps = factor_update_steps
@@ -203,6 +213,11 @@ class KFACPreconditioner(Preconditioner):
                     and all(p.requires_grad for p in module.parameters()))
 
         self._layers = discover(self.model, params, accept=accept)
+        for layer in self._layers:
+            why = factors.unsupported_option(layer.module)
+            if why is not None:
+                raise ValueError(f"KFACPreconditioner: layer '{layer.name}' is an {why}, which K-FAC's "
+                                 "factors do not model; skip it with skip_layers")
         self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._state: dict[str, _LayerState] = {}
         log = logging.getLogger(__name__)
@@ -296,7 +311,8 @@ class KFACPreconditioner(Preconditioner):
                  ("compute_method", self.compute_method), ("damping", self._values["damping"]),
                  ("factor_decay", self._values["factor_decay"]),
                  ("factor_update_steps", self._factor_update_steps),
-                 ("inv_update_steps", self._inv_update_steps), ("kl_clip", self._values["kl_clip"]),
+                 ("inv_update_steps", self._inv_update_steps), ("kfac_approx", self.kfac_approx),
+                 ("kl_clip", self._values["kl_clip"]),
                  ("layers", len(self._layers)), ("lr", self._values["lr"]),
                  ("update_factors_in_hook", self._update_factors_in_hook)]
         return "KFACPreconditioner(\n" + "\n".join(f"  {k}={v}," for k, v in items) + "\n)"
@@ -314,7 +330,7 @@ class KFACPreconditioner(Preconditioner):
 
     def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
         st = self._state[layer.name]
-        factors.kfac_input_factor(layer.module, x, out=st.stat_A, accumulate=True)
+        factors.kfac_input_factor(layer.module, x, self.kfac_approx, out=st.stat_A, accumulate=True)
         st.count_A.add_(1)
         st.seen = True
         self._mini_steps[layer.name] += 1
@@ -330,7 +346,8 @@ class KFACPreconditioner(Preconditioner):
                 g = g / (s.to(g.device) if s is not None else 1.0)
             else:
                 g = g / scale()
-        factors.kfac_grad_factor(layer.module, g, out=st.stat_G, accumulate=True, dtype=st.stat_G.dtype)
+        factors.kfac_grad_factor(layer.module, g, self.kfac_approx, out=st.stat_G, accumulate=True,
+                                 dtype=st.stat_G.dtype)
         st.count_G.add_(1)
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
             self._fold_statistics([st.G], [st.stat_G], [st.count_G], st.G.device)
@@ -351,12 +368,15 @@ class KFACPreconditioner(Preconditioner):
             dropped = dropped * (torch.remainder(step, interval) == 0)
         self._skipped.on(device).add_(dropped)
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
+        decay = self._settings_on(device)["factor_decay"]
         for f, s, c in zip(fs, ss, cs):
+            if f.dim() == 2:  # a diagonal factor (Embedding's A): nothing to symmetrise
+                kfac_maths.diagonal_factor_ema_(f, s, c.view(()), decay, step, interval)
+                continue
             lists = by_dtype.setdefault(f.dtype, [[], [], []])
             lists[0].append(f)
             lists[1].append(s)
             lists[2].append(c.view(()))
-        decay = self._settings_on(device)["factor_decay"]
         for dtype, (f_, s_, c_) in by_dtype.items():
             self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval)
 
@@ -442,6 +462,9 @@ class KFACPreconditioner(Preconditioner):
             buckets: dict[tuple, list[_LayerState]] = defaultdict(list)
             for layer in live:
                 f = getattr(self._state[layer.name], side.upper())
+                if f.dim() == 2:  # a diagonal factor: its own eigenvalues, basis I
+                    self._diagonal_decomposition(self._state[layer.name], results, eigenvalues, prediv)
+                    continue
                 key = (f.shape[1:], f.dtype, f.device) if f.device.type != "cpu" else (layer.name, None, f.device)
                 buckets[key].append(self._state[layer.name])
             for (_, _, device), sts in buckets.items():
@@ -478,6 +501,22 @@ class KFACPreconditioner(Preconditioner):
                 _store(st.second, "dgda", kfac_maths.eigenvalue_reciprocal(
                     eigenvalues[(id(st), "g")], eigenvalues[(id(st), "a")], damping), gate)
 
+    def _diagonal_decomposition(self, st: _LayerState, results: list, eigenvalues: dict,
+                                prediv: bool) -> None:
+        """The decomposition of a diagonal A (an Embedding's): eigenvalues its entries, or the
+        inverse 1 / (a + damping); it cannot fail."""
+        if self.compute_method is ComputeMethod.EIGEN:
+            d = kfac_maths.diagonal_eigenvalues(st.A, decompose_dtype=self.decompose_dtype,
+                                                out_dtype=self.inv_dtype)
+            if prediv:
+                eigenvalues[(id(st), "a")] = d
+            else:
+                results.append((st, "da", d))
+        else:
+            damping = self._settings_on(st.A.device)["damping"]
+            results.append((st, "a_inv", kfac_maths.diagonal_damped_inverse(
+                st.A, damping, decompose_dtype=self.decompose_dtype, out_dtype=self.inv_dtype)))
+
     def _eigen_decompose(self, stacked, sts, side, gate):
         """(d, q) of stacked factors; eagerly, a failed eigh is retried in float64, and if that
         fails too, None (with a warning: the layers keep their previous decompositions)."""
@@ -508,7 +547,7 @@ class KFACPreconditioner(Preconditioner):
         m = layer.module
         if layer.name in self._gathered:
             return self._gathered[layer.name]
-        return m.weight.grad, None if m.bias is None else m.bias.grad
+        return m.weight.grad, None if getattr(m, "bias", None) is None else m.bias.grad
 
     def _grad(self, layer: Layer) -> torch.Tensor:
         return factors.grad_matrix(layer.module, *self._grads(layer))
@@ -522,14 +561,15 @@ class KFACPreconditioner(Preconditioner):
             return
         tensors = []
         for layer in sharded:
-            bias = layer.module.bias
+            bias = getattr(layer.module, "bias", None)
             if bias is not None and not is_sharded(bias.grad):
                 raise RuntimeError(f"KFACPreconditioner: layer '{layer.name}' has a sharded weight "
                                    "but an unsharded bias; shard whole modules with fully_shard")
             tensors += [layer.module.weight.grad] + ([bias.grad] if bias is not None else [])
         full = iter(gather_rows(tensors))  # over the mesh the gradients are sharded on
         for layer in sharded:
-            self._gathered[layer.name] = (next(full), next(full) if layer.module.bias is not None else None)
+            self._gathered[layer.name] = (next(full), next(full) if getattr(layer.module, "bias", None)
+                                          is not None else None)
 
     def _precondition(self, grad: torch.Tensor, s: dict[str, torch.Tensor], device) -> torch.Tensor:
         """The preconditioned gradient [groups, d_g, d_a] (in grad's dtype) of one layer, or of a
@@ -537,11 +577,11 @@ class KFACPreconditioner(Preconditioner):
         work = grad.to(self.inv_dtype)
         if self.compute_method is ComputeMethod.EIGEN:
             if self.compute_eigenvalue_outer_product:
-                v = kfac_maths.eigen_precondition(work, s["qa"], s["qg"], dgda=s["dgda"])
+                v = kfac_maths.eigen_precondition(work, s.get("qa"), s["qg"], dgda=s["dgda"])
             else:
                 damping = self._settings_on(device)["damping"]
                 v = kfac_maths.eigen_precondition(
-                    work, s["qa"], s["qg"], da=s["da"], dg=s["dg"], damping=damping,
+                    work, s.get("qa"), s["qg"], da=s["da"], dg=s["dg"], damping=damping,
                     scale_=self._impl_for(device, self.inv_dtype).kfac_eigen_scale_)
         else:
             v = kfac_maths.inverse_precondition(work, s["a_inv"], s["g_inv"])
@@ -577,7 +617,7 @@ class KFACPreconditioner(Preconditioner):
         for layer in self._layers:
             m = layer.module
             if not self._live(layer) or m.weight.grad is None or (
-                    m.bias is not None and m.bias.grad is None):
+                    getattr(m, "bias", None) is not None and m.bias.grad is None):
                 continue  # never ran (or unused this step): its gradient is left as it is
             if not (self._state[layer.name].decomposed or self._steps.device_gated):
                 continue  # not decomposed yet (kfac-pytorch raises): left as it is
@@ -601,6 +641,7 @@ class KFACPreconditioner(Preconditioner):
                 precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
                                                          m.weight.device)
             w, b = self._grads(layer)
+            w = factors.weight_grad_view(m, w)  # [gradient side, input side], as the matrix
             ws, bs, vs = buckets[(w.device, w.dtype)]
             ws.append(w)
             bs.append(b if b is not None else _empty(w))
@@ -770,8 +811,10 @@ KFACPreconditioner.__doc__ = (
     """
     + rf"""
     Args:
-        model (nn.Module): the model; its Linear and Conv2d modules (and subclasses) whose
-            parameters all require grad are registered, except those matched by skip_layers.
+        model (nn.Module): the model; its Linear, Conv1d, Conv2d, Conv3d and Embedding
+            modules (and subclasses) and transformers' ``Conv1D`` modules whose parameters all
+            require grad are registered, except those matched by skip_layers. An Embedding
+            with max_norm, scale_grad_by_freq or sparse=True is a ValueError naming it.
         factor_update_steps (int or callable, optional): interval of the factor updates:
             statistics are taken on the passes where steps % factor_update_steps == 0
             (default: 1)
@@ -828,6 +871,11 @@ KFACPreconditioner.__doc__ = (
             precise choice for float64 models) (default: torch.float32)
         {_process_group_doc}
             The factors are averaged over it.
+        kfac_approx (str, optional): "expand" (one statistics row per location: kfac-pytorch)
+            or "reduce" (Eschenhagen et al., 2023: one row per sample, the mean of its input
+            rows and the sum of its gradient rows over the shared dims of a Linear's input or a
+            convolution's output locations; an Embedding always expands). Equal for a Linear
+            on 2-D inputs (default: "expand")
 
     damping, factor_decay, kl_clip and lr are kept as 0-dim device tensors (assigning
     ``preconditioner.lr = x`` between steps does not recompile a compiled step).
@@ -907,8 +955,9 @@ def _checkpoint_steps(value: Any) -> int:
 
 
 def _checkpoint_factor(t: Any, own: torch.Tensor, what: str) -> torch.Tensor | None:
-    """A saved factor ([d, d] or [groups, d, d]) as [groups, d, d], checked: a floating
-    tensor of the preconditioner's shape, every entry finite. None: no statistics yet."""
+    """A saved factor ([d, d] or [groups, d, d]; an Embedding's diagonal A [d] or [groups, d]) in
+    the preconditioner's shape, checked: a floating tensor of that shape, every entry finite.
+    None: no statistics yet."""
     if t is None:
         return None
     if not isinstance(t, torch.Tensor):
@@ -917,7 +966,7 @@ def _checkpoint_factor(t: Any, own: torch.Tensor, what: str) -> torch.Tensor | N
         raise TypeError(f"state_dict {what} must be a floating tensor, got {t.dtype}")
     shape = tuple(t.shape)
     t = t.detach()
-    if t.dim() == 2:
+    if t.dim() == own.dim() - 1:
         t = t.unsqueeze(0)
     if tuple(t.shape) != tuple(own.shape):
         raise ValueError(f"state_dict {what} has shape {shape}, expected {tuple(own.shape)}")

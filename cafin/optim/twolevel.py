@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import ops, reference
 from ..core import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
 from ..factors import input_rows
 from ..maths import state_dtype
@@ -64,6 +65,20 @@ def _accept(module: nn.Module) -> bool:
     # The published code registers by exact class name, so subclasses are skipped (FSDP2's
     # generated subclass of a sharded module is named by the class it wraps).
     return isinstance(module, (nn.Linear, nn.Conv2d)) and module_class(module).__name__ in ("Linear", "Conv2d")
+
+
+def _refuse_layers_without_curvature(model: nn.Module) -> None:
+    """A trained layer that K-FAC has factors for but the two-level coarse space does not
+    (Embedding, Conv1d, Conv3d, transformers' Conv1D) is an error naming it: the optimizer would
+    never update its parameters."""
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if not (isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv3d)) or is_transposed_linear(module)):
+            continue
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            raise ValueError(f"layer '{name}': TwoLevelKFAC supports Linear and Conv2d layers only, not "
+                             f"{kind} (the published coarse space is built for them); freeze it "
+                             "(requires_grad=False) or use KFACPreconditioner, which supports it")
 
 
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
@@ -129,6 +144,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         """The layers two-level K-FAC preconditions, checked, as one param group each. A layer
         whose parameters are all frozen takes no part (no curvature, no hooks): the published
         code registers it and fails at the step on its missing gradient."""
+        _refuse_layers_without_curvature(model)
         self._layers = discover(model, [p for p in model.parameters() if p.requires_grad], _accept)
         if not self._layers:
             raise ValueError("net has no Linear or Conv2d layer with trainable parameters")
@@ -970,7 +986,8 @@ TwoLevelKFAC.__doc__ = (
     + rf"""
     Args:
         net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are
-            registered.
+            registered. A trained Embedding, Conv1d, Conv3d or transformers ``Conv1D``
+            (layers KFACPreconditioner supports) is refused with a ValueError naming it.
         damping (float, optional): Tikhonov damping :math:`\lambda`, > 0 (default: 1e-3)
         pi (bool, optional): accepted, no effect (published: feeds a branch that is never
             taken) (default: False)
