@@ -274,7 +274,8 @@ def train(spec: MemberSpec, data: TextData, config: Config, budget_s: float | No
     x_eval, y_eval = eval_windows(data.heldout, config.context)
     gen = torch.Generator().manual_seed(config.seed)
     run = {"member": spec.name, "hyperparameters": spec.hyperparameters, "eval_steps": [], "eval_time_s": [],
-           "heldout_loss": [], "train_loss": [], "diverged_at": None, "diverged_time_s": None, "error": None, "steps": 0, "time_s": 0.0}
+           "heldout_loss": [], "train_loss": [], "diverged_at": None, "diverged_time_s": None, "error": None,
+           "steps": 0, "time_s": 0.0}
 
     def evaluate(step: int, spent: float) -> None:
         with torch.no_grad():
