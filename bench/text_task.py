@@ -42,8 +42,8 @@ Budgets: every member trains `--steps` steps; the wall-clock budget is AdamW's t
 those steps (or `--budget` seconds), and a member that has not used it after `--steps` steps
 trains on until it has (at most `MAX_STEP_FACTOR` times the steps). Training time counts
 zero_grad, forward, backward and the step; the held-out evaluations are not counted. The table
-gives the held-out loss after `--steps` steps and at the budget (the last evaluation within it;
-an evaluation is also made when a run crosses the budget). A run whose training or held-out loss
+gives the held-out loss after `--steps` steps and at the budget (after the step that uses it up:
+a run is evaluated at that step too, and the table gives how many steps it took). A run whose training or held-out loss
 is not finite stops there and is reported as diverged; a member that raises is reported with its
 error.
 """
@@ -326,8 +326,8 @@ def train(spec: MemberSpec, data: TextData, config: Config, budget_s: float | No
 
 
 def summarise(run: dict, steps: int, budget_s: float | None) -> dict:
-    """The held-out loss after `steps` steps and at the budget (the last evaluation within it),
-    the steps done within the budget, ms per step and a status."""
+    """The held-out loss after `steps` steps and at the budget (after the step that used it up),
+    the steps that took, ms per step and a status."""
     def last(predicate):
         hits = [loss for s, t, loss in zip(run["eval_steps"], run["eval_time_s"], run["heldout_loss"])
                 if predicate(s, t)]
@@ -335,11 +335,12 @@ def summarise(run: dict, steps: int, budget_s: float | None) -> dict:
 
     # a run that diverged (or failed) before a mark has no loss there
     at_steps = last(lambda s, t: s == steps) if run["steps"] >= steps else None
-    at_budget = None
-    if budget_s is not None and run["steps"] and (run["diverged_at"] is None or run["diverged_time_s"] > budget_s):
-        at_budget = last(lambda s, t: t <= budget_s)
-    within = (max((s for s, t in zip(run["eval_steps"], run["eval_time_s"]) if t <= budget_s), default=0)
-              if budget_s is not None else None)
+    at_budget = steps_to_budget = None
+    if budget_s is not None and (run["diverged_at"] is None or run["diverged_time_s"] >= budget_s):
+        reached = [(s, loss) for s, t, loss in zip(run["eval_steps"], run["eval_time_s"], run["heldout_loss"])
+                   if t >= budget_s]
+        if reached:
+            steps_to_budget, at_budget = reached[0]
     if run["error"]:
         status = "refused" if run["steps"] == 0 else "failed"
         status += f" ({run['error'].split(':')[0]})"
@@ -350,7 +351,7 @@ def summarise(run: dict, steps: int, budget_s: float | None) -> dict:
     return {"member": run["member"], "hyperparameters": run["hyperparameters"], "status": status,
             "error": run["error"],
             "heldout_loss_at_steps": at_steps, "heldout_loss_at_budget": at_budget,
-            "steps_within_budget": within, "steps_done": run["steps"], "time_s": run["time_s"],
+            "steps_to_budget": steps_to_budget, "steps_done": run["steps"], "time_s": run["time_s"],
             "ms_per_step": 1e3 * run["time_s"] / run["steps"] if run["steps"] else None,
             "initial_heldout_loss": run["heldout_loss"][0]}
 
@@ -408,12 +409,12 @@ def render(results: dict):
     table.add_column(f"held-out loss at step {cfg['steps']}", justify="right")
     table.add_column("held-out loss at the budget" if budget is None else
                      f"held-out loss at {budget:.1f} s", justify="right")
-    table.add_column("steps in the budget", justify="right")
+    table.add_column("steps to the budget", justify="right")
     table.add_column("ms / step", justify="right")
     table.add_column("status")
     for row in results["members"]:
         table.add_row(row["member"], _loss(row["heldout_loss_at_steps"]), _loss(row["heldout_loss_at_budget"]),
-                      "-" if row["steps_within_budget"] is None else str(row["steps_within_budget"]),
+                      "-" if row["steps_to_budget"] is None else str(row["steps_to_budget"]),
                       "-" if row["ms_per_step"] is None else f"{row['ms_per_step']:.1f}", row["status"])
     table.caption = (f"Held-out loss: cross-entropy in nats per byte over {cfg['eval_windows']} fixed windows "
                      f"(ln 256 = 5.545 at the start); evaluated every {cfg['eval_every']} steps. Budget: "
@@ -458,6 +459,9 @@ def plot(results: dict, path: str) -> None:
         ax.set_xlabel(label)
         ax.set_ylabel("held-out loss, nats / byte")
         ax.grid(alpha=0.25)
+    # the same steps on the left, the same time on the right (runs that trained on to use up the
+    # budget, or were slower, go past the edges)
+    ax_step.set_xlim(0, cfg["steps"] * 1.05)
     ax_time.set_xlim(0, (cfg["budget_s"] or max(r["time_s"] for r in results["curves"])) * 1.5)
     ax_step.legend(fontsize=8)
     fig.suptitle(f"byte-level GPT ({cfg['layers']}x{cfg['width']}, context {cfg['context']}, "

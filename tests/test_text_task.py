@@ -106,15 +106,20 @@ def test_a_diverging_member_is_reported(tmp_path):
 
 
 def test_budget_reading():
-    run = {"member": "m", "hyperparameters": "", "eval_steps": [0, 2, 4, 6], "eval_time_s": [0.0, 1.0, 2.0, 3.0],
-           "heldout_loss": [5.0, 4.0, 3.0, 2.0], "train_loss": [1.0] * 6, "diverged_at": None,
-           "diverged_time_s": None, "error": None, "steps": 6, "time_s": 3.0}
+    """The loss at the budget is the one after the step that used it up (the run evaluates there)."""
+    run = {"member": "m", "hyperparameters": "", "eval_steps": [0, 2, 4, 5, 6],
+           "eval_time_s": [0.0, 1.0, 2.0, 2.6, 3.0], "heldout_loss": [5.0, 4.0, 3.0, 2.5, 2.0],
+           "train_loss": [1.0] * 6, "diverged_at": None, "diverged_time_s": None, "error": None, "steps": 6,
+           "time_s": 3.0}
     row = text_task.summarise(run, 4, 2.5)
-    assert row["heldout_loss_at_steps"] == 3.0 and row["heldout_loss_at_budget"] == 3.0
-    assert row["steps_within_budget"] == 4 and row["ms_per_step"] == pytest.approx(500.0)
-    assert text_task.summarise(run, 4, 0.5)["heldout_loss_at_budget"] == 5.0
-    assert text_task.summarise(dict(run, diverged_at=5, diverged_time_s=2.6), 4, 2.5)["status"] == "diverged at step 5"
-    assert text_task.summarise(dict(run, diverged_at=3, diverged_time_s=1.5), 4, 2.5)["heldout_loss_at_budget"] is None
+    assert row["heldout_loss_at_steps"] == 3.0 and row["heldout_loss_at_budget"] == 2.5
+    assert row["steps_to_budget"] == 5 and row["ms_per_step"] == pytest.approx(500.0)
+    assert text_task.summarise(run, 4, 2.0)["heldout_loss_at_budget"] == 3.0
+    assert text_task.summarise(run, 4, 9.0)["heldout_loss_at_budget"] is None  # never reached
+    late = text_task.summarise(dict(run, diverged_at=7, diverged_time_s=3.2), 4, 2.5)
+    assert late["status"] == "diverged at step 7" and late["heldout_loss_at_budget"] == 2.5
+    early = text_task.summarise(dict(run, diverged_at=3, diverged_time_s=1.5, steps=3), 4, 2.5)
+    assert early["heldout_loss_at_budget"] is None and early["heldout_loss_at_steps"] is None
 
 
 def test_bad_flags_are_refused():
