@@ -55,7 +55,8 @@ Fused vs reference (AdaFisher, same seed and batches), three numbers:
 - independent runs, float64 (seed 0): no near-ties flip at 1e-16, so the runs stay together.
 
 `--task autoencoder` runs the two-level K-FAC paper's autoencoder experiment instead
-(bench/autoencoder.py). Flags of this task (cnn, the default): --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
+(bench/autoencoder.py); `--task text` a byte-level GPT on the Python standard library's sources,
+every member against AdamW (bench/text_task.py). Flags of this task (cnn, the default): --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
 --threads, --optimizers NAME,... (name prefixes or families: adafisher, kfac, singd, dykaf,
 baselines), --plot PATH (PNG, one column per family), --json PATH.
 """
@@ -771,8 +772,11 @@ def plot(results: dict, path: str) -> None:
 
 def main(argv: list[str]) -> int:
     task = argparse.ArgumentParser(add_help=False)
-    task.add_argument("--task", choices=("cnn", "autoencoder"), default="cnn")
+    task.add_argument("--task", choices=("cnn", "autoencoder", "text"), default="cnn")
     known, rest = task.parse_known_args(argv)
+    if known.task == "text":
+        from .text_task import main as text_main
+        return text_main(rest)
     if known.task == "autoencoder":
         from .autoencoder import main as autoencoder_main
         return autoencoder_main(rest)
@@ -785,8 +789,9 @@ def main(argv: list[str]) -> int:
                     "steps to 95 %, step time and AdaFisher's fused-vs-reference difference. "
                     "--task autoencoder: the two-level K-FAC paper's autoencoder experiment "
                     "(its own flags: --task autoencoder --help).")
-    parser.add_argument("--task", choices=("cnn", "autoencoder"), default="cnn",
-                        help="cnn (default): this task; autoencoder: bench/autoencoder.py")
+    parser.add_argument("--task", choices=("cnn", "autoencoder", "text"), default="cnn",
+                        help="cnn (default): this task; autoencoder: bench/autoencoder.py; text: a "
+                             "byte-level GPT on the Python stdlib (bench/text_task.py)")
     parser.add_argument("--epochs", type=int, default=None, help=f"default {DEFAULT_EPOCHS}")
     parser.add_argument("--seeds", type=int, default=None,
                         help=f"number of seeds, 0..N-1 (default {DEFAULT_SEEDS})")

@@ -4,6 +4,7 @@ tied parameters once). Which modules are supported is the member's to say (`acce
 from __future__ import annotations
 
 from dataclasses import dataclass
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -35,6 +36,7 @@ def discover(model: nn.Module, optimised: Iterable[torch.Tensor], accept: Callab
     A parameter belongs to the first accepted module that holds it (a decoder tied to an
     embedding takes the decoder's curvature)."""
     optimised = set(optimised)
+    warn_functional_attention(model, optimised)
     owned: set[torch.Tensor] = set()
     layers = []
     for name, module in model.named_modules():
@@ -50,3 +52,16 @@ def discover(model: nn.Module, optimised: Iterable[torch.Tensor], accept: Callab
         owned.update(params.values())
         layers.append(Layer(name, module, next(iter(params.values())), params))
     return layers
+
+
+def warn_functional_attention(model: nn.Module, optimised: set) -> None:
+    """Warn, naming each one, about the `torch.nn.MultiheadAttention` modules of `model` that hold
+    optimised parameters: they apply their projections functionally, so no hook sees them and they
+    train without curvature (`out_proj` included). `cafin.nn.replace_multihead_attention(model)`,
+    before the member is built, swaps in a drop-in whose projections are Linear layers."""
+    names = [repr(name or "(the model)") for name, module in model.named_modules()
+             if isinstance(module, nn.MultiheadAttention) and any(p in optimised for p in module.parameters())]
+    if names:
+        warnings.warn(f"torch.nn.MultiheadAttention {', '.join(names)}: its projections are applied functionally, so "
+                      "they get no curvature. Call cafin.nn.replace_multihead_attention(model) before building "
+                      "the optimizer to give them curvature.", UserWarning, stacklevel=3)
