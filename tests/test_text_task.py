@@ -72,8 +72,8 @@ def test_tiny_run_of_every_member_writes_table_json_and_plot(tmp_path, capsys):
     budget = results["config"]["budget_s"]
     assert budget == pytest.approx(results["curves"][0]["time_s"]) and budget > 0  # AdamW's time for the steps
     for name, row in rows.items():
-        if name == "two-level K-FAC":  # 2-D Linear inputs only: refused at its first step
-            assert row["status"].startswith("refused") and "2-D" in row["error"]
+        if name == "two-level K-FAC":  # Linear/Conv2d on 2-D inputs only: refused, with the reason
+            assert row["status"].startswith("refused") and "TwoLevelKFAC" in row["error"]
             continue
         assert row["status"] == "ok", row
         assert math.isfinite(row["heldout_loss_at_steps"]) and row["steps_done"] >= 4
@@ -83,7 +83,7 @@ def test_tiny_run_of_every_member_writes_table_json_and_plot(tmp_path, capsys):
     assert all(math.isfinite(v) for v in curve["heldout_loss"])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
-    assert "Byte-level GPT" in printed and "(nicolaides): ValueError at step 1" in printed
+    assert "Byte-level GPT" in printed and "(nicolaides): ValueError: layer 'tok'" in printed
 
 
 def test_a_diverging_member_is_reported(tmp_path):
