@@ -211,6 +211,26 @@ def test_transformers_conv1d_equals_linear_with_transposed_weight(structures, bi
     assert moved(oa) > 1e-3
 
 
+def test_conv1d_recognised_by_its_shape_contract_also_under_fsdp_class_swap():
+    from cafin.core.modules import is_transposed_linear
+
+    class Mixin:
+        pass
+
+    conv = Conv1D(4, 3)
+    assert is_transposed_linear(conv)
+    swapped = copy.deepcopy(conv)
+    swapped.__class__ = type("FSDPConv1D", (Mixin, Conv1D), {})  # what fully_shard does
+    assert is_transposed_linear(swapped)
+    other = copy.deepcopy(conv)
+    other.__class__ = type("Projection", (nn.Module,), {"forward": Conv1D.forward})
+    assert not is_transposed_linear(other)
+    wrong = Conv1D(4, 3)
+    wrong.nx = 5  # the weight is not [nx, nf]
+    assert not is_transposed_linear(wrong)
+    assert not is_transposed_linear(nn.Linear(3, 4))
+
+
 def test_transformers_conv1d_float32_close_to_float64():
     a64, _ = conv1d_pair(True)
     a32 = copy.deepcopy(a64).float()
@@ -553,6 +573,81 @@ def test_state_dict_round_trip_with_new_layers():
     train(resumed, opt2, data[2:], mse("mean"))
     for p, q in zip(straight.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+# ------------------------------------------------------------------------------ two ranks
+TWO_RANK_STRUCTURES = [("dense", "dense"), ("diagonal", "diagonal"), ("diagonal", "triltoeplitz")]
+
+
+def sequence_model():
+    """Embedding (7 rows: shards of 4 + 3), Conv1D (5 rows: 3 + 2), Linear."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(7, 4), Conv1D(5, 4), nn.Tanh(), nn.Linear(5, 2)).double()
+
+
+def sequence_batch(step):
+    gen = torch.Generator().manual_seed(50 + step)
+    return (torch.randint(0, 7, (8, 3), generator=gen),
+            torch.randn(8, 3, 2, generator=gen, dtype=torch.float64))
+
+
+_WORKER = r'''
+import os, sys, torch
+import torch.nn.functional as F
+import cafin
+import two_ranks
+from torch.distributed.fsdp import fully_shard
+from test_singd_layers import TWO_RANK_STRUCTURES, SETTINGS, sequence_model, sequence_batch
+rank, _ = two_ranks.join(sys.argv[1])
+results = {}
+for structures in TWO_RANK_STRUCTURES:
+    for wrap in ("fsdp", "ddp", "plain"):
+        model = sequence_model()
+        if wrap == "fsdp":
+            for m in model:
+                if any(True for _ in m.parameters()):
+                    fully_shard(m)
+            fully_shard(model)
+            net = model
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model) if wrap == "ddp" else model
+        opt = cafin.SINGD(net, list(model.parameters()), structures=structures, **SETTINGS)
+        for k in range(3):
+            x, y = sequence_batch(k)
+            opt.zero_grad()
+            F.mse_loss(net(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+        results[(structures, wrap)] = [(p.full_tensor() if hasattr(p, "full_tensor") else p)
+                                       .detach().clone() for p in model.parameters()]
+        del opt, net, model
+if rank == 0:
+    torch.save(results, os.path.join(sys.argv[1], "out.pt"))
+two_ranks.leave()
+'''
+
+
+def test_two_ranks_fsdp_ddp_and_plain_equal_one_process_on_the_whole_batch(tmp_path):
+    """Embedding and Conv1D (weights stored [input side, output side]) on two gloo ranks, each with
+    half of every batch, sharded by FSDP2, wrapped by DDP or plain (singd's averaging): the
+    one-process full-batch run."""
+    import two_ranks
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    failure = two_ranks.launch(lambda rank: [script, tmp_path], tmp_path)
+    assert failure is None, failure
+    results = torch.load(tmp_path / "out.pt")
+    for structures in TWO_RANK_STRUCTURES:
+        model = sequence_model()
+        opt = cafin.SINGD(model, structures=structures, **SETTINGS)
+        for k in range(3):
+            x, y = sequence_batch(k)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        assert moved(opt) > 1e-3
+        for wrap in ("fsdp", "ddp", "plain"):
+            for p, q in zip(model.parameters(), results[(structures, wrap)]):
+                assert rel(q, p.detach()) < 1e-11, (structures, wrap)
 
 
 # ------------------------------------------------------------------------------ GPT-2
