@@ -557,6 +557,28 @@ def test_fused_equals_reference_on_every_new_layer(structures, dtype, tol):
         assert rel(p, q) < tol
 
 
+@pytest.mark.parametrize("compiled", ["model", "step"])
+def test_compiled_model_or_step_equals_eager_on_every_new_layer(compiled):
+    base = mixed_model().double()
+    gen = torch.Generator().manual_seed(5)
+    data = [(torch.randint(0, V, (3, 6), generator=gen), torch.randn(3, 3, generator=gen).double())
+            for _ in range(3)]
+    runs = []
+    for compile_it in (False, True):
+        m = copy.deepcopy(base)
+        opt = singd(m, T=2)
+        net = torch.compile(m, backend="aot_eager") if compile_it and compiled == "model" else m
+        step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") \
+            if compile_it and compiled == "step" else opt.step
+        for x, y in data:
+            opt.zero_grad()
+            F.mse_loss(net(x), y).backward()
+            step()
+        runs.append(m)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert rel(q, p) < 1e-12
+
+
 def test_state_dict_round_trip_with_new_layers():
     model = mixed_model().double()
     gen = torch.Generator().manual_seed(5)
