@@ -460,6 +460,18 @@ def test_embedding_float32_close_to_float64():
         assert rel(q, p) < 1e-5
 
 
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+def test_embedding_int32_indices_equal_int64(kfac_approx):
+    runs = []
+    for dtype in (torch.int64, torch.int32):
+        me, _ = embedding_pair(1)
+        opt = singd(me, kfac_approx=kfac_approx)
+        train(me, opt, [(x.to(dtype), y) for x, y in index_batches((4, 7))], mse("mean"))
+        runs.append(me)
+    for p, q in zip(*(m.parameters() for m in runs)):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("option,value", [("max_norm", 1.0), ("sparse", True),
                                           ("scale_grad_by_freq", True)])
 def test_embedding_options_refused_at_construction(option, value):

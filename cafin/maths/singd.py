@@ -127,7 +127,7 @@ def embedding_inner(k: Tensor, module: nn.Embedding, x: Tensor, kfac_approx: str
             counts[module.padding_idx] = 0.0
         sumsq = counts / idx.numel()
     else:
-        idx = x.reshape(x.shape[0], -1)
+        idx = x.reshape(x.shape[0], -1).long()  # scatter_add_ takes int64 indices only
         mean = torch.zeros(idx.shape[0], V, dtype=k.dtype, device=k.device).scatter_add_(
             1, idx, torch.ones(idx.shape, dtype=k.dtype, device=k.device)) / idx.shape[1]
         if module.padding_idx is not None:

@@ -37,6 +37,20 @@ from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+_LOSS_AVERAGES = (None, "batch", "batch+sequence")
+# Rules of the settings the statistics hooks read, shared by the constructor's, a checkpoint's and
+# the forward pass's checks.
+_LOSS_AVERAGE = Choice(*_LOSS_AVERAGES)
+_KFAC_APPROX = Choice("expand", "reduce")
+_FLAG = Flag()
+
+
+def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
+    _LOSS_AVERAGE.check(group["loss_average"], f"{where}loss_average")
+    _KFAC_APPROX.check(group["kfac_approx"], f"{where}kfac_approx")
+_BACKENDS = ("fused", "reference")
+_FACTORS = ("K", "C", "m_K", "m_C", "H_K", "H_C")
+_MAX_PARTS = 5  # the most parts a structure has (hierarchical)
 
 
 def _supports(module: nn.Module) -> bool:
@@ -60,20 +74,6 @@ def _check_options(layer: Layer) -> None:
                              f"{name}={getattr(module, name)!r}, which SINGD does not support: "
                              f"{why}. Construct it without {name}, or leave its parameters out "
                              "of params")
-_LOSS_AVERAGES = (None, "batch", "batch+sequence")
-# Rules of the settings the statistics hooks read, shared by the constructor's, a checkpoint's and
-# the forward pass's checks.
-_LOSS_AVERAGE = Choice(*_LOSS_AVERAGES)
-_KFAC_APPROX = Choice("expand", "reduce")
-_FLAG = Flag()
-
-
-def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
-    _LOSS_AVERAGE.check(group["loss_average"], f"{where}loss_average")
-    _KFAC_APPROX.check(group["kfac_approx"], f"{where}kfac_approx")
-_BACKENDS = ("fused", "reference")
-_FACTORS = ("K", "C", "m_K", "m_C", "H_K", "H_C")
-_MAX_PARTS = 5  # the most parts a structure has (hierarchical)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -331,8 +331,8 @@ class SINGD(CurvatureOptimizer):
 
     def _kinds(self, layer: Layer) -> tuple[type[Structure], type[Structure]]:
         """K's and C's structures: the group's, except an Embedding's K, which is diagonal (its
-        one-hot inputs have no cross terms; a dense vocabulary-squared K would be all zeros off
-        the diagonal)."""
+        one-hot rows have no cross terms: a dense vocabulary-squared K would hold zeros off the
+        diagonal, exactly so with kfac_approx "expand")."""
         group = self._group(layer)
         exact = group.get("exact_block_transposes", False)
         sk, sc = (structure(s, exact) for s in group["structures"])
