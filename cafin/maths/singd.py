@@ -3,6 +3,12 @@ layer's input and output gradient become, the gradient as a matrix, the natural 
 preconditioner's momentum and factor steps, and the SGD update, computed the way singd 0.0.5
 computes them.
 
+The layers: Linear; Conv1d, Conv2d and Conv3d (rows = patches); transformers' `Conv1D` (a Linear
+whose weight is stored [in, out]); Embedding (a Linear on one-hot inputs, its weight stored
+[num_embeddings, dim]: the input side K is over the vocabulary and always diagonal, since
+one-hot rows have no cross terms). In every case the gradient as a matrix is [d_C, d_K]: output
+side by input side, with the bias as the last column.
+
 Structured matrices are tuples of tensors (`cafin.structures`). Every function here is pure
 (returns new tensors) except where its name ends in `_`.
 """
@@ -14,8 +20,31 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..core.modules import is_transposed_linear
 from ..layers import conv_padding
 from ..structures import Structure
+
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether the weight is stored [input side, output side] (Embedding, transformers' Conv1D),
+    the transpose of Linear's [out, in]."""
+    return isinstance(module, nn.Embedding) or is_transposed_linear(module)
+
+
+def has_bias(module: nn.Module) -> bool:
+    return getattr(module, "bias", None) is not None
+
+
+def dims(module: nn.Module) -> tuple[int, int]:
+    """(d_K, d_C): the input side (bias column included) and the output side of a layer."""
+    w = module.weight
+    if isinstance(module, nn.Embedding):
+        return w.shape[0], w.shape[1]
+    if is_transposed_linear(module):
+        return w.shape[0] + has_bias(module), w.shape[1]
+    return w.shape[1:].numel() + has_bias(module), w.shape[0]
 
 # The rows follow singd's conventions, not cafin.factors' (one row set per group, unscaled), so
 # that SINGD reproduces singd's numbers: group-averaged patches, "reduce" = mean of the input rows /
@@ -35,10 +64,33 @@ def _conv_input_4d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, list[int]]:
     return x, pads
 
 
+def patches(module: nn.Conv1d | nn.Conv3d, x: Tensor) -> Tensor:
+    """[b, locations, C/groups * prod(kernel)] of a Conv1d or Conv3d input (any ConvNd), entry
+    order (c, k_1, ..., k_n) as `weight[o].flatten()`, locations in the output's order: the
+    input padded as the convolution pads it (zeros or its padding_mode, 'same' with torch's
+    split), averaged over channel groups (singd's convention for Conv2d), windows cut with
+    stride and dilation."""
+    n = len(module.kernel_size)
+    if x.dim() == n + 1:  # unbatched
+        x = x.unsqueeze(0)
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    b, c = x.shape[:2]
+    x = x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
+    for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
+        x = x.unfold(2 + i, d * (k - 1) + 1, s)  # [b, c, out..., span...]
+    x = x[(Ellipsis, *[slice(None, None, d) for d in module.dilation])]
+    x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))  # [b, out..., c, k...]
+    return x.reshape(b, -1, x.shape[1 + n:].numel())
+
+
 def input_rows(module: nn.Module, x: Tensor, kfac_approx: str) -> Tensor:
     """a [rows, d_K]: input rows (with a ones column for a bias) divided by sqrt(rows), so that
-    a^T a is the mean outer product."""
-    if isinstance(module, nn.Conv2d):
+    a^T a is the mean outer product (not for Embedding: `embedding_inner`)."""
+    if isinstance(module, (nn.Conv1d, nn.Conv3d)):
+        p = patches(module, x)
+        a = p.reshape(-1, p.shape[2]) if kfac_approx == "expand" else p.mean(1)
+    elif isinstance(module, nn.Conv2d):
         x, pads = _conv_input_4d(module, x)
         b, c = x.shape[:2]
         # singd averages the input over channel groups (one K for every group)
@@ -54,16 +106,42 @@ def input_rows(module: nn.Module, x: Tensor, kfac_approx: str) -> Tensor:
             x = x.unsqueeze(0)
         a = x.reshape(-1, x.shape[-1]) if kfac_approx == "expand" else \
             x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
-    if module.bias is not None:
+    if has_bias(module):
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
     return a / math.sqrt(a.shape[0])
+
+
+def embedding_inner(k: Tensor, module: nn.Embedding, x: Tensor, kfac_approx: str) -> tuple:
+    """H_K = diag(K^T a^T a K) of an Embedding with diagonal K (its parts), where a holds the
+    one-hot rows of the indices x as `input_rows` makes a Linear's on one-hot inputs, without
+    forming them: "expand": token counts / rows; "reduce": per sample the mean one-hot over
+    its positions, squared and averaged over samples. A position holding padding_idx is a zero
+    row (its output never reaches a trained weight), still counted among the rows."""
+    V = module.num_embeddings
+    x = x.reshape(1) if x.dim() == 0 else x
+    if kfac_approx == "expand":
+        idx = x.reshape(-1)
+        counts = torch.zeros(V, dtype=k.dtype, device=k.device).index_add_(
+            0, idx, torch.ones(idx.numel(), dtype=k.dtype, device=k.device))
+        if module.padding_idx is not None:
+            counts[module.padding_idx] = 0.0
+        sumsq = counts / idx.numel()
+    else:
+        idx = x.reshape(x.shape[0], -1).long()  # scatter_add_ takes int64 indices only
+        mean = torch.zeros(idx.shape[0], V, dtype=k.dtype, device=k.device).scatter_add_(
+            1, idx, torch.ones(idx.shape, dtype=k.dtype, device=k.device)) / idx.shape[1]
+        if module.padding_idx is not None:
+            mean[:, module.padding_idx] = 0.0
+        a = mean / math.sqrt(idx.shape[0])
+        sumsq = (a * a).sum(0)
+    return ((k * k) * sumsq,)
 
 
 def grad_rows(module: nn.Module, g: Tensor, loss_average: str | None, kfac_approx: str) -> Tensor:
     """g [rows, d_C]: output-gradient rows times sqrt(number of loss terms) ("batch": B,
     "batch+sequence": B times the shared locations, None: 1); "reduce" sums over locations."""
-    if isinstance(module, nn.Conv2d):
-        if g.dim() == 3:
+    if isinstance(module, CONVOLUTIONS):
+        if g.dim() == len(module.kernel_size) + 1:  # unbatched
             g = g.unsqueeze(0)
         g = g.flatten(2).transpose(1, 2)  # [b, locations, c]
     elif g.dim() == 1:
@@ -80,14 +158,29 @@ def grad_rows(module: nn.Module, g: Tensor, loss_average: str | None, kfac_appro
 
 def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Tensor | None,
                     like: Tensor) -> Tensor:
-    """[d_C, d_K] = [grad W viewed (out, -1) | grad b]; a missing gradient reads as zeros."""
-    w = module.weight
-    gw = weight_grad.reshape(w.shape[0], -1) if weight_grad is not None else \
-        torch.zeros(w.shape[0], w[0].numel(), dtype=like.dtype, device=like.device)
-    if module.bias is None:
+    """[d_C, d_K] = [grad W viewed (out, -1) | grad b] (a weight stored [in, out] transposed); a
+    missing gradient reads as zeros."""
+    d_k, d_c = dims(module)
+    bias = has_bias(module)
+    if weight_grad is None:
+        gw = torch.zeros(d_c, d_k - bias, dtype=like.dtype, device=like.device)
+    elif is_transposed(module):
+        gw = weight_grad.mT
+    else:
+        gw = weight_grad.reshape(d_c, -1)
+    if not bias:
         return gw
-    gb = bias_grad if bias_grad is not None else torch.zeros(w.shape[0], dtype=gw.dtype, device=gw.device)
+    gb = bias_grad if bias_grad is not None else torch.zeros(d_c, dtype=gw.dtype, device=gw.device)
     return torch.cat([gw, gb.unsqueeze(1)], dim=1)
+
+
+def weight_pieces(module: nn.Module, nat: Tensor) -> dict[str, Tensor]:
+    """A [d_C, d_K] natural gradient split into the layer's parameters: the weight's piece in the
+    weight's layout for a transposed weight, else [out, -1]; the bias's."""
+    if not has_bias(module):
+        return {"weight": nat.mT if is_transposed(module) else nat}
+    weight = nat[:, :-1]
+    return {"weight": weight.mT if is_transposed(module) else weight, "bias": nat[:, -1]}
 
 
 def natural_gradient(sk: type[Structure], k: tuple, sc: type[Structure], c: tuple,

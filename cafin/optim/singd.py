@@ -1,7 +1,8 @@
 """SINGD / IKFAC / INGD: structured inverse-free natural gradient (arXiv 2312.05705), a drop-in for
 singd 0.0.5's `singd.optim.optimizer.SINGD` (same constructor names, defaults and numbers).
 
-Per Linear/Conv2d layer, factors K (d_K x d_K) and C (d_C x d_C) track K K^T ~ (A + lambda)^-1 and
+Per layer (Linear, Conv1d/2d/3d, transformers' Conv1D, Embedding with a diagonal K over its
+vocabulary), factors K (d_K x d_K) and C (d_C x d_C) track K K^T ~ (A + lambda)^-1 and
 C C^T ~ (G + lambda)^-1 by matrix products only: every T steps
     m_K <- s*(c_g tr(H_C)/d_C H_K + lambda tr(C^T C)/d_C Pi(K^T K) - I) + alpha1 m_K,   K <- K - beta1 K m_K
 (and the same for C with the roles swapped), with H_K = Pi(K^T a^T a K), H_C = Pi(C^T g^T g C)
@@ -26,6 +27,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import Tensor, nn
 
+from ..core.modules import is_transposed_linear
 from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
                          check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..maths import singd as singd_maths
@@ -34,7 +36,7 @@ from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, r
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
-_SUPPORTED = (nn.Linear, nn.Conv2d)
+_SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
 # Rules of the settings the statistics hooks read, shared by the constructor's, a checkpoint's and
 # the forward pass's checks.
@@ -49,6 +51,29 @@ def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
 _BACKENDS = ("fused", "reference")
 _FACTORS = ("K", "C", "m_K", "m_C", "H_K", "H_C")
 _MAX_PARTS = 5  # the most parts a structure has (hierarchical)
+
+
+def _supports(module: nn.Module) -> bool:
+    return isinstance(module, _SUPPORTED) or is_transposed_linear(module)
+
+
+def _check_options(layer: Layer) -> None:
+    """Refuse layer options whose gradient is not the outer product the factors model."""
+    module = layer.module
+    if not isinstance(module, nn.Embedding):
+        return
+    refused = (("max_norm", module.max_norm is not None,
+                "it renormalises rows of the weight in the forward pass"),
+               ("sparse", module.sparse, "its gradient is sparse; SINGD forms a dense natural "
+                                         "gradient"),
+               ("scale_grad_by_freq", module.scale_grad_by_freq,
+                "it divides gradient rows by token frequencies"))
+    for name, present, why in refused:
+        if present:
+            raise ValueError(f"SINGD: Embedding layer '{layer.name}' ({module}) has "
+                             f"{name}={getattr(module, name)!r}, which SINGD does not support: "
+                             f"{why}. Construct it without {name}, or leave its parameters out "
+                             "of params")
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -164,7 +189,7 @@ class SINGD(CurvatureOptimizer):
         found = []
         for name, module in model.named_modules():
             own = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if isinstance(module, _SUPPORTED):
+            if _supports(module):
                 found += [p for p in own if all(p is not q for q in found)]
             elif own and warn_unsupported:
                 warnings.warn(f"Found un-supported parameter(s) that will not be trained in layer "
@@ -253,11 +278,13 @@ class SINGD(CurvatureOptimizer):
     def _attach(self) -> None:
         """Find the layers, create every state tensor eagerly (a compiled or captured step needs
         them to exist) and hook the layers."""
+        group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        layers = discover(self.model, list(group_of), accept=_supports)
+        for layer in layers:  # before anything is written
+            _check_options(layer)
         self.remove_hooks()
-        self._group_of = {p: i for i, g in enumerate(self.param_groups) for p in g["params"]}
+        self._group_of = group_of
         kept = {id(layer.module): layer.anchor for layer in self._curvature}
-        layers = discover(self.model, list(self._group_of),
-                          accept=lambda module: isinstance(module, _SUPPORTED))
         for layer in layers:
             groups = {self._group_of[p] for p in layer.params.values()}
             if len(groups) != 1:
@@ -299,14 +326,19 @@ class SINGD(CurvatureOptimizer):
 
     @staticmethod
     def dims(module: nn.Module) -> tuple[int, int]:
-        """(d_K, d_C) of a Linear or Conv2d."""
-        w = module.weight
-        return w.shape[1:].numel() + (module.bias is not None), w.shape[0]
+        """(d_K, d_C) of a supported layer: input side (bias included), output side."""
+        return singd_maths.dims(module)
 
     def _kinds(self, layer: Layer) -> tuple[type[Structure], type[Structure]]:
+        """K's and C's structures: the group's, except an Embedding's K, which is diagonal (its
+        one-hot rows have no cross terms: a dense vocabulary-squared K would hold zeros off the
+        diagonal, exactly so with kfac_approx "expand")."""
         group = self._group(layer)
         exact = group.get("exact_block_transposes", False)
-        return tuple(structure(s, exact) for s in group["structures"])
+        sk, sc = (structure(s, exact) for s in group["structures"])
+        if isinstance(layer.module, nn.Embedding):
+            sk = Diagonal
+        return sk, sc
 
     def _dtypes(self, layer: Layer) -> tuple[torch.dtype, torch.dtype]:
         pd = self._group(layer)["preconditioner_dtype"]
@@ -385,11 +417,15 @@ class SINGD(CurvatureOptimizer):
         x = pending.pop()
         group = self._group(layer)
         (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
-        a = singd_maths.input_rows(layer.module, x.to(dk), group["kfac_approx"])
         g = singd_maths.grad_rows(layer.module, grad.to(dc), group["loss_average"], group["kfac_approx"])
         if self._grad_scale_prev != 1.0:  # singd: H_C from g / sqrt(previous step's scale)
             g = g / math.sqrt(self._grad_scale_prev)
-        h_k = sk.inner(self._parts(layer, "K"), a.mT)
+        if isinstance(layer.module, nn.Embedding):  # indices: counted, never cast
+            h_k = singd_maths.embedding_inner(self._parts(layer, "K")[0], layer.module, x,
+                                              group["kfac_approx"])
+        else:
+            a = singd_maths.input_rows(layer.module, x.to(dk), group["kfac_approx"])
+            h_k = sk.inner(self._parts(layer, "K"), a.mT)
         h_c = sc.inner(self._parts(layer, "C"), g.mT)
         acc_k, acc_c = self._parts(layer, "H_K"), self._parts(layer, "H_C")
         count = self.state[layer.anchor]["H_count"]
@@ -748,7 +784,7 @@ class SINGD(CurvatureOptimizer):
         """Form the layer's natural gradient and queue its pieces, one per parameter, for the
         SGD update of its group (`full_grads`: the gathered gradients of a sharded layer)."""
         module = layer.module
-        local_rows = self._sharded and sk is Diagonal and sc is Diagonal  # elementwise
+        local_rows = self._sharded and self._elementwise_rows(layer)
         if local_rows:
             C = self._own_rows(layer, C, sc)
             grads = {n: local(g) for n, g in grads.items()}
@@ -757,7 +793,7 @@ class SINGD(CurvatureOptimizer):
         like = next(g for g in grads.values() if g is not None)
         if local_rows:
             gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
-            gmat = gw if module.bias is None else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
+            gmat = gw if not singd_maths.has_bias(module) else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
         else:
             gmat = singd_maths.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
         if grad_scale != 1.0:
@@ -767,10 +803,7 @@ class SINGD(CurvatureOptimizer):
         if distributed():
             self._reduce_natural_gradient(layer, nat)
         params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
-        if module.bias is not None:
-            pieces = {"weight": nat[:, :-1], "bias": nat[:, -1]}
-        else:
-            pieces = {"weight": nat}
+        pieces = singd_maths.weight_pieces(module, nat)
         for pname, p in layer.params.items():
             if p.grad is None:
                 continue
@@ -784,11 +817,11 @@ class SINGD(CurvatureOptimizer):
     def _apply_updates(self, per_group, per_diag, owned, grad_scale: float,
                        divisor: Tensor | None) -> None:
         """Per group: the SGD update of the queued natural gradients and of the parameters no
-        Linear/Conv2d owns (their plain gradient), then the fused diagonal steps, which read the
+        supported layer owns (their plain gradient), then the fused diagonal steps, which read the
         gradients' divisor on the device (`divisor`, the GradScaler's tensor, when there is one)."""
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
-            for p in group["params"]:  # parameters no Linear/Conv2d owns: the plain gradient
+            for p in group["params"]:  # parameters no layer owns: the plain gradient
                 if p not in owned and p.grad is not None:
                     grad = local(p.grad)
                     params.append(local(p))
@@ -812,16 +845,21 @@ class SINGD(CurvatureOptimizer):
         one all_gather per dtype."""
         wanted, tensors = [], []
         for layer in layers:
-            sk, sc = self._kinds(layer)
             grads = {n: getattr(layer.module, n).grad for n in ("weight", "bias")
                      if getattr(layer.module, n, None) is not None}
-            if (sk is Diagonal and sc is Diagonal) or any(
+            if self._elementwise_rows(layer) or any(
                     g is None or not is_sharded(g) for g in grads.values()):
                 continue
             wanted.append((layer, list(grads)))
             tensors += list(grads.values())
         gathered = iter(gather_rows(tensors) if tensors else [])
         return {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+
+    def _elementwise_rows(self, layer: Layer) -> bool:
+        """Whether a shard's natural gradient comes from its own rows alone: diagonal K and C on
+        a weight stored [out, in] (a transposed weight's rows are K's, not C's: it is gathered)."""
+        sk, sc = self._kinds(layer)
+        return sk is Diagonal and sc is Diagonal and not singd_maths.is_transposed(layer.module)
 
     @staticmethod
     def _own_rows(layer: Layer, C: tuple, sc) -> tuple:
@@ -835,7 +873,8 @@ class SINGD(CurvatureOptimizer):
     def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
         """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the
         parameters' op-math dtype, and no natural-gradient collective."""
-        if self.backend != "fused" or sk is not Diagonal or sc is not Diagonal or distributed():
+        if (self.backend != "fused" or sk is not Diagonal or sc is not Diagonal or distributed()
+                or singd_maths.is_transposed(layer.module)):  # the op takes [out, in] weights
             return False
         work = _work_dtype(layer.anchor.dtype)
         return (K[0].dtype == work and C[0].dtype == work
@@ -933,7 +972,9 @@ class SINGD(CurvatureOptimizer):
 SINGD.__doc__ = (
     r"""Structured inverse-free natural gradient descent (SINGD; IKFAC with ``kfac_like=True``).
 
-    singd 0.0.5's contract: the same arguments, defaults and numbers. Per Linear/Conv2d layer,
+    singd 0.0.5's contract: the same arguments, defaults and numbers. Per layer (Linear and
+    Conv2d as singd; beyond it Conv1d, Conv3d, transformers' Conv1D and Embedding, whose K is
+    always diagonal),
     structured factors :math:`K` (:math:`d_K \times d_K`) and :math:`C` (:math:`d_C \times d_C`)
     track :math:`K K^\top \approx (A + \lambda)^{-1}` and :math:`C C^\top \approx (G +
     \lambda)^{-1}` by matrix products only. Every T steps, from the layer inputs :math:`a` and
@@ -957,13 +998,15 @@ SINGD.__doc__ = (
     """
     + rf"""
     Args:
-        model (nn.Module): the model, first as in singd; its Linear and Conv2d layers are
-            hooked.
+        model (nn.Module): the model, first as in singd; its Linear, Conv1d, Conv2d, Conv3d,
+            transformers' Conv1D and Embedding layers are hooked (an Embedding with max_norm,
+            sparse=True or scale_grad_by_freq is refused; a tied weight belongs to the first
+            of these modules that holds it).
         {_optional_params_doc}
-            (default: the parameters of the model's Linear and Conv2d layers; others are
-            warned about when warn_unsupported). Parameters in params that no Linear/Conv2d
-            owns are updated with their plain gradient (weight decay and momentum as the
-            others); singd silently never updates them.
+            (default: the parameters of the model's supported layers; others are warned about
+            when warn_unsupported). Parameters in params that no supported layer owns are
+            updated with their plain gradient (weight decay and momentum as the others);
+            singd silently never updates them.
         lr (float, optional): :math:`\beta_2`, the learning rate, >= 0; per param group
             (default: 0.001)
         momentum (float, optional): :math:`\alpha_2`, SGD momentum, >= 0; per param group
@@ -988,8 +1031,8 @@ SINGD.__doc__ = (
         kfac_approx (str, optional): "expand" or "reduce", for layers that share weights over
             locations ("reduce": the mean of the input rows, the sum of the gradient rows);
             per param group (default: "expand")
-        warn_unsupported (bool, optional): warn about the model's parameters outside Linear
-            and Conv2d layers when params is not given (default: True)
+        warn_unsupported (bool, optional): warn about the model's parameters outside the
+            supported layers when params is not given (default: True)
         kfac_like (bool, optional): IKFAC; forces alpha1 = 0 (with a warning); per param group
             (default: False)
         preconditioner_dtype (tuple, optional): K's and C's storage dtype, None = the
