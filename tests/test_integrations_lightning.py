@@ -70,15 +70,26 @@ def loader():
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False)
 
 
+def preconditioner(kind, model):
+    if kind == "kfac":
+        return cafin.KFACPreconditioner(model, lr=0.1)
+    if kind == "twolevel":
+        return cafin.TwoLevelKFAC(model, damping=0.1, T_cov=1, T_inv=2, constraint_norm=True, clipping=0.1,
+                                  batch_size=8)
+    return None
+
+
 def plain_loop(kind, steps):
     """The same training written by hand: the reference the Lightning runs must equal."""
     model = network()
     opt = make_optimizer(kind, model)
-    pre = cafin.KFACPreconditioner(model, lr=0.1) if kind == "kfac" else None
+    pre = preconditioner(kind, model)
     data = batches()
     for k in range(steps):
         x, y = data[k % len(data)]
         opt.zero_grad()
+        if kind == "twolevel":
+            pre.update_stats = True
         torch.nn.functional.mse_loss(model(x), y).backward()
         if pre is not None:
             pre.step()
@@ -94,21 +105,21 @@ def assert_equal(a, b):
 
 def fit(pl, kind, steps, ckpt_path=None, extra=(), **kwargs):
     mod = module(pl, kind)
-    callbacks = [cafin.integrations.lightning.PreconditionerCallback(cafin.KFACPreconditioner(mod, lr=0.1))
-                 ] if kind == "kfac" else []
+    pre = preconditioner(kind, mod)
+    callbacks = [cafin.integrations.lightning.PreconditionerCallback(pre)] if pre is not None else []
     run = trainer(pl, steps, callbacks + list(extra), **kwargs)
     run.fit(mod, loader(), ckpt_path=ckpt_path)
     return run, mod, callbacks
 
 
-@pytest.mark.parametrize("kind", ["adafisher", "kfac"])
+@pytest.mark.parametrize("kind", ["adafisher", "kfac", "twolevel"])
 def test_trains_exactly_as_a_plain_loop(pl, kind):
     import cafin.integrations.lightning  # noqa: F401
     _, mod, callbacks = fit(pl, kind, 10)
     assert mod.forwards == 10  # the closure runs once per step: one pass of statistics
     assert len(mod.losses) == 10 and sum(mod.losses[-3:]) < 0.8 * sum(mod.losses[:3]), mod.losses
     assert_equal({"net." + k: v for k, v in plain_loop(kind, 10).items()}, mod.state_dict())
-    if callbacks:
+    if kind == "kfac":
         assert callbacks[0].preconditioner.steps == 10
 
 
@@ -141,3 +152,9 @@ def test_clear_errors(pl):
     run = trainer(pl, 2, [PreconditionerCallback(cafin.KFACPreconditioner(mod))], accumulate_grad_batches=2)
     with pytest.raises(ValueError, match="accumulation_steps=2"):
         run.fit(mod, loader())
+    # two-level K-FAC cannot unscale its statistics: refused under a GradScaler ("16-mixed")
+    callback = PreconditionerCallback(cafin.TwoLevelKFAC(network()))
+    fp16 = type("Run", (), {"precision_plugin": type("Plugin", (), {"scaler": torch.amp.GradScaler("cpu")})(),
+                            "accumulate_grad_batches": 1})()
+    with pytest.raises(ValueError, match="TwoLevelKFAC"):
+        callback.on_fit_start(fp16, None)
