@@ -172,11 +172,31 @@ def test_clear_errors(hf, tmp_path):
     with pytest.raises(ValueError, match="weight_decay"):
         hf.CafinTrainer(model=model, args=arguments(tmp_path, 1, weight_decay=0.1), train_dataset=Sequences(),
                         optimizer_cls_and_kwargs=ADAFISHER)
+    with pytest.raises(ValueError, match="weight_decay"):  # also when the kwargs give one
+        hf.CafinTrainer(model=model, args=arguments(tmp_path, 1, weight_decay=0.1), train_dataset=Sequences(),
+                        optimizer_cls_and_kwargs=(cafin.AdaFisher, dict(weight_decay=0.1)))
     trainer, _ = kfac_trainer(hf, tmp_path, 1, gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="accumulation_steps=2"):
         trainer.train()
     with pytest.raises(FileNotFoundError, match="cafin_preconditioner.pt"):
         hf.PreconditionerCallback(cafin.KFACPreconditioner(model)).load(tmp_path)
+
+
+def test_fsdp_deepspeed_and_data_parallel_are_refused(hf, tmp_path):
+    """Placements a CPU test cannot start, checked on a Trainer that reports them."""
+    from transformers.training_args import ParallelMode
+    trainer = hf.CafinTrainer(model=gpt2(), args=arguments(tmp_path, 1), train_dataset=Sequences(),
+                              optimizer_cls_and_kwargs=ADAFISHER)
+    hf._check_model_member(trainer, "AdaFisher")  # plain CPU: accepted
+    for flag in ("is_fsdp_enabled", "is_deepspeed_enabled"):
+        setattr(trainer, flag, True)
+        with pytest.raises(ValueError, match="fully_shard"):
+            hf._check_model_member(trainer, "AdaFisher")
+        setattr(trainer, flag, False)
+    args = type("Args", (), {"parallel_mode": ParallelMode.NOT_DISTRIBUTED, "n_gpu": 2, "weight_decay": 0.0})()
+    trainer.args = args
+    with pytest.raises(ValueError, match="torchrun"):
+        hf._check_model_member(trainer, "AdaFisher")
 
 
 def test_gradscaler_gradients_are_unscaled_before_the_preconditioner(hf):

@@ -105,8 +105,9 @@ def assert_equal(a, b):
 
 def fit(pl, kind, steps, ckpt_path=None, extra=(), **kwargs):
     mod = module(pl, kind)
+    from cafin.integrations.lightning import PreconditionerCallback
     pre = preconditioner(kind, mod)
-    callbacks = [cafin.integrations.lightning.PreconditionerCallback(pre)] if pre is not None else []
+    callbacks = [PreconditionerCallback(pre)] if pre is not None else []
     run = trainer(pl, steps, callbacks + list(extra), **kwargs)
     run.fit(mod, loader(), ckpt_path=ckpt_path)
     return run, mod, callbacks
@@ -114,7 +115,6 @@ def fit(pl, kind, steps, ckpt_path=None, extra=(), **kwargs):
 
 @pytest.mark.parametrize("kind", ["adafisher", "kfac", "twolevel"])
 def test_trains_exactly_as_a_plain_loop(pl, kind):
-    import cafin.integrations.lightning  # noqa: F401
     _, mod, callbacks = fit(pl, kind, 10)
     assert mod.forwards == 10  # the closure runs once per step: one pass of statistics
     assert len(mod.losses) == 10 and sum(mod.losses[-3:]) < 0.8 * sum(mod.losses[:3]), mod.losses

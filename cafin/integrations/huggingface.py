@@ -116,6 +116,23 @@ class PreconditionerCallback(TrainerCallback):
         self.save(checkpoint_dir)
 
 
+def _check_model_member(trainer: Trainer, name: str) -> None:
+    """What a member built on the model cannot go with, refused before training with what to do."""
+    if trainer.is_fsdp_enabled or getattr(trainer, "is_fsdp_xla_enabled", False) or trainer.is_deepspeed_enabled:
+        raise ValueError(f"CafinTrainer cannot build {name} under FSDP or DeepSpeed: they replace the "
+                         "parameters it hooks after it is built. Shard the model with "
+                         "torch.distributed.fsdp.fully_shard, build the optimizer after it and train in "
+                         "your own loop (docs/distributed.md), or train with DDP (torchrun)")
+    if trainer.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
+        raise ValueError(f"CafinTrainer cannot build {name} under nn.DataParallel ({trainer.args.n_gpu} GPUs "
+                         "in one process): launch with torchrun for DDP, or make one GPU visible")
+    if trainer.args.weight_decay != 0:
+        raise ValueError(f"TrainingArguments.weight_decay={trainer.args.weight_decay} does not reach {name} "
+                         "(it is built on the model, not on the Trainer's parameter groups): give "
+                         "weight_decay in optimizer_cls_and_kwargs's kwargs and leave "
+                         "TrainingArguments.weight_decay at 0")
+
+
 class CafinTrainer(Trainer):
     r"""A `transformers.Trainer` that trains with a cafin member.
 
@@ -146,27 +163,14 @@ class CafinTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.optimizer_cls_and_kwargs is None:
             return
-        optimizer_cls, optimizer_kwargs = self.optimizer_cls_and_kwargs
+        optimizer_cls, _ = self.optimizer_cls_and_kwargs
         if isinstance(optimizer_cls, type) and issubclass(optimizer_cls, Preconditioner):
             raise TypeError(f"optimizer_cls_and_kwargs: {optimizer_cls.__name__} is a preconditioner, not an "
                             "optimizer: give a torch optimizer (e.g. torch.optim.SGD) and "
                             f"callbacks=[PreconditionerCallback({optimizer_cls.__name__}(model, ...))]")
         if not _takes_model(optimizer_cls):
             return
-        name = optimizer_cls.__name__
-        if self.is_fsdp_enabled or getattr(self, "is_fsdp_xla_enabled", False) or self.is_deepspeed_enabled:
-            raise ValueError(f"CafinTrainer cannot build {name} under FSDP or DeepSpeed: they replace the "
-                             "parameters it hooks after it is built. Shard the model with "
-                             "torch.distributed.fsdp.fully_shard, build the optimizer after it and train in "
-                             "your own loop (docs/distributed.md), or train with DDP (torchrun)")
-        if self.args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
-            raise ValueError(f"CafinTrainer cannot build {name} under nn.DataParallel ({self.args.n_gpu} GPUs "
-                             "in one process): launch with torchrun for DDP, or make one GPU visible")
-        if self.args.weight_decay != 0 and "weight_decay" not in optimizer_kwargs:
-            raise ValueError(f"TrainingArguments.weight_decay={self.args.weight_decay} does not reach {name} "
-                             "(it is built on the model, not on the Trainer's parameter groups): give "
-                             "weight_decay in optimizer_cls_and_kwargs's kwargs and leave "
-                             "TrainingArguments.weight_decay at 0")
+        _check_model_member(self, optimizer_cls.__name__)
 
     def create_optimizer(self, model=None) -> torch.optim.Optimizer:
         if self.optimizer is not None or self.optimizer_cls_and_kwargs is None:
