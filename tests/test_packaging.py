@@ -14,6 +14,7 @@ def test_readme_has_exactly_the_two_setup_commands():
     main_job, tests = readme_commands()
     assert main_job.endswith("python -m bench")
     assert tests.endswith("python -m pytest -q")
+    assert ".[test,bench,integrations]" in tests  # the optional integrations' tests run, not skip
     for command in (main_job, tests):
         assert "pip install torch==2.13.0" in command  # the CPU build, not a multi-GB CUDA one
         assert "--no-build-isolation -e" in command
