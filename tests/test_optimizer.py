@@ -387,7 +387,8 @@ def test_no_grad_forward_takes_no_statistics(backend):
 # ------------------------------------------- 2. tied decoder, frozen layer, in-place activation
 class TiedNet(nn.Module):
     """Embedding -> Linear -> ReLU(inplace) -> frozen Linear -> LayerNorm -> Linear(tied to the
-    Embedding, with a bias: the trailing parameter the published walk never trains)."""
+    Embedding, with a bias: the trailing parameter the published walk never trains). The tied
+    weight takes the curvature of its first supported module, the Embedding."""
 
     def __init__(self, vocab=11, dim=6):
         super().__init__()
@@ -432,7 +433,8 @@ def test_tied_frozen_inplace(opt_cls, backend):
     # the trailing parameters (the published bug) and the tied weight got real curvature
     assert (params["dec.bias"] - before["dec.bias"]).abs().max() > 1e-3
     owners = orc.owners()
-    assert owners[id(ref.emb.weight)] == (ref.dec, "weight")  # the decoder's factors, not F~ = 1
+    assert owners[id(ref.emb.weight)] == (ref.emb, "weight")  # the embedding's factors, not F~ = 1
+    assert owners[id(ref.dec.bias)] == (ref.dec, "bias")
     if orc.raw_errors:  # statistics despite ReLU(inplace=True)
         pytest.fail(f"{len(orc.raw_errors)} raw-statistics disagreements, first: {orc.raw_errors[0]}")
     print(f"\n{label}: max rel diff (params) {agreement(model, ref, opt, orc, label=label):.3g}")
