@@ -443,3 +443,34 @@ def test_transformers_gpt2_gets_curvature_everywhere(cls):
         assert state["fisher_H"].shape == (rows_side + extra,), name
         assert state["fisher_S"].shape == (cols_side,), name
         assert (state["fisher_H"] > 0).all() and (state["fisher_S"] > 0).all(), name
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def test_compiled_model_and_step_equal_eager():
+    """torch.compile traces the new layers' statistics hooks (the Conv3d depth taps, the Embedding
+    counts) and the step (the per-axis factor views) without a graph break, and trains as eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    base = Mixed()
+    data = _batches(5)
+    trained = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        model = copy.deepcopy(base)
+        opt = AdaFisher(model, lr=1e-3, TCov=2)
+        net = torch.compile(model) if compiled else model
+        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+        for idx, target in data:
+            opt.zero_grad()
+            out = net(idx)
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1)).backward()
+            with torch.no_grad():
+                step()
+        trained.append(model)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the model, the step
+    torch._dynamo.reset()
+    for p, q in zip(trained[1].parameters(), trained[0].parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)

@@ -777,19 +777,21 @@ def test_param_not_in_model():
 
 
 class Unsupported(nn.Module):
-    """Parameters only in unsupported layers (a LayerNorm without affine has none)."""
+    """Parameters only in unsupported layers (EmbeddingBag, ConvTranspose1d; a LayerNorm without
+    affine has none)."""
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.conv = nn.Conv1d(4, 3, 2)
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+        self.conv = nn.ConvTranspose1d(4, 3, 2, padding=1)
         self.norm = nn.LayerNorm(3, elementwise_affine=False)
         self.frozen = nn.Linear(3, 3)
         self.frozen.requires_grad_(False)
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, idx):
-        x = self.conv(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+        tokens = self.emb(idx.reshape(-1, 1)).view(*idx.shape, -1)  # a bag per token
+        x = self.conv(tokens.transpose(1, 2)).transpose(1, 2)
         return self.frozen(self.norm(x)) * self.scale
 
 
@@ -846,7 +848,7 @@ def _trained(model_fn, steps=2, backend="reference"):
 class EmbedHead(nn.Module):
     def __init__(self, vocab):
         super().__init__()
-        self.emb = nn.Embedding(vocab, 12)
+        self.emb = nn.EmbeddingBag(vocab, 12)  # unsupported
         self.fc = nn.Linear(12, 10)
 
     def forward(self, x):  # x is float here: the embedding is only carried along
