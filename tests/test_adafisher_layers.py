@@ -20,6 +20,7 @@ from torch import nn
 
 import cafin
 from cafin import AdaFisher, AdaFisherW
+from devices import CUDA, CUDA_SKIP
 
 BACKENDS = ["fused", "reference"]
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -386,6 +387,27 @@ def test_training_equal_between_backends(cls, dtype):
         assert_close(p, q, RTOL[dtype], name)
         for key, value in ref_opt.state[q].items():
             assert_close(opt.state[p][key], value, RTOL[dtype], f"{name}.{key}")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason=CUDA_SKIP)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_training_equals_cpu(backend):
+    """The new layers' statistics and the per-axis update on CUDA, float64, against the CPU."""
+    torch.manual_seed(0)
+    base = Mixed().double()
+    batches = _batches(5)
+    runs = []
+    for device in ("cpu", "cuda"):
+        model = copy.deepcopy(base).to(device)
+        opt = AdaFisherW(model, lr=1e-3, TCov=2, weight_decay=1e-2, backend=backend)
+        _train(model, opt, [(x.to(device), y.to(device)) for x, y in batches])
+        runs.append((model, opt))
+    (cpu_model, cpu_opt), (model, opt) = runs
+    for (name, p), q in zip(model.named_parameters(), cpu_model.parameters()):
+        assert_close(p.cpu(), q, 1e-9, name)
+        for key, value in cpu_opt.state[q].items():
+            assert_close(opt.state[p][key].cpu(), value, 1e-9, f"{name}.{key}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
