@@ -252,6 +252,27 @@ def test_embedding_padding_row_counts_as_a_token():
     assert (emb.weight.grad[0] == 0).all() and (emb.weight.grad[1] != 0).all()
 
 
+@pytest.mark.parametrize("cls", [AdaFisher, AdaFisherW], ids=lambda c: c.__name__)
+def test_max_norm_embedding_trains_equal_between_backends(cls):
+    """max_norm renormalises the looked-up rows in place before each forward; the statistics and
+    the update are those of a plain Embedding, the same on both backends."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Embedding(11, 6, max_norm=0.8), nn.Linear(6, 11)).double()
+    batches = [(_tokens(300 + k, 3, 5), _tokens(400 + k, 3, 5)) for k in range(4)]
+    runs = []
+    for backend in ("reference", "fused"):
+        model = copy.deepcopy(base)
+        opt = cls(model, lr=1e-3, TCov=1, weight_decay=1e-2, backend=backend)
+        losses = _train(model, opt, batches)
+        runs.append((model, opt, losses))
+    (ref_model, _, ref_losses), (model, opt, losses) = runs
+    assert losses == pytest.approx(ref_losses, rel=1e-12)
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        assert_close(p, q, 1e-12, name)
+    state = opt.state[model[0].weight]
+    assert (state["fisher_H"] > 0).all() and (state["fisher_S"] > 0).all()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sparse_embedding_refused_at_construction(backend):
     model = nn.Sequential(nn.Linear(3, 3))
