@@ -298,6 +298,24 @@ def test_embedding_stats_op_arguments():
 
 
 # ------------------------------------------------------------------------- transformers Conv1D
+def test_transposed_linear_recognised_by_its_contract():
+    """A class named Conv1D with nx, nf and a [nx, nf] weight, its subclasses and FSDP2's
+    generated subclass; not torch's Conv1d, nor a Conv1D of another shape contract."""
+    from cafin.core.modules import is_transposed_linear
+
+    class Sub(Conv1D):
+        pass
+
+    class FSDPConv1D(Conv1D):  # fully_shard's generated class is named so
+        pass
+
+    assert all(is_transposed_linear(m) for m in (Conv1D(3, 4), Sub(3, 4), FSDPConv1D(3, 4)))
+    odd = Conv1D(3, 4)
+    odd.nx = 5
+    assert not is_transposed_linear(odd)
+    assert not is_transposed_linear(nn.Conv1d(3, 4, 1)) and not is_transposed_linear(nn.Linear(3, 4))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(5, 4), (2, 3, 4), (4,)], ids=str)
@@ -486,6 +504,27 @@ def test_transformers_gpt2_gets_curvature_everywhere(cls):
         assert state["fisher_H"].shape == (rows_side + extra,), name
         assert state["fisher_S"].shape == (cols_side,), name
         assert (state["fisher_H"] > 0).all() and (state["fisher_S"] > 0).all(), name
+
+
+# ------------------------------------------------------------------------------------ FSDP2
+def test_fsdp_shards_transposed_parameters_as_ddp(tmp_path):
+    """Under fully_shard a rank holds rows [start, stop) of each weight: for an Embedding and a
+    Conv1D those rows read H, not S. Two CPU/gloo ranks train the same model under DDP and FSDP2
+    (uneven shards) to the same parameters."""
+    from pathlib import Path
+
+    import two_ranks
+    if not torch.distributed.is_available():
+        pytest.skip("torch.distributed is not available in this build")
+    worker = Path(__file__).with_name("fsdp_layers_worker.py")
+    failure = two_ranks.launch(lambda rank: [worker, tmp_path], tmp_path, 2)
+    assert failure is None, failure
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        moved = max((p - q).abs().max().item() for p, q in zip(result["ddp"], result["initial"]))
+        assert moved > 1e-4
+        for i, (p, q) in enumerate(zip(result["fsdp"], result["ddp"])):
+            assert_close(p, q, 1e-10, f"rank {rank} parameter {i}")
 
 
 # ------------------------------------------------------------------------------ torch.compile
