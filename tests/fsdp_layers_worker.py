@@ -58,7 +58,6 @@ def batch(step: int, rank: int):
 
 
 def train(net, opt, rank):
-    import cafin  # noqa: F401
     for k in range(STEPS):
         opt.zero_grad(set_to_none=True)
         idx, target = batch(k, rank)
