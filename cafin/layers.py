@@ -3,7 +3,10 @@ its two factors, where each of its parameters reads the activation factor H, and
 op feeds each factor. The other members choose their layers themselves (`cafin.core.discover`).
 
 A parameter of a supported module viewed as [rows = len(S), cols] is preconditioned by
-F~[r, c] = S[r] * H[h_offset + c] + damping. Adding a layer type is one `register` call.
+F~[r, c] = S[r] * H[h_offset + c] + damping. A parameter the layer type names `transposed` is
+stored the other way round, its rows on the activation side (an Embedding's [num_embeddings, dim],
+transformers' Conv1D's [in, out]): viewed as [rows, cols = len(S)], F~[r, c] = H[h_offset + r] *
+S[c] + damping. Adding a layer type is one `register` call.
 The statistic functions take `impl`, the backend (`cafin.ops` or `cafin.reference`), which
 provides the ops of the same names.
 """
@@ -13,10 +16,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .core import discovery
+from .core.modules import is_transposed_linear
 
 
 @dataclass(frozen=True)
@@ -29,6 +34,24 @@ class LayerType:
     h_offsets: Callable[[nn.Module], dict[str, int]]  # parameter name -> offset into H
     input_stats: Callable  # (impl, stat, module, x, step, interval) -> None, accumulates into stat
     grad_stats: Callable  # (impl, stat, module, grad_output, step, interval) -> None
+    # Parameters stored [activation side, gradient side] (see the module docstring).
+    transposed: frozenset[str] = frozenset()
+    # Recognises the module instead of isinstance(module, module_type), for a type cafin does not
+    # import; `name` then says what it is in messages.
+    matches: Callable[[nn.Module], bool] | None = None
+    name: str | None = None
+    # Why a module of this type cannot be preconditioned (an option the statistics do not
+    # model), or None: a layer that owns optimised parameters is then refused at construction.
+    refuse: Callable[[nn.Module], str | None] | None = None
+
+    def accepts(self, module: nn.Module) -> bool:
+        if self.matches is not None:
+            return self.matches(module)
+        return isinstance(module, self.module_type)
+
+    @property
+    def label(self) -> str:
+        return self.name or self.module_type.__name__
 
 
 _REGISTRY: list[LayerType] = []
@@ -42,14 +65,19 @@ def register(layer_type: LayerType) -> None:
 
 def layer_type_of(module: nn.Module) -> LayerType | None:
     for entry in _REGISTRY:
-        if isinstance(module, entry.module_type):
+        if entry.accepts(module):
             return entry
     return None
 
 
 def supported_types() -> list[type]:
-    """The module types in AdaFisher's registry."""
-    return [entry.module_type for entry in _REGISTRY]
+    """The module types in AdaFisher's registry (those matched by isinstance)."""
+    return [entry.module_type for entry in _REGISTRY if entry.matches is None]
+
+
+def supported_names() -> list[str]:
+    """What AdaFisher's registry supports, by name (for messages)."""
+    return [entry.label for entry in _REGISTRY]
 
 
 @dataclass(eq=False)
@@ -60,11 +88,19 @@ class RegisteredLayer(discovery.Layer):
 
 def discover(model: nn.Module, optimised) -> list[RegisteredLayer]:
     """The layers of `model` whose type is registered and that own optimised parameters (the
-    core's discovery, each layer's parameters named by its type's `h_offsets`)."""
+    core's discovery, each layer's parameters named by its type's `h_offsets`).
+
+    Raises ValueError naming the first such layer whose type refuses it (`LayerType.refuse`)."""
     layers = discovery.discover(model, optimised, accept=lambda m: layer_type_of(m) is not None,
                                 names=lambda m: layer_type_of(m).h_offsets(m))
-    return [RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params, layer_type_of(layer.module))
-            for layer in layers]
+    registered = []
+    for layer in layers:
+        kind = layer_type_of(layer.module)
+        why = kind.refuse(layer.module) if kind.refuse is not None else None
+        if why is not None:
+            raise ValueError(f"layer '{layer.name}' ({type(layer.module).__name__}): {why}")
+        registered.append(RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params, kind))
+    return registered
 
 
 # ------------------------------------------------------------------------------------ Linear
@@ -167,4 +203,117 @@ register(LayerType(
     h_offsets=lambda m: _NORM_OFFSETS,
     input_stats=_norm_input,
     grad_stats=_layernorm_grad,
+))
+
+
+# ------------------------------------------------------------------------- Conv1d and Conv3d
+# Both reuse the Conv2d input statistic: a Conv1d is a Conv2d of unit height; a Conv3d's depth
+# taps are unfolded into channels (channel c, depth tap t -> c * kd + t, the weight's own order
+# [C_out, C_in/G, kd, kh, kw]) and its output depths into the batch, which leaves a Conv2d over
+# height and width with the same patch entries and the same divisor B*od*oh*ow*D. This copies
+# the input kd/stride_d times, against kd*kh*kw times for an unfold of the whole patch.
+def _patch_size(m: nn.modules.conv._ConvNd) -> int:
+    return m.in_channels // m.groups * math.prod(m.kernel_size)
+
+
+def _batched_padded(module: nn.modules.conv._ConvNd, x):
+    """The input with a batch dim and, for a non-zero padding_mode, padded as the convolution pads
+    it; and the zero padding still to apply, [before, after] per spatial dim ('same'/'valid'
+    resolved as torch resolves them)."""
+    spatial = len(module.kernel_size)
+    if x.dim() == spatial + 1:  # unbatched input
+        x = x.unsqueeze(0)
+    pairs = module._reversed_padding_repeated_twice  # [last dim before, after, ..., first dim ...]
+    if module.padding_mode != "zeros":
+        return F.pad(x, pairs, mode=module.padding_mode), [[0, 0] for _ in range(spatial)]
+    pads = [[pairs[2 * i], pairs[2 * i + 1]] for i in range(spatial)]
+    return x, pads[::-1]
+
+
+def _conv1d_input(impl, stat, module, x, step, interval):
+    x, ((left, right),) = _batched_padded(module, x)
+    impl.conv2d_input_stats_(stat, x.unsqueeze(2), [1, module.kernel_size[0]], [1, module.stride[0]],
+                             [0, 0, left, right], [1, module.dilation[0]], module.groups,
+                             module.bias is not None, step, interval)
+
+
+def _conv3d_input(impl, stat, module, x, step, interval):
+    x, ((front, back), (top, bottom), (left, right)) = _batched_padded(module, x)
+    if front or back:
+        x = F.pad(x, (0, 0, 0, 0, front, back))
+    kd, sd, dd = module.kernel_size[0], module.stride[0], module.dilation[0]
+    batch, channels, depth, height, width = x.shape
+    out_depth = (depth - dd * (kd - 1) - 1) // sd + 1
+    taps = [x[:, :, t * dd:t * dd + (out_depth - 1) * sd + 1:sd] for t in range(kd)]
+    x = torch.stack(taps, dim=2)  # [B, C, kd, od, H, W]
+    x = x.permute(0, 3, 1, 2, 4, 5).reshape(batch * out_depth, channels * kd, height, width)
+    impl.conv2d_input_stats_(stat, x, list(module.kernel_size[1:]), list(module.stride[1:]),
+                             [top, bottom, left, right], list(module.dilation[1:]), module.groups,
+                             module.bias is not None, step, interval)
+
+
+def _conv_nd_grad(impl, stat, module, g, step, interval):
+    if g.dim() == len(module.kernel_size) + 1:  # unbatched
+        g = g.unsqueeze(0)
+    impl.sumsq_stats_(stat, g, 1, 2, False, step, interval)
+
+
+_CONV_ND = dict(
+    s_size=lambda m: m.out_channels,
+    h_size=lambda m: _patch_size(m) + (m.bias is not None),
+    h_offsets=lambda m: {"weight": 0, "bias": _patch_size(m)},
+    grad_stats=_conv_nd_grad,
+)
+register(LayerType(nn.Conv1d, input_stats=_conv1d_input, **_CONV_ND))
+register(LayerType(nn.Conv3d, input_stats=_conv3d_input, **_CONV_ND))
+
+
+# ------------------------------------------------------------------------------- Embedding
+# An Embedding is a Linear without bias on the one-hot input, with its weight stored transposed
+# ([num_embeddings, dim]: rows on the activation side). The activation factor is the mean square
+# of the one-hot input per row, the token counts over the number of tokens (with
+# scale_grad_by_freq the gradient is that of the one-hot input divided by the count of its token
+# in the batch, so each token's entry is 1/count). padding_idx: its row's gradient is zero, so it
+# moves only by weight decay; the statistics count the padding token as any other (an entry of H
+# for its row, its positions' output gradients in S), so with coupled weight decay (AdaFisher)
+# that decay is divided by a preconditioner which grows with the padding's frequency.
+# max_norm renormalises rows in place outside autograd: the gradient, and so the statistics, are
+# those of a plain Embedding.
+def _embedding_input(impl, stat, module, x, step, interval):
+    impl.embedding_input_stats_(stat, x, module.scale_grad_by_freq, step, interval)
+
+
+def _embedding_refused(module: nn.Embedding) -> str | None:
+    if module.sparse:
+        return ("sparse=True gives sparse gradients, which AdaFisher's dense update does not "
+                "take; use sparse=False")
+    return None
+
+
+register(LayerType(
+    nn.Embedding,
+    s_size=lambda m: m.embedding_dim,
+    h_size=lambda m: m.num_embeddings,
+    h_offsets=lambda m: {"weight": 0},
+    input_stats=_embedding_input,
+    grad_stats=_last_dim_grad,
+    transposed=frozenset({"weight"}),
+    refuse=_embedding_refused,
+))
+
+
+# ------------------------------------------------------------------ transformers' Conv1D
+# GPT-2's projections: a Linear whose weight is stored [in, out]; recognised by its shape contract
+# (`cafin.core.modules.is_transposed_linear`), so transformers is never imported. Its bias stays
+# on the gradient side ([out]: S[r] * H[in]), as Linear's.
+register(LayerType(
+    nn.Module,
+    s_size=lambda m: m.nf,
+    h_size=lambda m: m.nx + (m.bias is not None),
+    h_offsets=lambda m: {"weight": 0, "bias": m.nx},
+    input_stats=_linear_input,
+    grad_stats=_last_dim_grad,
+    transposed=frozenset({"weight"}),
+    matches=is_transposed_linear,
+    name="transformers Conv1D",
 ))

@@ -7,7 +7,8 @@ a clone of the output (so an in-place activation downstream modifies the clone, 
 differentiate with respect to), and one `torch.autograd.grad` call returns the parameter gradients
 and the output gradients together. The Conv2d statistic is a loop over kernel offsets over an
 explicitly padded input (honouring padding_mode, string padding and dilation), checked against the
-module's own output.
+module's own output. Beyond the published layer types it takes nn.Embedding, as a Linear without
+bias on the explicit one-hot input whose weight is stored transposed.
 
 Usage: `oracle = Oracle(model64, decoupled=..., TCov=..., lr=..., ...)`, then once per step
 `oracle.step(lambda: loss_of(model64, batch))`. `oracle.factors[module]` holds {"S": ..., "H": ...},
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm)
+SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding)
 MINMAX_EPS = 1e-6
 
 
@@ -38,6 +39,20 @@ def linear_stats(m: nn.Linear, x: torch.Tensor, g: torch.Tensor | None):
     s = None
     if g is not None:
         gv = g.reshape(-1, m.out_features)
+        s = (gv * gv).sum(dim=0) / gv.shape[0]
+    return h, s
+
+
+def embedding_stats(m: nn.Embedding, x: torch.Tensor, g: torch.Tensor | None):
+    """A Linear without bias on the explicit one-hot input (divided by its token's count in the
+    batch with scale_grad_by_freq): h[v] = sum_n onehot^2 / N, s[j] = sum_n g^2 / N."""
+    onehot = F.one_hot(x.reshape(-1), m.num_embeddings).to(torch.float64)
+    if m.scale_grad_by_freq:
+        onehot = onehot / onehot.sum(dim=0).clamp_min(1)
+    h = (onehot * onehot).sum(dim=0) / onehot.shape[0]
+    s = None
+    if g is not None:
+        gv = g.reshape(-1, m.embedding_dim)
         s = (gv * gv).sum(dim=0) / gv.shape[0]
     return h, s
 
@@ -142,6 +157,8 @@ def raw_statistics(m: nn.Module, x, g, output=None):
         return batchnorm_stats(m, x, g)
     if isinstance(m, nn.LayerNorm):
         return layernorm_stats(m, x, g)
+    if isinstance(m, nn.Embedding):
+        return embedding_stats(m, x, g)
     raise TypeError(type(m))
 
 
@@ -223,6 +240,8 @@ class Oracle:
         if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm)):
             col = H[0] if role == "weight" else H[1]
             return (S * col + damping).view(p.shape)
+        if isinstance(m, nn.Embedding):  # [num_embeddings, dim]: rows on the one-hot side
+            return (H[:, None] * S[None, :] + damping).view(p.shape)
         cols = p.numel() // S.numel()
         if role == "weight":
             assert cols == H.numel() - (m.bias is not None)

@@ -387,7 +387,8 @@ def test_no_grad_forward_takes_no_statistics(backend):
 # ------------------------------------------- 2. tied decoder, frozen layer, in-place activation
 class TiedNet(nn.Module):
     """Embedding -> Linear -> ReLU(inplace) -> frozen Linear -> LayerNorm -> Linear(tied to the
-    Embedding, with a bias: the trailing parameter the published walk never trains)."""
+    Embedding, with a bias: the trailing parameter the published walk never trains). The tied
+    weight takes the curvature of its first supported module, the Embedding."""
 
     def __init__(self, vocab=11, dim=6):
         super().__init__()
@@ -432,7 +433,8 @@ def test_tied_frozen_inplace(opt_cls, backend):
     # the trailing parameters (the published bug) and the tied weight got real curvature
     assert (params["dec.bias"] - before["dec.bias"]).abs().max() > 1e-3
     owners = orc.owners()
-    assert owners[id(ref.emb.weight)] == (ref.dec, "weight")  # the decoder's factors, not F~ = 1
+    assert owners[id(ref.emb.weight)] == (ref.emb, "weight")  # the embedding's factors, not F~ = 1
+    assert owners[id(ref.dec.bias)] == (ref.dec, "bias")
     if orc.raw_errors:  # statistics despite ReLU(inplace=True)
         pytest.fail(f"{len(orc.raw_errors)} raw-statistics disagreements, first: {orc.raw_errors[0]}")
     print(f"\n{label}: max rel diff (params) {agreement(model, ref, opt, orc, label=label):.3g}")
@@ -775,19 +777,21 @@ def test_param_not_in_model():
 
 
 class Unsupported(nn.Module):
-    """Parameters only in unsupported layers (a LayerNorm without affine has none)."""
+    """Parameters only in unsupported layers (EmbeddingBag, ConvTranspose1d; a LayerNorm without
+    affine has none)."""
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(10, 4)
-        self.conv = nn.Conv1d(4, 3, 2)
+        self.emb = nn.EmbeddingBag(10, 4, mode="sum")
+        self.conv = nn.ConvTranspose1d(4, 3, 2, padding=1)
         self.norm = nn.LayerNorm(3, elementwise_affine=False)
         self.frozen = nn.Linear(3, 3)
         self.frozen.requires_grad_(False)
         self.scale = nn.Parameter(torch.ones(3))
 
     def forward(self, idx):
-        x = self.conv(self.emb(idx).transpose(1, 2)).transpose(1, 2)
+        tokens = self.emb(idx.reshape(-1, 1)).view(*idx.shape, -1)  # a bag per token
+        x = self.conv(tokens.transpose(1, 2)).transpose(1, 2)
         return self.frozen(self.norm(x)) * self.scale
 
 
@@ -844,7 +848,7 @@ def _trained(model_fn, steps=2, backend="reference"):
 class EmbedHead(nn.Module):
     def __init__(self, vocab):
         super().__init__()
-        self.emb = nn.Embedding(vocab, 12)
+        self.emb = nn.EmbeddingBag(vocab, 12)  # unsupported
         self.fc = nn.Linear(12, 10)
 
     def forward(self, x):  # x is float here: the embedding is only carried along

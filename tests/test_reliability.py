@@ -558,7 +558,8 @@ def test_discovered_parameters_match_the_registry_offsets_and_module_order():
     from cafin.core import discover
     from cafin.layers import layer_type_of
     modules = [nn.Linear(4, 3), nn.Linear(4, 3, bias=False), nn.Conv2d(2, 3, 3), nn.Conv2d(2, 3, 3, bias=False),
-               nn.BatchNorm2d(3), nn.LayerNorm(5), nn.LayerNorm(5, bias=False)]
+               nn.BatchNorm2d(3), nn.LayerNorm(5), nn.LayerNorm(5, bias=False), nn.Conv1d(2, 3, 3),
+               nn.Conv3d(2, 3, 2, bias=False), nn.Embedding(5, 3)]
     for module in modules:
         model = nn.Sequential(module)
         (layer,) = discover(model, model.parameters(), accept=lambda m: m is module)

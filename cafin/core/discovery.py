@@ -34,7 +34,8 @@ def discover(model: nn.Module, optimised: Iterable[torch.Tensor], accept: Callab
     order (the layer's anchor is the first one optimised).
 
     A parameter belongs to the first accepted module that holds it (a decoder tied to an
-    embedding takes the decoder's curvature)."""
+    embedding takes the embedding's curvature where the member accepts embeddings, else the
+    decoder's)."""
     optimised = set(optimised)
     warn_functional_attention(model, optimised)
     owned: set[torch.Tensor] = set()

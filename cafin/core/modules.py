@@ -8,10 +8,10 @@ def is_transposed_linear(module: nn.Module) -> bool:
     """A `transformers.pytorch_utils.Conv1D` (GPT-2's projections): a Linear whose weight is stored
     transposed, [in_features, out_features], computing x @ weight + bias.
 
-    Recognised by its shape contract (class name `Conv1D`, attributes `nx` = in and `nf` = out,
-    a weight of shape [nx, nf]) so that `transformers` is never imported. The name is looked up
-    along the class's bases: FSDP2's `fully_shard` swaps the class for a subclass `FSDPConv1D`."""
-    if not any(cls.__name__ == "Conv1D" for cls in type(module).__mro__):
+    Recognised by its shape contract (a class named `Conv1D` among the module's classes, so that
+    subclasses and FSDP2's generated `FSDPConv1D` count; attributes `nx` = in and `nf` = out; a
+    weight of shape [nx, nf]) so that `transformers` is never imported."""
+    if all(cls.__name__ != "Conv1D" for cls in type(module).__mro__):
         return False
     weight = getattr(module, "weight", None)
     nx, nf = getattr(module, "nx", None), getattr(module, "nf", None)

@@ -13,12 +13,13 @@ from typing import Sequence
 import torch
 
 from ..maths import state_dtype
+from ..reference import adafisher as _reference
 
 _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 __all__ = [
-    "adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
-    "norm_grad_stats_", "fisher_average_", "state_dtype",
+    "adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "embedding_input_stats_",
+    "norm_input_stats_", "norm_grad_stats_", "fisher_average_", "state_dtype",
 ]
 
 
@@ -144,6 +145,27 @@ def _conv2d_input_stats_fake(stat, x, kernel_size, stride, padding, dilation, gr
                              step=None, interval=1):
     torch._check(x.dim() == 4 and stat.dim() == 1)
     return None
+
+
+def embedding_input_stats_(stat: torch.Tensor, indices: torch.Tensor, scale_grad_by_freq: bool = False,
+                           step: torch.Tensor | None = None, interval: int = 1) -> None:
+    """Embedding input side: stat[v] += (count of token v in `indices`) / N, or 1/N for every
+    token present with scale_grad_by_freq; the last entry counts contributions.
+
+    No kernel: the statistic is one scatter of ones, which torch already runs in one pass; this
+    checks the arguments and runs the plain-PyTorch function of the same name."""
+    _check_tensors(stat, indices)
+    _check(indices.dtype in (torch.int64, torch.int32),
+           f"indices must be int64 or int32, got {indices.dtype}", TypeError)
+    _check(stat.dtype in (torch.float32, torch.float64) and stat.dim() == 1 and stat.numel() >= 2
+           and stat.is_contiguous(), "stat must be a contiguous 1-D float32/float64 tensor of "
+           "num_embeddings + 1 entries")
+    _check(stat.device == indices.device,
+           f"stat is on {stat.device} but the indices are on {indices.device}")
+    _check(indices.numel() > 0, "embedding_input_stats_: the indices are empty")
+    if step is not None:
+        _check_scalar_tensor(step, "step", stat.device, torch.float32)
+    _reference.embedding_input_stats_(stat, indices, scale_grad_by_freq, step, interval)
 
 
 def norm_input_stats_(stat: torch.Tensor, x: torch.Tensor, step: torch.Tensor | None = None,

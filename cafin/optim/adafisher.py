@@ -25,7 +25,7 @@ from ..core import (
     CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int, check_range,
     distributed, on, run_closure,
 )
-from ..layers import discover, supported_types
+from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
@@ -127,18 +127,20 @@ class AdaFisher(CurvatureOptimizer):
         """Map parameters to modules (by identity, first supported module wins), create every
         state tensor eagerly (a compiled or captured step needs them to exist) and hook the
         modules that own optimised parameters."""
+        # Discovery refuses unsupported layer options: before anything is changed.
+        layers = discover(self.model, [p for g in self.param_groups for p in g["params"]])
         self.remove_hooks()
         kept = {id(layer.module): layer.anchor for layer in self._curvature}
-        self._curvature = discover(self.model, [p for g in self.param_groups for p in g["params"]])
+        self._curvature = layers
         self._owner = {}
         for layer in self._curvature:
             layer.anchor = kept.get(id(layer.module), layer.anchor)  # its factors stay where they are
             offsets = layer.kind.h_offsets(layer.module)
             for pname, p in layer.params.items():
-                self._owner[p] = (layer, offsets[pname])
+                self._owner[p] = (layer, offsets[pname], pname in layer.kind.transposed)
         if not self._curvature:
             warnings.warn(f"{type(self).__name__}: the model has no optimised parameter in a "
-                          f"supported layer ({', '.join(t.__name__ for t in supported_types())}); "
+                          f"supported layer ({', '.join(supported_names())}); "
                           "every parameter uses F~ = 1", UserWarning, stacklevel=3)
         for group in self.param_groups:
             for p in group["params"]:
@@ -193,7 +195,7 @@ class AdaFisher(CurvatureOptimizer):
         """Accumulate one side's raw statistic (in the factor's dtype); per pass, fold it now."""
         state = self.state[layer.anchor]
         stat = state["stat_" + side]
-        if state_dtype(t.dtype) != stat.dtype:
+        if t.is_floating_point() and state_dtype(t.dtype) != stat.dtype:  # not an Embedding's indices
             t = t.to(stat.dtype)
         op(self._impl, stat, layer.module, t, step, self.TCov)
         if self.statistics == "per_pass":
@@ -219,16 +221,22 @@ class AdaFisher(CurvatureOptimizer):
                 fisher_H.append(empty)
                 h_offsets.append(0)
             else:
-                record, offset = owner
+                record, offset, transposed = owner
                 anchor_state = self.state[record.anchor]
-                S, H = anchor_state["fisher_S"], anchor_state["fisher_H"]
-                if is_sharded(p):  # a shard holds rows [start, stop) of F~: their rows of S
+                # The update op computes F~[r, c] = first[r] * second[offset + c]: S then H, or,
+                # for a parameter stored with its rows on the activation side, its rows of H
+                # then S.
+                first, second = anchor_state["fisher_S"], anchor_state["fisher_H"]
+                if transposed:
+                    first, second = second[offset:offset + p.shape[0]], first
+                    offset = 0
+                if is_sharded(p):  # a shard holds rows [start, stop) of F~: their rows of `first`
                     start, stop = rows(p)
-                    S = S[start:stop]
+                    first = first[start:stop]
                     if start == stop:  # an empty shard: nothing to precondition
-                        S = H = self._empty(p)
-                fisher_S.append(S)
-                fisher_H.append(H)
+                        first = second = self._empty(p)
+                fisher_S.append(first)
+                fisher_H.append(second)
                 h_offsets.append(offset)
         return False
 
@@ -344,9 +352,11 @@ class AdaFisher(CurvatureOptimizer):
 
 _ADAFISHER_ARGS = rf"""
     Args:
-        model (nn.Module): the model, first as in the published code; its Linear, Conv2d,
-            BatchNorm2d and LayerNorm layers (and subclasses) are hooked for the curvature
-            statistics. Other parameters use :math:`\tilde F = 1`.
+        model (nn.Module): the model, first as in the published code; its Linear, Conv1d,
+            Conv2d, Conv3d, BatchNorm2d, LayerNorm and Embedding layers (and subclasses) and
+            transformers' Conv1D are hooked for the curvature statistics (docs/adafisher.md).
+            Other parameters use :math:`\tilde F = 1`. An Embedding with ``sparse=True`` is
+            refused (ValueError).
         lr (float or Tensor, optional): learning rate :math:`\eta`, >= 0; per param group
             (default: 1e-3)
         beta (float, optional): first-moment decay :math:`\beta`, in [0, 1); per param group.

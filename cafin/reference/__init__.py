@@ -5,8 +5,8 @@ semantics, so either module can serve an optimizer as its backend. The maths bot
 is in `cafin.maths`.
 """
 from .adafisher import (  # noqa: F401
-    adafisher_step_, conv2d_input_stats_, fisher_average_, norm_grad_stats_, norm_input_stats_,
-    sumsq_stats_,
+    adafisher_step_, conv2d_input_stats_, embedding_input_stats_, fisher_average_, norm_grad_stats_,
+    norm_input_stats_, sumsq_stats_,
 )
 from .singd import singd_diag_step_, singd_factor_step_, singd_momentum_  # noqa: F401
 from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401

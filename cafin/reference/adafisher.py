@@ -68,6 +68,20 @@ def conv2d_input_stats_(stat, x, kernel_size, stride, padding, dilation, groups,
     _accumulate(stat, z, step, interval)
 
 
+def embedding_input_stats_(stat, indices, scale_grad_by_freq=False, step=None, interval=1):
+    """Embedding input side: the mean square of the one-hot input per vocabulary row, i.e. each
+    row's token count over the number of tokens N; with scale_grad_by_freq (the one-hot input
+    divided by its token's count in the batch) 1/N for every row present. Counts are sums of
+    ones, exact in any order, so this is the same on every device and under
+    torch.use_deterministic_algorithms."""
+    flat = indices.reshape(-1)
+    counts = torch.zeros(stat.numel() - 1, dtype=stat.dtype, device=stat.device)
+    counts.index_put_((flat,), torch.ones_like(flat, dtype=stat.dtype), accumulate=True)
+    if scale_grad_by_freq:  # count * (1/count)^2 for every row present
+        counts = torch.where(counts > 0, 1 / counts.clamp_min(1), torch.zeros_like(counts))
+    _accumulate(stat, counts / flat.numel(), step, interval)
+
+
 def norm_input_stats_(stat, x, step=None, interval=1):
     """BatchNorm2d/LayerNorm input side: a 2-vector [sum_t u[t]^2, T] / B^2."""
     x = x.to(stat.dtype)
