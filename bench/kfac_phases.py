@@ -104,14 +104,14 @@ def precondition_flops(base) -> int:
     and reference backends run the same products (in torch); only the work around them
     differs."""
     import cafin
-    from cafin import factors as kf
+    from cafin import factors
     pre = cafin.KFACPreconditioner(copy.deepcopy(base), backend="reference")
     pre.remove_hooks()
     total = 0
     for layer in pre.layers:
-        groups, d_a, d_g = kf.factor_sizes(layer.module)
+        groups, d_a, d_g = factors.factor_sizes(layer.module)
         # a diagonal A (an Embedding's) has no Q_A: two GEMMs with Q_G and a scaling
-        total += groups * 4 * d_g * d_a * (d_g if kf.diagonal_input(layer.module) else d_g + d_a)
+        total += groups * 4 * d_g * d_a * (d_g if factors.diagonal_input(layer.module) else d_g + d_a)
     return total
 
 
