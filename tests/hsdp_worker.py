@@ -5,7 +5,8 @@ Started by tests/two_ranks.py's `launch` as `python tests/hsdp_worker.py OUTDIR 
 - HSDP "hsdp" (4 ranks): for every member and dtype, the same model trained under DDP and under
   `fully_shard(..., mesh=2x2 mesh)` on the same per-rank batches; records the full parameters,
   the factors and the collectives of every step() (name, elements, dtype, ranks of the group).
-  Results: `{member}-{dtype}-hsdp_rank{r}.pt`.
+  Results: `{member}-{dtype}-hsdp_rank{r}.pt`; and the group and rows of an HSDP mesh that is a
+  slice of a bigger mesh (`submesh_rank{r}.pt`).
 - SAVE "W" without LOAD: every member (float64) trains CKPT_AT steps under FSDP and saves a DCP
   checkpoint to OUTDIR/ckpt{W}/{member}.
 - LOAD "W" (and optionally SAVE "W'"): a fresh FSDP model and optimizer load that checkpoint at
@@ -121,6 +122,23 @@ def hsdp_case(member, dtype, rank, outdir, world) -> dict:
     return result
 
 
+def submesh_case(rank) -> dict:
+    """An HSDP mesh that does not span the world: the (replicate, shard) = (1, 2) slice of a
+    (2, 1, 2) mesh whose first dimension (e.g. pipeline stages) splits the 4 ranks in two.
+    Statistics are averaged over the slice's 2 ranks, rows sharded over its shard dimension."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    import cafin
+    from cafin.sharding import check_sharded, rows
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("stage", "replicate", "shard"))
+    model = hsdp_shard(F.make_model(DTYPE), mesh["replicate", "shard"])
+    group = check_sharded(model.parameters(), "test")
+    cafin.AdaFisher(model)  # builds (and compares the ranks' layouts over the group)
+    return {"group": dist.get_process_group_ranks(group),
+            "rows": [rows(p) for p in model.parameters()],
+            "placements": [str(tuple(p.placements)) for p in model.parameters()]}
+
+
 # ------------------------------------------------------------------------------ resharding
 def _leaves(prefix, value, out: dict) -> None:
     if isinstance(value, dict):
@@ -204,6 +222,7 @@ def main() -> None:
     count_collectives()
     jobs = [(f"{name}-{dname}-hsdp", lambda m=m, d=d: hsdp_case(m, d, rank, outdir, world))
             for name, m in F.MEMBERS.items() if name in members for dname, d in F.DTYPES.items()] if hsdp else []
+    jobs += [("submesh", lambda: submesh_case(rank))] if hsdp else []
     jobs += [(f"{name}-reshard{load}to{world}", lambda m=m: reshard_case(m, rank, world, outdir, load, save_tag))
              for name, m in F.MEMBERS.items() if name in members] if (load or save_tag) else []
     for case, job in jobs:

@@ -8,7 +8,8 @@ tests/fsdp_worker.py, whose 7-, 3- and 1-row layers shard unevenly):
    loads launch 1's checkpoint (2 -> 4);
 3. 2 ranks load launch 2's HSDP checkpoint (4 -> 2) and, beside it, 1 rank loads launch 1's
    (2 -> 1).
-The tests assert that HSDP trains as DDP (parameters, factors, the collectives and their groups),
+The tests assert that HSDP trains as DDP (parameters, factors, the collectives and their groups;
+the groups of an HSDP mesh sliced from a bigger one),
 that the state a resharded run loads is the saved one bit for bit (and what happens to each
 rank's own entries), and that its next step equals the step of a DDP run that loaded the same
 checkpoint.
@@ -152,3 +153,16 @@ def test_step_after_resharding_equals_ddp(member, saved_world, world, tmp_path_f
         for i, (s, d, p0) in enumerate(zip(r["stepped"], r["reference"], params)):
             assert rel(d, p0) > 1e-8, f"parameter {i} did not move: the comparison would be empty"
             assert rel(s, d) <= TOL["float64"], f"rank {rank}, parameter {i}: {rel(s, d):.3g}"
+
+
+def test_hsdp_mesh_that_does_not_span_the_world(tmp_path_factory):
+    """The (1 x 2) replicate x shard slice of a (2, 1, 2) mesh: statistics are averaged over the
+    slice's ranks only, rows split over its shard dimension."""
+    for rank, r in enumerate(load(tmp_path_factory, "submesh", 4)):
+        assert r["group"] == [2 * (rank // 2), 2 * (rank // 2) + 1]
+        assert set(r["placements"]) == {"(Replicate(), Shard(dim=0))"}
+        # Conv2d weight and bias (3 rows), ..., Linear(48, 7) weight (7 rows), ..., Linear(3, 1)
+        first = rank % 2 == 0
+        assert r["rows"][0] == ((0, 2) if first else (2, 3))
+        assert r["rows"][4] == ((0, 4) if first else (4, 7))
+        assert r["rows"][-1] == ((0, 1) if first else (1, 1))
