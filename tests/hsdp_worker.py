@@ -110,6 +110,12 @@ def hsdp_case(member, dtype, rank, outdir, world) -> dict:
     objs = member.make(model, net)
     train(net, objs, range(F.STEPS), rank, dtype)
     result = {"ddp": F.full_params(model), "ddp_factors": F.factors(objs)}
+    if dtype == torch.float64:  # and DDP's own reduction order
+        model = F.make_model(dtype)
+        net = DDP(model)
+        objs = member.make(model, net)
+        train(net, objs, range(F.STEPS), rank, dtype)
+        result["ddp_plain"] = F.full_params(model)
     model = hsdp_shard(F.make_model(dtype), mesh)
     objs = member.make(model, model)
     calls: list = []
