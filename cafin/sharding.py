@@ -1,10 +1,14 @@
 """FSDP2 (`torch.distributed.fsdp.fully_shard`) support shared by the members.
 
 A model wrapped with `fully_shard` holds its parameters (and, after backward, their gradients) as
-DTensors sharded on dim 0 over a 1-D device mesh, with torch.chunk semantics: every rank but the
-last ones holds ceil(n / world) rows, the last non-empty shard may be shorter and later ones are
-empty. The members' hooks see the unsharded module call (plain tensors), so statistics and factors
-are the same as under DDP; only the update touches shards:
+DTensors sharded on dim 0 over a 1-D device mesh (FSDP), or over the shard dimension of a 2-D
+(replicate x shard) mesh (HSDP: placements (Replicate(), Shard(0))), with torch.chunk semantics
+within the shard dimension: every rank but the last ones holds ceil(n / shards) rows, the last
+non-empty shard may be shorter and later ones are empty. FSDP2 averages the gradients over every
+rank of the mesh (under HSDP: reduce-scatter within the shard group, all-reduce across the
+replicas). The members' hooks see the unsharded module call (plain tensors), so statistics and
+factors are the same as under DDP once averaged over every rank of the mesh (`check_sharded`'s
+group); only the update touches shards, within the shard dimension:
 
 - elementwise members read the rows of their row factor that the local shard owns (`rows`);
 - members that multiply the whole gradient matrix gather it (`gather_rows`, one all_gather per
@@ -18,9 +22,9 @@ from typing import Iterable
 import torch
 
 try:
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # a torch without DTensor cannot shard either
-    DTensor, Shard = (), None
+    DTensor, Replicate, Shard = (), None, None
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -46,32 +50,64 @@ def module_class(module: torch.nn.Module) -> type:
     return cls
 
 
+def _layout_ok(p) -> bool:
+    """FSDP2's layouts: Shard(0) on a 1-D mesh, (Replicate(), Shard(0)) on a 2-D one (HSDP)."""
+    placements = tuple(p.placements)
+    if p.device_mesh.ndim == 1:
+        return placements == (Shard(0),)
+    return p.device_mesh.ndim == 2 and placements == (Replicate(), Shard(0))
+
+
 def check_sharded(params: Iterable[torch.Tensor], who: str):
-    """The process group of the mesh the DTensor parameters are sharded over (None when no
-    parameter is a DTensor). Only FSDP2's layout is supported: Shard(0) on one 1-D mesh."""
+    """The process group the statistics of DTensor parameters are averaged over: every rank of
+    their mesh, since FSDP2 averages the gradients over all of them (None when no parameter is a
+    DTensor). Supported: FSDP2's layouts, Shard(0) on a 1-D mesh (FSDP) and (Replicate(),
+    Shard(0)) on a 2-D mesh (HSDP), every parameter on one mesh. Collective on a 2-D mesh that
+    does not span the whole world (it makes the flattened mesh's group)."""
     sharded = [p for p in params if isinstance(p, DTensor)]
     if not sharded:
         return None
     mesh = sharded[0].device_mesh
     for p in sharded:
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        if not _layout_ok(p):
             raise ValueError(
                 f"{who}: a parameter of shape {tuple(p.shape)} is a DTensor placed {tuple(p.placements)} "
                 f"on a {p.device_mesh.ndim}-D mesh; cafin supports FSDP2 (fully_shard) on a 1-D mesh "
-                "(placement Shard(0)) only")
+                "(placement Shard(0)) or a 2-D replicate x shard mesh (HSDP: (Replicate(), Shard(0))) only")
         if p.device_mesh != mesh:
             raise ValueError(f"{who}: the parameters are sharded over different device meshes; "
                              "cafin needs every parameter on one mesh")
-    return mesh.get_group()
+    return mesh_group(mesh)
+
+
+def mesh_group(mesh):
+    """The process group of every rank of `mesh` (statistics are averaged over it)."""
+    import torch.distributed as dist
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    if mesh.size() == dist.get_world_size():
+        return dist.group.WORLD
+    return mesh._flatten().get_group()
+
+
+def shard_dim(p) -> int:
+    """The mesh dimension a DTensor's rows are sharded over (the last one: FSDP2's layouts)."""
+    return p.device_mesh.ndim - 1
+
+
+def shard_group(p):
+    """The process group a DTensor's rows are sharded over (HSDP: the shard dimension's)."""
+    return p.device_mesh.get_group(shard_dim(p))
 
 
 def rows(p: torch.Tensor) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows the local shard of `p` holds (all rows if not sharded)."""
     if not isinstance(p, DTensor):
         return 0, p.shape[0] if p.dim() else 1
-    n, world = p.shape[0], p.device_mesh.size()
-    chunk = -(-n // world)
-    start = min(p.device_mesh.get_local_rank() * chunk, n)
+    dim = shard_dim(p)
+    n, shards = p.shape[0], p.device_mesh.size(dim)
+    chunk = -(-n // shards)
+    start = min(p.device_mesh.get_local_rank(dim) * chunk, n)
     stop = min(start + chunk, n)
     assert stop - start == p.to_local().shape[0], "unexpected FSDP2 shard layout"
     return start, stop
@@ -83,9 +119,10 @@ def own_rows(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return full[start:stop]
 
 
-def gather_rows(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
-    """The full tensors of dim-0-sharded DTensors (of one mesh): one all_gather per dtype over
-    one flat buffer that holds every rank's padded shards (ceil(n / world) rows each)."""
+def gather_rows(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The full tensors of dim-0-sharded DTensors (of one mesh): one all_gather per dtype, within
+    the shard group (under HSDP every replica holds the same shards), over one flat buffer that
+    holds every shard's padded rows (ceil(n / shards) rows each)."""
     import torch.distributed as dist
     out: list[torch.Tensor | None] = [None] * len(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -93,8 +130,8 @@ def gather_rows(tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
         by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
         first = tensors[idx[0]]
-        world = first.device_mesh.size()
-        group = first.device_mesh.get_group() if group is None else group
+        world = first.device_mesh.size(shard_dim(first))
+        group = shard_group(first)
         sizes, pieces = [], []
         for i in idx:
             t = tensors[i]

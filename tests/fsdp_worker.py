@@ -124,17 +124,15 @@ MEMBERS = {
 }
 
 
-def _hsdp(model):
-    """AdaFisher on a 2-D (replicate x shard) mesh: HSDP, not supported."""
+def _shard_dim1(model):
+    """AdaFisher on a model sharded on dim 1 (fully_shard's shard_placement_fn): not FSDP2's
+    default layout, not supported."""
     import cafin
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    from torch.distributed.tensor import Shard
     model = make_model(torch.float64)
-    for m in model:
-        if any(True for _ in m.parameters()):
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model[4], shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None)
+    fully_shard(model)
     return cafin.AdaFisher(model)
 
 
@@ -149,7 +147,7 @@ def _twolevel_partly_sharded(model):
 
 
 # Members (or layouts) that cannot train a sharded model: constructing them must fail clearly.
-REFUSED = {"AdaFisher-HSDP": _hsdp, "TwoLevelKFAC-partly-sharded": _twolevel_partly_sharded}
+REFUSED = {"AdaFisher-Shard1": _shard_dim1, "TwoLevelKFAC-partly-sharded": _twolevel_partly_sharded}
 
 
 def factors(objs) -> list[torch.Tensor]:

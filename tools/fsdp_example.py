@@ -5,6 +5,7 @@ torch.distributed.checkpoint and resume; prints the loss and the bytes each rank
     torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member adafisher
     torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member kfac
     torchrun --standalone --nproc_per_node=2 tools/fsdp_example.py --member twolevel --coarse residual
+    torchrun --standalone --nproc_per_node=4 tools/fsdp_example.py --member kfac --replicas 2   (HSDP, 2 x 2)
     (members: adafisher, adafisherw, kfac, twolevel, singd, singd-diagonal, dykaf)
 """
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> None:
     parser.add_argument("--member", default="adafisher")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--coarse", default="nicolaides", help="TwoLevelKFAC's coarse space")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="HSDP: a (replicas x world / replicas) replicate x shard mesh")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -113,13 +116,21 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
     count_sent_bytes()
+    world = dist.get_world_size()
+    if args.replicas < 1 or world % args.replicas:
+        raise SystemExit(f"--replicas must divide the world size {world}, got {args.replicas}")
+    mesh = None  # fully_shard's default: a 1-D mesh of every rank
+    if args.replicas > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(device.type, (args.replicas, world // args.replicas),
+                                mesh_dim_names=("replicate", "shard"))
 
     def sharded():
         model = make_model(device)
         for layer in model:  # every layer with parameters, then the root
             if any(True for _ in layer.parameters()):
-                fully_shard(layer)
-        return fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
 
     model = sharded()
     objs = build(args.member, model, args.coarse)  # after fully_shard

@@ -368,7 +368,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                     raise RuntimeError(f"TwoLevelKFAC: a parameter of shape {tuple(p.shape)} has no "
                                        "gradient: run backward before step()")
                 tensors.append(p.grad)
-        full = iter(gather_rows(tensors, self.process_group))
+        full = iter(gather_rows(tensors))
         return [(next(full), next(full) if len(g["params"]) == 2 else None) for g in self.param_groups]
 
     @staticmethod
