@@ -990,7 +990,7 @@ TwoLevelKFAC.__doc__ = (
 
     A gradient preconditioner, a drop-in for ``TwolevelKFAC`` of Abdoulaye-Koroko/natural-gradients
     (arXiv 2303.18083): ``step(update_params=True)`` after backward rewrites the gradient of every
-    registered Linear and Conv2d layer; a torch optimizer (SGD with momentum) then steps. Per
+    registered Linear, Conv2d and Conv1D layer; a torch optimizer (SGD with momentum) then steps. Per
     layer l, with K-FAC factors :math:`A_l = E[x x^\top]`, :math:`G_l = E[g g^\top]` (EMAs,
     updated every T_cov steps, eigendecomposed every T_inv steps, damping added inside the
     decomposition):
@@ -1010,9 +1010,11 @@ TwoLevelKFAC.__doc__ = (
     """
     + rf"""
     Args:
-        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are
-            registered. A trained Embedding, Conv1d, Conv3d or transformers ``Conv1D``
-            (layers KFACPreconditioner supports) is refused with a ValueError naming it.
+        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) and
+            transformers ``Conv1D`` modules are registered. A Linear (or Conv1D) on
+            [B, T..., D] inputs has T locations per sample, as a Conv2d has its output
+            positions. A trained Embedding, Conv1d or Conv3d (layers KFACPreconditioner
+            supports) is refused with a ValueError naming it.
         damping (float, optional): Tikhonov damping :math:`\lambda`, > 0 (default: 1e-3)
         pi (bool, optional): accepted, no effect (published: feeds a branch that is never
             taken) (default: False)
