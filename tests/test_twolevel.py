@@ -968,3 +968,19 @@ if __name__ == "__main__":
     import sys
     if sys.argv[1:2] == ["--dist-worker"]:
         _dist_worker(sys.argv[2])
+
+
+def test_fsdp_sequence_and_conv1d_layers_equal_ddp(tmp_path):
+    """FSDP2 (uneven shards, a Conv1D whose rows are on the input side) against DDP: two gloo
+    processes train a Linear on [B, T, D], a Conv1D on [B, T, D] and a Linear head on [B, D] to
+    the same parameters (float64, 1e-10), nicolaides and residual."""
+    from pathlib import Path
+    worker = Path(__file__).with_name("fsdp_twolevel_seq_worker.py")
+    failure = two_ranks.launch(lambda rank: [worker, tmp_path], tmp_path, 2)
+    assert failure is None, failure
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        for coarse in ("nicolaides", "residual"):
+            ddp, fsdp = result[f"ddp-{coarse}"], result[f"fsdp-{coarse}"]
+            assert max(float((p - q).abs().max()) for p, q in zip(ddp, result["initial"])) > 1e-3
+            assert rel(fsdp, ddp) <= 1e-10, (rank, coarse, rel(fsdp, ddp))
