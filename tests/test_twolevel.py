@@ -501,25 +501,28 @@ def test_gpt2_blocks_alone_leave_the_embeddings_to_the_torch_optimizer():
 
 
 # ------------------------------------------------------------------ compile
-def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
+@pytest.mark.parametrize("kind", ["mlp", "conv1d"])
+def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles(kind):
     """torch.compile(step, fullgraph=True) after one eager step: T_cov/T_inv decided on the
     device (eigh and the coarse assembly in torch.cond branches), damping and clipping changed
     every step (0-dim tensors: no recompile), the following SGD step compiled too with a tensor lr
     (torch.optim breaks its own graph around the step body on purpose, so not fullgraph). A NaN
-    batch on a curvature step is dropped on the device as the eager step drops it."""
+    batch on a curvature step is dropped on the device as the eager step drops it. On an MLP and
+    on Conv1D layers over sequences."""
     from torch._dynamo.utils import counters
     from cafin.optim.twolevel import NonFiniteStatisticsWarning
     NAN_STEP = 4
+    make = (lambda: mlp(True)) if kind == "mlp" else (lambda: transposed(seq(True)))
 
     def run(compiled):
-        net = mlp(True)
+        net = make()
         opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=2, T_inv=3, alpha=ALPHA, coarse_space="residual",
                                  constraint_norm=True, clipping=1e-3)
         sgd = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05, dtype=torch.float64), momentum=0.9)
         step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
         sgd_step = torch.compile(sgd.step) if compiled else sgd.step
         for i in range(6):
-            x, t = batch("mlp", 16, i)
+            x, t = batch("mlp" if kind == "mlp" else "seq", 16, i)
             if i == NAN_STEP:  # a curvature step on a NaN batch: its statistics are dropped
                 x[2, 1] = math.nan
             sgd.zero_grad()
@@ -545,7 +548,7 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles():
         assert opt._steps.device_gated and opt._iteration_counter == 6
         assert all(torch.isfinite(t).all() for st in opt.state.values() for t in st.values()
                    if isinstance(t, torch.Tensor)) and torch.isfinite(opt.f_coarse).all()
-        start = torch.cat([p.detach().reshape(-1) for p in mlp(True).parameters()])
+        start = torch.cat([p.detach().reshape(-1) for p in make().parameters()])
         assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
         assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # two-level step, SGD body
         assert all("User-inserted graph break" in k for k in counters["graph_break"]), dict(counters["graph_break"])
