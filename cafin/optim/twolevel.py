@@ -322,9 +322,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
 
     @staticmethod
     def _rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(rows [B T, d_in (+1)], output gradients [B T, d_out] x B, T): a Linear (or Conv1D)
-        on [B, T..., D] has T = the product of the middle dims locations per sample, sample by
-        sample, as a Conv2d has its output positions."""
+        """(rows [B T, d_in (+1)], output gradients [B T, d_out] x B, T), sample by sample. A
+        Linear (or Conv1D) on [B, T..., D] has T locations per sample (the product of the middle
+        dims), as a Conv2d has its output positions."""
         # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
         m, x, gy = layer.module, x.to(dtype), gy.to(dtype) * gy.shape[0]
         if isinstance(m, nn.Conv2d):
