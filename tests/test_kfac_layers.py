@@ -573,14 +573,19 @@ def test_gpt2_every_weight_matrix_and_the_embeddings_get_curvature_and_train():
 
 
 # ------------------------------------------------------------------------------ two-level K-FAC
-@pytest.mark.parametrize("layer", [nn.Embedding(5, 4), nn.Conv1d(4, 4, 1), nn.Conv3d(4, 4, 1), Conv1D(4, 4)],
-                         ids=["Embedding", "Conv1d", "Conv3d", "Conv1D"])
+@pytest.mark.parametrize("layer", [nn.Embedding(5, 4), nn.Conv1d(4, 4, 1), nn.Conv3d(4, 4, 1)],
+                         ids=["Embedding", "Conv1d", "Conv3d"])
 def test_twolevel_refuses_the_layers_it_has_no_coarse_space_for(layer):
     model = nn.ModuleDict({"lin": nn.Linear(4, 4), "other": layer})
     with pytest.raises(ValueError, match="layer 'other'"):
         cafin.TwoLevelKFAC(model)
     layer.requires_grad_(False)  # frozen: not trained, not refused
     assert len(cafin.TwoLevelKFAC(model).param_groups) == 1
+
+
+def test_twolevel_takes_conv1d():
+    model = nn.ModuleDict({"lin": nn.Linear(4, 4), "proj": Conv1D(4, 4)})
+    assert [g["layer_type"] for g in cafin.TwoLevelKFAC(model).param_groups] == ["Linear", "Conv1D"]
 
 
 # ------------------------------------------------------------------------------ compiled step

@@ -256,16 +256,19 @@ def _curvature(run, module):
         names = {layer.name: layer.module for layer in c.layers}
         name = next(n for n, m in names.items() if m is module)
         return list(names), [c._state[name].A, c._state[name].G]
+    if run.member.name == "TwoLevelKFAC":
+        state = c.state[module.weight]
+        return [layer.name for layer in c._layers], [state[k] for k in ("xxt", "ggt") if k in state]
     layers = {layer.name: layer.module for layer in c._curvature}
     state = c.state[module.weight]
     keys = ("fisher_S", "fisher_H") if run.member.name == "AdaFisher" else ("K.0", "C.0")
     return list(layers), [state[k] for k in keys]
 
 
-@pytest.mark.parametrize("member", [m for m in HOOKED if m.name != "TwoLevelKFAC"], ids=lambda m: m.name)
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
 def test_encoder_layer_trains_with_curvature_of_every_projection(member):
     """After replace_multihead_attention every hooked member hooks q/k/v/out and updates their
-    factors, and the model trains (two-level K-FAC takes 2-D Linear inputs only)."""
+    factors, and the model trains."""
     torch.manual_seed(0)
     model = replace_multihead_attention(Encoder()).double()
     x = torch.randn(8, 5, 6, dtype=torch.float64)

@@ -72,7 +72,7 @@ def test_tiny_run_of_every_member_writes_table_json_and_plot(tmp_path, capsys):
     budget = results["config"]["budget_s"]
     assert budget == pytest.approx(results["curves"][0]["time_s"]) and budget > 0  # AdamW's time for the steps
     for name, row in rows.items():
-        if name == "two-level K-FAC":  # Linear/Conv2d on 2-D inputs only: refused, with the reason
+        if name == "two-level K-FAC":  # no Embedding: refused, with the reason
             assert row["status"].startswith("refused") and "TwoLevelKFAC" in row["error"]
             continue
         assert row["status"] == "ok", row

@@ -40,7 +40,7 @@ from .. import ops, reference
 from ..core import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
 from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
-from ..factors import input_rows
+from ..factors import factor_sizes, input_rows
 from ..maths import state_dtype
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 from ._docs import _process_group_doc, _published_bugs_doc
@@ -63,22 +63,34 @@ class NonFiniteStatisticsWarning(UserWarning):
 
 def _accept(module: nn.Module) -> bool:
     # The published code registers by exact class name, so subclasses are skipped (FSDP2's
-    # generated subclass of a sharded module is named by the class it wraps).
-    return isinstance(module, (nn.Linear, nn.Conv2d)) and module_class(module).__name__ in ("Linear", "Conv2d")
+    # generated subclass of a sharded module is named by the class it wraps). transformers'
+    # Conv1D is a Linear with its weight stored transposed, [in, out].
+    name = module_class(module).__name__
+    if isinstance(module, (nn.Linear, nn.Conv2d)):
+        return name in ("Linear", "Conv2d")
+    return name == "Conv1D" and is_transposed_linear(module)
 
 
 def _refuse_layers_without_curvature(model: nn.Module) -> None:
-    """A trained layer that K-FAC has factors for but the two-level coarse space does not
-    (Embedding, Conv1d, Conv3d, transformers' Conv1D) is an error naming it: the optimizer would
-    never update its parameters."""
+    """A trained layer that K-FAC has factors for but two-level K-FAC does not (Embedding,
+    Conv1d, Conv3d) is an error naming it: its gradient would silently go unpreconditioned."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if not (isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv3d)) or is_transposed_linear(module)):
+        if not isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv3d)):
             continue
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            raise ValueError(f"layer '{name}': TwoLevelKFAC supports Linear and Conv2d layers only, not "
-                             f"{kind} (the published coarse space is built for them); freeze it "
-                             "(requires_grad=False) or use KFACPreconditioner, which supports it")
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            continue
+        if isinstance(module, nn.Embedding):
+            # Its input rows are one-hot: the dense input factor and its eigendecomposition would
+            # be num_embeddings x num_embeddings, and a tied output layer adds to its gradient.
+            raise ValueError(f"layer '{name}': TwoLevelKFAC does not precondition Embedding layers (their "
+                             "input factor would be a dense vocabulary x vocabulary matrix); freeze it "
+                             "(requires_grad=False), or build TwoLevelKFAC on the submodules without it "
+                             "(e.g. the transformer blocks) so that the torch optimizer steps it with "
+                             "its plain gradient")
+        raise ValueError(f"layer '{name}': TwoLevelKFAC supports Linear, Conv2d and transformers' Conv1D "
+                         f"layers only, not {kind} (the published coarse space is built for them); freeze "
+                         "it (requires_grad=False) or use KFACPreconditioner, which supports it")
 
 
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
@@ -147,7 +159,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         _refuse_layers_without_curvature(model)
         self._layers = discover(model, [p for p in model.parameters() if p.requires_grad], _accept)
         if not self._layers:
-            raise ValueError("net has no Linear or Conv2d layer with trainable parameters")
+            raise ValueError("net has no Linear, Conv2d or Conv1D layer with trainable parameters")
         groups = []
         for layer in self._layers:
             m = layer.module
@@ -171,7 +183,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             if self._sharded and any(not is_sharded(p) for p in params):
                 # its gradient would be this rank's own (FSDP2 averages only what it shards)
                 raise ValueError(f"layer '{layer.name}' is not sharded while other layers are (FSDP2): "
-                                 "TwoLevelKFAC needs every Linear and Conv2d layer under fully_shard "
+                                 "TwoLevelKFAC needs every Linear, Conv2d and Conv1D layer under fully_shard "
                                  "(wrap the root too)")
             groups.append({"params": params, "layer_type": module_class(m).__name__})
         return groups
@@ -310,6 +322,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
 
     @staticmethod
     def _rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(rows [B T, d_in (+1)], output gradients [B T, d_out] x B, T), sample by sample. A
+        Linear (or Conv1D) on [B, T..., D] has T locations per sample (the product of the middle
+        dims), as a Conv2d has its output positions."""
         # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
         m, x, gy = layer.module, x.to(dtype), gy.to(dtype) * gy.shape[0]
         if isinstance(m, nn.Conv2d):
@@ -317,10 +332,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             T = gy.shape[-1] * gy.shape[-2]
             gy = gy.reshape(-1, gy.shape[-3], T).transpose(1, 2).reshape(-1, gy.shape[-3])
         else:
-            if x.dim() != 2:
-                raise ValueError(f"layer '{layer.name}': Linear input must be 2-D [batch, features] "
-                                 f"(as in the published code), got shape {tuple(x.shape)}")
-            rows, T = x, 1
+            if x.dim() < 2 or x.shape[0] == 0 or x[0].numel() == 0:
+                raise ValueError(f"layer '{layer.name}': {type(m).__name__} input must be [batch, ..., "
+                                 f"features] with at least one sample and location, got shape {tuple(x.shape)}")
+            rows = input_rows(m, x)[0]
+            T = rows.shape[0] // x.shape[0]
+            gy = gy.reshape(-1, gy.shape[-1])
         if m.bias is not None:
             rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
         return rows, gy, T
@@ -348,12 +365,19 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                       stacklevel=4)
 
     @staticmethod
-    def _grad_matrix(group, grads=None) -> torch.Tensor:
+    def _weight_matrix(group, w: torch.Tensor) -> torch.Tensor:
+        """A weight gradient as [d_out, d_in]: a view (a Conv1D's [in, out] transposed)."""
+        if group["layer_type"] == "Conv1D":
+            return w.t()
+        return w.reshape(w.shape[0], -1)
+
+    @classmethod
+    def _grad_matrix(cls, group, grads=None) -> torch.Tensor:
         """[d_out, d_in (+1)]: the weight gradient with the bias column (`grads`: the full
         gradients gathered under FSDP2 instead of the parameters' own)."""
         w, b = grads if grads is not None else (
             group["params"][0].grad, group["params"][1].grad if len(group["params"]) == 2 else None)
-        m = w.reshape(w.shape[0], -1)
+        m = cls._weight_matrix(group, w)
         if b is not None:
             m = torch.cat([m, b.reshape(-1, 1)], dim=1)
         return m
@@ -747,7 +771,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             ws = [g["params"][0].grad for g in self.param_groups]
             bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
                   for i, g in enumerate(self.param_groups)]
-        # the kernel writes contiguous gradients: others (channels_last) through a copy
+        # [d_out, ...] views: a Conv1D's transposed gradient is written through a copy below
+        ws = [w.t() if g["layer_type"] == "Conv1D" else w for w, g in zip(ws, self.param_groups)]
+        # the kernel writes contiguous gradients: others (channels_last, Conv1D) through a copy
         targets = [t if t.is_contiguous() else t.contiguous() for t in (*ws, *bs)]
         # the directions are in the state dtype (float32 for float16/bfloat16 gradients)
         final = [f.to(w.dtype).unsqueeze(0) for f, w in zip(final, ws)]
@@ -944,8 +970,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         if set(saved) != set(_STATE):
             raise ValueError(f"{where} has the keys {sorted(saved)}, expected {sorted(_STATE)}")
         w = layer.module.weight
-        d_out = w.shape[0]
-        d_in = math.prod(w.shape[1:]) + (layer.module.bias is not None)
+        _, d_in, d_out = factor_sizes(layer.module)
         T = _checkpoint_int(saved["num_locations"], f"{where}: num_locations", 1)
         rows = batch_size * T
         shapes = {"x": (rows, d_in), "gy": (rows, d_out), "xxt": (d_in, d_in), "ggt": (d_out, d_out),
@@ -965,7 +990,7 @@ TwoLevelKFAC.__doc__ = (
 
     A gradient preconditioner, a drop-in for ``TwolevelKFAC`` of Abdoulaye-Koroko/natural-gradients
     (arXiv 2303.18083): ``step(update_params=True)`` after backward rewrites the gradient of every
-    registered Linear and Conv2d layer; a torch optimizer (SGD with momentum) then steps. Per
+    registered Linear, Conv2d and Conv1D layer; a torch optimizer (SGD with momentum) then steps. Per
     layer l, with K-FAC factors :math:`A_l = E[x x^\top]`, :math:`G_l = E[g g^\top]` (EMAs,
     updated every T_cov steps, eigendecomposed every T_inv steps, damping added inside the
     decomposition):
@@ -985,9 +1010,11 @@ TwoLevelKFAC.__doc__ = (
     """
     + rf"""
     Args:
-        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) are
-            registered. A trained Embedding, Conv1d, Conv3d or transformers ``Conv1D``
-            (layers KFACPreconditioner supports) is refused with a ValueError naming it.
+        net (nn.Module): the model; its Linear and Conv2d modules (exact classes) and
+            transformers ``Conv1D`` modules are registered. A Linear (or Conv1D) on
+            [B, T..., D] inputs has T locations per sample, as a Conv2d has its output
+            positions. A trained Embedding, Conv1d or Conv3d (layers KFACPreconditioner
+            supports) is refused with a ValueError naming it.
         damping (float, optional): Tikhonov damping :math:`\lambda`, > 0 (default: 1e-3)
         pi (bool, optional): accepted, no effect (published: feeds a branch that is never
             taken) (default: False)
