@@ -6,9 +6,12 @@ sizes and a deeper one) with KFACPreconditioner, decomposing at every step (inv_
 each rank on its share of a fixed global batch, with the gradients averaged as DDP does. Per
 model and strategy it reports, per rank:
 
-- decompose_s: the time of this rank's decompositions in one inverse step (`_decompose`, the
-  median over the timed steps); the row's ratio is the slowest rank's against one rank's;
-- step_s: the whole training step (forward, backward, the gradient average, K-FAC's step, SGD);
+- decompose_cpu_s: the CPU time of this rank's decompositions in one inverse step
+  (`_decompose`, the median over the timed steps; `time.thread_time`, so ranks that share cores
+  with other processes are still measured by the work they do), and decompose_s, its wall time;
+  the row's ratio is the slowest rank's against one rank's;
+- step_cpu_s, step_s: the whole training step (forward, backward, the gradient average, K-FAC's
+  step, SGD), CPU and wall time (the wall time includes waiting for the other rank);
 - kfac_bytes: the bytes K-FAC's step hands to collectives per step on this rank (factor
   all-reduce, shared decompositions, shared preconditioned gradients; the gradient average is
   not K-FAC's and is not counted);
@@ -81,16 +84,16 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
             model = make()
             pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kw)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-            decompose_times: list[float] = []
+            decompose_times: list[tuple[float, float]] = []
             matrices = [0]
             inner = pre._decompose
 
             def timed(*args, **kwargs):
                 sides = args[1] if len(args) > 1 else kwargs.get("sides")
                 matrices[0] = len(sides) if sides is not None else 2 * len(pre.layers)
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 inner(*args, **kwargs)
-                decompose_times.append(time.perf_counter() - start)
+                decompose_times.append((time.perf_counter() - start, time.thread_time() - cpu))
             pre._decompose = timed
             gen = torch.Generator().manual_seed(1)
             step_times, kfac_bytes = [], []
@@ -98,7 +101,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                 x, y = batch_for(model_name.split("-")[0], model, global_batch, generator=gen)
                 x, y = x.chunk(world)[rank], y.chunk(world)[rank]
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.thread_time()
                 opt.zero_grad()
                 loss_for(model_name.split("-")[0], model(x), y).backward()
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
@@ -112,10 +115,12 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                 counter[1] = False
                 kfac_bytes.append(counter[0])
                 opt.step()
-                step_times.append(time.perf_counter() - start)
+                step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
             rows.append(dict(model=model_name, strategy=strategy, world=world, rank=rank,
-                             decompose_s=statistics.median(decompose_times[1:]),
-                             step_s=statistics.median(step_times[1:]),
+                             decompose_s=statistics.median(t[0] for t in decompose_times[1:]),
+                             decompose_cpu_s=statistics.median(t[1] for t in decompose_times[1:]),
+                             step_s=statistics.median(t[0] for t in step_times[1:]),
+                             step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
                              kfac_bytes=kfac_bytes[-1], matrices=matrices[0],
                              factors=2 * len(pre.layers)))
     torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
@@ -142,36 +147,47 @@ def summarise(one: list[dict], two: list[dict]) -> list[dict]:
         for strategy in dict.fromkeys(r["strategy"] for r in two):
             rows = [r for r in two if r["model"] == model and r["strategy"] == strategy]
             b = base[model]
-            dec = max(r["decompose_s"] for r in rows)
             out.append(dict(model=model, strategy=strategy,
-                            decompose_1rank_s=b["decompose_s"], decompose_per_rank_s=[r["decompose_s"] for r in rows],
-                            decompose_ratio=dec / b["decompose_s"],
-                            step_1rank_s=b["step_s"], step_s=max(r["step_s"] for r in rows),
-                            step_ratio=max(r["step_s"] for r in rows) / b["step_s"],
+                            decompose_1rank_cpu_s=b["decompose_cpu_s"],
+                            decompose_per_rank_cpu_s=[r["decompose_cpu_s"] for r in rows],
+                            decompose_ratio=max(r["decompose_cpu_s"] for r in rows) / b["decompose_cpu_s"],
+                            decompose_wall_ratio=max(r["decompose_s"] for r in rows) / b["decompose_s"],
+                            step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
+                            step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
+                            step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
                             kfac_bytes_1rank=b["kfac_bytes"], kfac_bytes=max(r["kfac_bytes"] for r in rows),
                             matrices=[r["matrices"] for r in rows], factors=b["factors"]))
     return out
 
 
 def render(summary: list[dict]) -> str:
-    head = (f"{'model':9} {'strategy':15} {'decomp 1 rank':>13} {'decomp/rank @2':>17} {'ratio':>6} "
-            f"{'step 1':>8} {'step @2':>8} {'ratio':>6} {'KFAC MB/step @2':>15} {'matrices/rank':>14}")
+    head = (f"{'model':9} {'strategy':15} {'decomp 1 rank':>13} {'decomp/rank @2':>15} {'ratio':>6} "
+            f"{'(wall)':>6} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} {'KFAC MB/step':>12} "
+            f"{'matrices/rank':>14}")
     lines = [head, "-" * len(head)]
     for s in summary:
-        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_s"])
-        lines.append(f"{s['model']:9} {s['strategy']:15} {s['decompose_1rank_s'] * 1e3:10.0f} ms "
-                     f"{per_rank:>14} ms {s['decompose_ratio']:6.2f} {s['step_1rank_s'] * 1e3:6.0f}ms "
-                     f"{s['step_s'] * 1e3:6.0f}ms {s['step_ratio']:6.2f} {s['kfac_bytes'] / 1e6:15.3f} "
+        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_cpu_s"])
+        lines.append(f"{s['model']:9} {s['strategy']:15} {s['decompose_1rank_cpu_s'] * 1e3:10.0f} ms "
+                     f"{per_rank:>12} ms {s['decompose_ratio']:6.2f} {s['decompose_wall_ratio']:6.2f} "
+                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
+                     f"{s['step_wall_ratio']:6.2f} {s['kfac_bytes'] / 1e6:12.3f} "
                      f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['factors']):>14}")
     return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench distributed", description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed inverse steps after one warm-up")
+    parser.add_argument("--steps", type=int, default=2, help="timed inverse steps after one warm-up")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a test of the phase)")
     parser.add_argument("--json", default=None, help="write the rows and the summary here")
+    parser.add_argument("--predict", action="store_true",
+                        help="print the cost model's predictions for ResNet-50 and GPT-2 small at 8, 64 "
+                             "and 512 ranks (bench/kaisa_model.py) instead")
     args = parser.parse_args(argv)
+    if args.predict:
+        from .kaisa_model import measure_c, render as render_model
+        print(render_model(measure_c()))
+        return 0
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     start = time.monotonic()
@@ -179,7 +195,8 @@ def main(argv: list[str]) -> int:
     two = launch(2, args.tiny, args.steps)
     summary = summarise(one, two)
     print(f"K-FAC KAISA, CPU gloo, one thread per rank, inv_update_steps=1, {args.steps} timed steps "
-          f"(medians; 'decomp/rank' per rank, ratio: the slowest rank's against one rank's)")
+          f"(medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
+          f"against one rank's, CPU time, then wall time)")
     print(render(summary))
     print(f"[{time.monotonic() - start:.0f} s]")
     if args.json:

@@ -9,7 +9,8 @@ rule), and two CPU/gloo ranks (one launch running every case) against one proces
 - the collectives of every step are counted: one all_reduce per factor bucket on factor steps,
   one all_gather of second-order data on inverse steps (COMM_OPT), one all_gather of
   preconditioned gradients per step (MEM_OPT), with their element counts.
-A four-rank launch checks HYBRID_OPT the same way.
+A four-rank launch checks HYBRID_OPT the same way, and the broadcasts that replace a padded
+all_gather when the shares are uneven.
 """
 from __future__ import annotations
 
@@ -46,9 +47,10 @@ CASES = {
     "mem-memory-cap": dict(grad_worker_fraction="mem", assignment_strategy="memory",
                            allreduce_bucket_cap_mb=0.02),
 }
-HYBRID_CASES = {"hybrid-eigen": dict(grad_worker_fraction=0.5),
-                "hybrid-inverse-symmetric": dict(grad_worker_fraction=0.5, compute_method="inverse",
-                                                 symmetry_aware=True)}
+FOUR_RANK_CASES = {"hybrid-eigen": dict(grad_worker_fraction=0.5),
+                   "hybrid-inverse-symmetric": dict(grad_worker_fraction=0.5, compute_method="inverse",
+                                                    symmetry_aware=True),
+                   "comm-eigen": dict(), "mem-eigen": dict(grad_worker_fraction="mem")}
 
 
 def make_model() -> nn.Sequential:
@@ -163,7 +165,7 @@ def _worker(outdir: str, cases: str) -> None:
         setattr(kfac_maths, fname, counted)
     two_ranks.count_collectives(("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor",
                                  "all_reduce_coalesced", "reduce_scatter", "all_to_all"))
-    table = CASES if cases == "two" else HYBRID_CASES
+    table = CASES if cases == "two" else FOUR_RANK_CASES
     for name, case in table.items():
         out: dict = {"error": None}
         try:
@@ -328,15 +330,31 @@ def test_comm_opt_shares_second_order_data_in_one_padded_all_gather(tmp_path_fac
         assert gathers == [("all_gather", max(per_rank), "float64")]
 
 
-@pytest.mark.parametrize("name", list(HYBRID_CASES))
+@pytest.mark.parametrize("name", ["hybrid-eigen", "hybrid-inverse-symmetric"])
 def test_hybrid_on_four_ranks_equals_one_process(name, tmp_path_factory):
-    ranks, sizes = check_case(4, name, HYBRID_CASES[name], tmp_path_factory)
+    ranks, sizes = check_case(4, name, FOUR_RANK_CASES[name], tmp_path_factory)
     for rank, r in enumerate(ranks):
         # columns {0, 2} and {1, 3}: a layer's two gradient workers
         assert sum(r["grad_worker"].values()) < len(sizes)
         for step in range(STEPS):
             kinds = [c[0] for c in r["calls"][step]]
             assert kinds == ["all_reduce"] + (["all_gather"] * 3 if step % 2 == 0 else ["all_gather"]), kinds
+
+
+@pytest.mark.parametrize("name", ["comm-eigen", "mem-eigen"])
+def test_uneven_shares_on_four_ranks_are_broadcast(name, tmp_path_factory):
+    """Four ranks, four layers, one of them most of the cost: each rank decomposes one layer,
+    and a padded all_gather would more than double what is received, so each rank's share goes
+    by one broadcast (four) instead."""
+    ranks, sizes = check_case(4, name, FOUR_RANK_CASES[name], tmp_path_factory)
+    for r in ranks:
+        assert sum(r["grad_worker"].values()) == (len(sizes) if name == "comm-eigen" else 1)
+        for step in range(STEPS):
+            kinds = [c[0] for c in r["calls"][step]]
+            if name == "comm-eigen":  # the factors, then the decompositions of the four ranks
+                assert kinds == ["all_reduce"] + (["broadcast"] * 4 if step % 2 == 0 else []), kinds
+            else:  # the factors, the flags (even: one all_gather), the gradients of the four ranks
+                assert kinds == ["all_reduce"] + (["all_gather"] if step % 2 == 0 else []) + ["broadcast"] * 4
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

@@ -177,24 +177,47 @@ def allreduce_factors(factors: list[torch.Tensor], group, world: int, *, cap_byt
     return calls
 
 
-def exchange(held: list[list[torch.Tensor]], me: int, group) -> None:
-    """Share tensors within a group in one all_gather: `held[i]` lists the tensors member i of
-    the group computed (every member lists every member's, in the same order, same dtype and
-    device); on return each member's copies hold member i's values. Buffers are padded to the
-    largest member's."""
+def exchange(held: list[list[torch.Tensor]], me: int, group) -> int:
+    """Share tensors within a group: `held[i]` lists the tensors member i of the group computed
+    (every member lists every member's, in the same order, same dtype and device); on return
+    each member's copies hold member i's values. One all_gather of flat buffers padded to the
+    largest member's when the padding at most doubles what is received; else, so that a group
+    with a few large shares does not receive every member's padding, one broadcast per member
+    with a share. Returns the collectives made."""
     import torch.distributed as dist
     sizes = [sum(t.numel() for t in ts) for ts in held]
-    longest = max(sizes)
+    longest, total = max(sizes), sum(sizes)
     if longest == 0:
-        return
+        return 0
     like = next(t for ts in held for t in ts)
-    mine = torch.zeros(longest, dtype=like.dtype, device=like.device)
-    if sizes[me]:
-        torch.cat([t.reshape(-1) for t in held[me]], out=mine[:sizes[me]])
-    out = [torch.empty_like(mine) for _ in held]
-    dist.all_gather(out, mine, group=group)
-    for i, ts in enumerate(held):
-        if i == me or not ts:
-            continue
-        for t, piece in zip(ts, out[i][:sizes[i]].split([t.numel() for t in ts])):
+
+    def unpack(i: int, flat: torch.Tensor) -> None:
+        for t, piece in zip(held[i], flat[:sizes[i]].split([t.numel() for t in held[i]])):
             t.copy_(piece.view_as(t))
+
+    if len(held) * longest <= 2 * total:
+        mine = torch.zeros(longest, dtype=like.dtype, device=like.device)
+        if sizes[me]:
+            torch.cat([t.reshape(-1) for t in held[me]], out=mine[:sizes[me]])
+        out = [torch.empty_like(mine) for _ in held]
+        dist.all_gather(out, mine, group=group)
+        for i in range(len(held)):
+            if i != me and sizes[i]:
+                unpack(i, out[i])
+        return 1
+    calls = 0
+    for i, size in enumerate(sizes):
+        if not size:
+            continue
+        if i == me:
+            flat = torch.cat([t.reshape(-1) for t in held[i]])
+        else:
+            flat = torch.empty(size, dtype=like.dtype, device=like.device)
+        if group is None:
+            dist.broadcast(flat, src=i)
+        else:
+            dist.broadcast(flat, group=group, group_src=i)
+        if i != me:
+            unpack(i, flat)
+        calls += 1
+    return calls
