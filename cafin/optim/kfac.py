@@ -450,7 +450,7 @@ class KFACPreconditioner(Preconditioner):
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
                 cs = [t for st in sts for t in (st.count_A, st.count_G)]
                 self._fold_statistics(fs, ss, cs, device)
-        if distributed() and gated is not False and self._layers:
+        if distributed() and gated is not False and self._layers and self._world > 1:
             self._reduce_factors()
 
     def _reduce_factors(self) -> None:
@@ -970,20 +970,26 @@ KFACPreconditioner.__doc__ = (
         lr (float or callable, optional): :math:`\eta`, only used by the KL clip (default: 0.1)
         accumulation_steps (int, optional): forward/backward passes per step; their factors
             are averaged (default: 1)
-        allreduce_bucket_cap_mb (float, optional): a KAISA option, accepted and checked as
-            kfac-pytorch does (cafin.optim.kfac_compat); every rank here computes every
-            layer's second-order data, so results do not depend on it (default: 25.0)
-        assignment_strategy (AssignmentStrategy or str, optional): a KAISA option, as
-            allreduce_bucket_cap_mb (default: AssignmentStrategy.COMPUTE)
-        colocate_factors (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
-            (default: True)
+        allreduce_bucket_cap_mb (float, optional): the largest bucket of the factor
+            all-reduce, in megabytes (10^6 bytes; a larger factor goes alone; 0: one
+            all-reduce per factor) (default: 25.0)
+        assignment_strategy (AssignmentStrategy or str, optional): how layers are balanced
+            over the inverse workers: "compute" (a factor of size n costs n^3) or "memory"
+            (n^2) (default: AssignmentStrategy.COMPUTE)
+        colocate_factors (bool, optional): decompose a layer's A and G on one rank; False
+            places each factor alone (needs compute_eigenvalue_outer_product=False with
+            "eigen"; MEM_OPT turns it on, with a warning, as kfac-pytorch) (default: True)
         compute_method (ComputeMethod or str, optional): "eigen" or "inverse", or a
             ComputeMethod (cafin's or kfac-pytorch's) (default: ComputeMethod.EIGEN)
         compute_eigenvalue_outer_product (bool, optional): precompute
             :math:`1/(d_G d_A^\top + \lambda)` at decomposition (default: True)
-        grad_worker_fraction (DistributedStrategy or float, optional): a KAISA option, as
-            allreduce_bucket_cap_mb (default: DistributedStrategy.COMM_OPT)
-        symmetry_aware (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
+        grad_worker_fraction (DistributedStrategy or float, optional): the fraction of the
+            ranks that precondition each layer (KAISA): 1 (COMM_OPT: each layer is decomposed
+            on one rank and the results are shared with every rank), 1/world (MEM_OPT: the
+            layer's one rank decomposes, preconditions and shares the preconditioned
+            gradient), or in between (HYBRID_OPT). Results do not depend on it; docs/
+            distributed.md has the cost of each (default: DistributedStrategy.COMM_OPT)
+        symmetry_aware (bool, optional): the factor all-reduce sends only the upper triangles
             (default: False)
         grad_scaler (torch.amp.GradScaler or callable, optional): a GradScaler (or a callable
             returning the scale): the gradient statistics are unscaled with it (default: None)
@@ -1012,7 +1018,10 @@ KFACPreconditioner.__doc__ = (
             torch.float32 or torch.float64 (kfac-pytorch: a float32 copy; torch.float64 is the
             precise choice for float64 models) (default: torch.float32)
         {_process_group_doc}
-            The factors are averaged over it.
+            The factors are averaged over it and the KAISA work is shared out over its ranks;
+            under torch.distributed ``step()`` and ``decompose()`` are collectives (every rank
+            calls them), ``load_state_dict`` stays local. ``preconditioner.assignment`` says
+            which rank decomposes each factor.
 
     damping, factor_decay, kl_clip and lr are kept as 0-dim device tensors (assigning
     ``preconditioner.lr = x`` between steps does not recompile a compiled step).
