@@ -252,6 +252,12 @@ class KFACPreconditioner(Preconditioner):
         if world > 1:
             logging.getLogger(__name__).log(loglevel, f"KFAC layer assignments: {a}")
 
+    def __deepcopy__(self, memo):
+        for group in (self._column_group, self._row_group):  # shared, as the process group is
+            if group is not None:
+                memo.setdefault(id(group), group)
+        return super().__deepcopy__(memo)
+
     def _choose_backends(self) -> None:
         """The backend decision, made once: the implementation of the ops for every (device,
         dtype) that a layer's gradients, factors or inv_dtype products have."""
