@@ -103,6 +103,19 @@ def test_greedy_assignment_balances_by_cost():
     assert [got[n]["A"] for n in work] == [0, 1, 2, 2] and all(f["A"] == f["G"] for f in got.values())
 
 
+@pytest.mark.parametrize("world,grad_workers,expected", [(4, 1, [3, 2, 1, 0, 1, 0]), (4, 2, [0, 1, 2, 3, 2, 3]),
+                                                         (8, 2, [3, 1, 0, 2, 4, 6])])
+def test_assignment_is_kfac_pytorchs_where_loads_tie(world, grad_workers, expected):
+    """kfac-pytorch 0.4.2's KAISAAssignment gave these inverse workers (run side by side from its
+    source); it hands the columns to the greedy rule in a set's order, which decides ties."""
+    work = {f"l{i}": {"A": c, "G": c / 2} for i, c in enumerate([8.0, 8.0, 1.0, 1.0, 1.0, 1.0])}
+    for rank in range(world):
+        a = KaisaAssignment(work, rank=rank, world=world, grad_worker_fraction=grad_workers / world,
+                            colocate_factors=True)
+        assert [a.inv_worker(name, "A") for name in work] == expected
+        assert [a.inv_worker(name, "G") for name in work] == expected
+
+
 def test_costs_follow_the_strategy():
     sizes = {"a": (1, 10, 2), "b": (2, 3, 4)}
     assert factor_costs(sizes, "compute") == {"a": {"A": 1000.0, "G": 8.0}, "b": {"A": 54.0, "G": 128.0}}

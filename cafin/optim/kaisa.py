@@ -85,7 +85,10 @@ class KaisaAssignment:
         self.rank, self.world, self.grad_workers = rank, world, grad_workers
         self.columns = worker_columns(world, grad_workers)
         self.rows = receiver_rows(world, grad_workers)
-        self._inv = greedy_assignment(work, self.columns, world, colocate_factors)
+        # kfac-pytorch hands the columns to the greedy rule in the order of a set of frozensets
+        # (deterministic for ints); the same order gives its assignment where loads tie
+        self._inv = greedy_assignment(work, [list(c) for c in {frozenset(c) for c in self.columns}], world,
+                                      colocate_factors)
         self._column = {name: next(i for i, c in enumerate(self.columns) if next(iter(f.values())) in c)
                         for name, f in self._inv.items()}
         self.my_column = next(c for c in self.columns if rank in c)
