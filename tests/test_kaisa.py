@@ -14,12 +14,9 @@ all_gather when the shares are uneven.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import traceback
-from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch

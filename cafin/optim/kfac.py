@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import factors
 from .. import ops, reference
-from ..core import (DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
+from ..core import (DropCounts, EigendecompositionWarning, Layer, Real,
                          capturing, check_gradient, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
