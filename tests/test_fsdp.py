@@ -66,6 +66,12 @@ TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 # all_gather shares the results (eigenbases, 1/(d_G d_A^T + damping), two flags per layer), padded
 # to the larger share: the Linear(48, 7) on rank 0 (49^2 + 7^2 + 7 * 49 + 2), the rest on rank 1.
 SECOND_ORDER = {"KFAC": (2, 49**2 + 7**2 + 7 * 49 + 2)}
+# MEM_OPT: the Linear(48, 7) on one rank, the other layers on the other; every step one all_gather
+# of the preconditioned gradients, padded to the larger share (7 x 49), and on inverse steps one
+# of the decomposed flags (float32, one per layer, padded to the larger share: 3).
+FACTORS["KFAC-mem"], GATHER["KFAC-mem"] = FACTORS["KFAC"], GATHER["KFAC"]
+TCOV["KFAC-mem"] = 1
+PRECONDITIONED = {"KFAC-mem": (2, 7 * 49, 3)}
 
 
 _LAUNCH: dict = {}
@@ -138,6 +144,11 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
                 expected.append(("all_gather_single", GATHER[member], dtype))
             if member in SECOND_ORDER and k % SECOND_ORDER[member][0] == 0:
                 expected.append(("all_gather", SECOND_ORDER[member][1], dtype))
+            if member in PRECONDITIONED:
+                every, grads, flags = PRECONDITIONED[member]
+                expected.append(("all_gather", grads, dtype))
+                if k % every == 0:
+                    expected.append(("all_gather", flags, "float32"))
             assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
 
 
