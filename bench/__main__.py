@@ -1,5 +1,7 @@
 """`python -m bench [options]` measures speed, memory and agreement (bench/speed.py);
-`python -m bench convergence [options]` trains on real data (bench/convergence.py)."""
+`python -m bench convergence [options]` trains on real data (bench/convergence.py);
+`python -m bench distributed [options]` runs K-FAC's KAISA strategies on 1 and 2 CPU ranks
+(bench/distributed.py)."""
 import sys
 
 
@@ -7,6 +9,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "convergence":
         from .convergence import main as convergence_main
         return convergence_main(argv[1:])
+    if argv and argv[0] == "distributed":
+        from .distributed import main as distributed_main
+        return distributed_main(argv[1:])
     from .speed import main as speed_main
     return speed_main(argv)
 

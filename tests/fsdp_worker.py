@@ -76,11 +76,11 @@ def _adafisher(cls_name, backend="fused"):
     return make
 
 
-def _kfac(model, net):
+def _kfac(model, net, **kaisa):
     import cafin
     pre = cafin.KFACPreconditioner(net, factor_update_steps=1, inv_update_steps=2, damping=0.01,
                                    lr=0.1, kl_clip=0.01, inv_dtype=model[0].weight.dtype,
-                                   decompose_dtype=torch.float64)
+                                   decompose_dtype=torch.float64, **kaisa)
     return [pre, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)]
 
 
@@ -113,6 +113,9 @@ MEMBERS = {
     "AdaFisherW": Member("AdaFisherW", _adafisher("AdaFisherW")),
     "AdaFisher-reference": Member("AdaFisher-reference", _adafisher("AdaFisher", "reference")),
     "KFAC": Member("KFAC", _kfac, optimizer_index=1),
+    # KAISA's MEM_OPT: each layer decomposed and preconditioned on one rank, its gradient shared
+    "KFAC-mem": Member("KFAC-mem", lambda model, net: _kfac(model, net, grad_worker_fraction=0.5),
+                       optimizer_index=1),
     "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
     "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),
     "SINGD-diagonal": Member("SINGD-diagonal", _singd(("diagonal", "diagonal"))),

@@ -8,7 +8,8 @@ it wrote:
   1e-10 relative, float32 within 1e-5), after the parameters moved;
 - the collectives of each step() under FSDP2: exactly the member's documented ones (the factor
   average, one all_reduce per curvature update; the gradient gather, one all_gather per step for
-  members that multiply whole gradient matrices), with the element counts of docs/distributed.md;
+  members that multiply whole gradient matrices; K-FAC's shared decompositions, one all_gather
+  per inverse step), with the element counts of docs/distributed.md;
 - a torch.distributed.checkpoint round trip (get/set_optimizer_state_dict, dcp.save/load) resumes
   bit-identically on each rank's shard.
 """
@@ -61,6 +62,16 @@ COARSE = {"TwoLevel-residual": 4 * 4}  # a second all_reduce on curvature steps
 EVERY = {"TwoLevel-residual": 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4}  # an all_reduce every step
 GATHER["TwoLevel-nicolaides"] = GATHER["TwoLevel-residual"] = GATHER["KFAC"]
 TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
+# K-FAC (KAISA, COMM_OPT): on its inverse steps (every 2nd) each rank decomposes its share and one
+# all_gather shares the results (eigenbases, 1/(d_G d_A^T + damping), two flags per layer), padded
+# to the larger share: the Linear(48, 7) on rank 0 (49^2 + 7^2 + 7 * 49 + 2), the rest on rank 1.
+SECOND_ORDER = {"KFAC": (2, 49**2 + 7**2 + 7 * 49 + 2)}
+# MEM_OPT: the Linear(48, 7) on one rank, the other layers on the other; every step one all_gather
+# of the preconditioned gradients, padded to the larger share (7 x 49), and on inverse steps one
+# of the decomposed flags (float32, one per layer, padded to the larger share: 3).
+FACTORS["KFAC-mem"], GATHER["KFAC-mem"] = FACTORS["KFAC"], GATHER["KFAC"]
+TCOV["KFAC-mem"] = 1
+PRECONDITIONED = {"KFAC-mem": (2, 7 * 49, 3)}
 
 
 _LAUNCH: dict = {}
@@ -131,6 +142,13 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
                 expected.append(("all_reduce", EVERY[member], dtype))
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype))
+            if member in SECOND_ORDER and k % SECOND_ORDER[member][0] == 0:
+                expected.append(("all_gather", SECOND_ORDER[member][1], dtype))
+            if member in PRECONDITIONED:
+                every, grads, flags = PRECONDITIONED[member]
+                expected.append(("all_gather", grads, dtype))
+                if k % every == 0:
+                    expected.append(("all_gather", flags, "float32"))
             assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
 
 

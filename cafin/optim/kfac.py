@@ -27,12 +27,13 @@ from torch import nn
 
 from .. import factors
 from .. import ops, reference
-from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real, average_over_ranks,
+from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real,
                          capturing, check_gradient, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
 from ._docs import _backend_doc, _process_group_doc
+from .kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
 
 __all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
@@ -154,6 +155,8 @@ class KFACPreconditioner(Preconditioner):
         self.decompose_in_step = True
 
         self._register_layers(loglevel)
+        self._assign_work(loglevel)
+        self._stack_second_order()
         self._choose_backends()
         self._start(self._layers)
 
@@ -227,7 +230,48 @@ class KFACPreconditioner(Preconditioner):
                 layer, dtype, layer.module.weight.device, self.compute_method is ComputeMethod.EIGEN,
                 self.compute_eigenvalue_outer_product, self.inv_dtype)
             log.log(loglevel, f'Registered name="{layer.name}": {layer.module!r}')
-        self._stack_second_order()
+
+    def _assign_work(self, loglevel: int) -> None:
+        """KAISA: which rank decomposes each factor and which ranks precondition each layer
+        (cafin.optim.kaisa), the same on every rank; the process groups that share second-order
+        data (a column) and preconditioned gradients (a row); layers this rank does not
+        precondition hold no second-order data."""
+        import torch.distributed as dist
+        group = self.process_group
+        rank, world = (dist.get_rank(group), dist.get_world_size(group)) if distributed() else (0, 1)
+        sizes = {layer.name: factors.factor_sizes(layer.module) for layer in self._layers}
+        work = factor_costs(sizes, self.assignment_strategy.name.lower())
+        self.assignment = KaisaAssignment(work, rank=rank, world=world,
+                                          grad_worker_fraction=self.grad_worker_fraction,
+                                          colocate_factors=self.colocate_factors)
+        self._world = world
+        a = self.assignment
+        self._column_group = self._row_group = None
+        if a.broadcast_inverses() and a.broadcast_gradients():  # HYBRID_OPT: groups of its own
+            if world != dist.get_world_size():
+                raise ValueError("grad_worker_fraction strictly between 1/world and 1 (HYBRID_OPT) "
+                                 "needs process_group to span the whole world")
+            for ranks in a.columns:  # every rank creates every group, in one order
+                g = dist.new_group(ranks)
+                self._column_group = g if ranks is a.my_column else self._column_group
+            for ranks in a.rows:
+                g = dist.new_group(ranks)
+                self._row_group = g if ranks is a.my_row else self._row_group
+        elif a.broadcast_inverses():  # COMM_OPT: one column, the whole group
+            self._column_group = group
+        elif a.broadcast_gradients():  # MEM_OPT: one row, the whole group
+            self._row_group = group
+        for layer in self._layers:
+            if not a.is_grad_worker(layer.name):
+                self._state[layer.name].second = {}
+        if world > 1:
+            logging.getLogger(__name__).log(loglevel, f"KFAC layer assignments: {a}")
+
+    def __deepcopy__(self, memo):
+        for group in (self._column_group, self._row_group):  # shared, as the process group is
+            if group is not None:
+                memo.setdefault(id(group), group)
+        return super().__deepcopy__(memo)
 
     def _choose_backends(self) -> None:
         """The backend decision, made once: the implementation of the ops for every (device,
@@ -248,6 +292,8 @@ class KFACPreconditioner(Preconditioner):
         groups: dict[tuple, list[Layer]] = defaultdict(list)
         for layer in self._layers:
             st = self._state[layer.name]
+            if not st.second:  # preconditioned by other ranks
+                continue
             key = (st.A.device, tuple((k, tuple(v.shape[1:])) for k, v in sorted(st.second.items())))
             groups[key].append(layer)
         for members in groups.values():
@@ -397,7 +443,7 @@ class KFACPreconditioner(Preconditioner):
         if total > self._skipped_reported:
             warnings.warn(f"KFACPreconditioner: {total - self._skipped_reported} factor statistic(s) "
                           "held inf/NaN and were dropped; their factors keep their previous values",
-                          RuntimeWarning, stacklevel=4)
+                          RuntimeWarning, stacklevel=5)
             self._skipped_reported = total
 
     def reset_batch(self) -> None:
@@ -430,9 +476,15 @@ class KFACPreconditioner(Preconditioner):
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
                 cs = [t for st in sts for t in (st.count_A, st.count_G)]
                 self._fold_statistics(fs, ss, cs, device)
-        if distributed() and gated is not False and self._layers:
-            for sts in self._by_device().values():
-                average_over_ranks([t for st in sts for t in (st.A, st.G)], self.process_group)
+        if distributed() and gated is not False and self._layers and self._world > 1:
+            self._reduce_factors()
+
+    def _reduce_factors(self) -> None:
+        """Average every factor over the ranks: buckets of allreduce_bucket_cap_mb, the upper
+        triangles only with symmetry_aware."""
+        allreduce_factors([t for sts in self._by_device().values() for st in sts for t in (st.A, st.G)],
+                          self.process_group, self._world, cap_bytes=self.allreduce_bucket_cap_mb * 1e6,
+                          symmetric=self.symmetry_aware)
 
     def _module(self, name: str) -> nn.Module:
         return next(layer.module for layer in self._layers if layer.name == name)
@@ -442,12 +494,85 @@ class KFACPreconditioner(Preconditioner):
 
     def decompose(self) -> None:
         """Recompute every live layer's decompositions now, with the current damping (eagerly;
-        for a captured step whose `decompose_in_step` is False)."""
-        self._decompose(None)
+        for a captured step whose `decompose_in_step` is False). Under torch.distributed it is
+        a collective, as the step's: each rank decomposes its share and the second-order data is
+        shared."""
+        self._compute_inverses()
 
-    def _decompose(self, gate: torch.Tensor | None) -> None:
-        """Decompositions of the live layers, batched over factors of equal shape and dtype.
-        With `gate` (a device bool), new values are kept only where it holds."""
+    def _my_sides(self, share: bool) -> set[tuple[str, str]]:
+        """(layer, "a" or "g") this rank decomposes: the factors it is the inverse worker of
+        (share=True), or every factor of the layers it preconditions (no collective needed)."""
+        a = self.assignment
+        if share:
+            return {(layer.name, side) for layer in self._layers for side in "ag"
+                    if a.inv_worker(layer.name, side.upper()) == a.rank}
+        return {(layer.name, side) for layer in self._layers for side in "ag" if a.is_grad_worker(layer.name)}
+
+    def _compute_inverses(self) -> None:
+        """Decompose this rank's share of the factors, then share the results with the other
+        gradient workers of each layer."""
+        self._decompose(None, self._my_sides(share=True))
+        self._share_second_order()
+        self._share_decomposed()
+
+    def _share_decomposed(self) -> None:
+        """MEM_OPT and HYBRID_OPT: whether each layer is decomposed, from its column to every
+        rank (one all_gather per device over the row), so that every rank rewrites the same
+        layers and sends or receives their preconditioned gradients."""
+        a = self.assignment
+        if not a.broadcast_gradients():
+            return
+        held: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in a.my_row])
+        flags = []
+        for layer in self._layers:
+            st = self._state[layer.name]
+            flag = torch.full((1,), float(st.decomposed and a.is_grad_worker(layer.name)), device=st.A.device)
+            held[st.A.device][a.column(layer.name)].append(flag)  # row[c] is in column c
+            flags.append((st, flag))
+        for lists in held.values():
+            exchange(lists, a.my_row.index(a.rank), self._row_group)
+        done = torch.cat([f.cpu() for _, f in flags]).tolist() if flags else []
+        for (st, _), ok in zip(flags, done):
+            st.decomposed = ok == 1.0
+
+    def _second_order_keys(self, side: str) -> list[str]:
+        """The second-order tensors the inverse worker of a layer's `side` factor computes."""
+        if self.compute_method is not ComputeMethod.EIGEN:
+            return [f"{side}_inv"]
+        if self.compute_eigenvalue_outer_product:  # colocated: the G side carries the product
+            return ["qa"] if side == "a" else ["qg", "dgda"]
+        return ["q" + side, "d" + side]
+
+    def _share_second_order(self) -> None:
+        """Within this rank's column (the gradient workers of its layers), every inverse
+        worker's results and whether its layer is decomposed, in one all_gather per device."""
+        a = self.assignment
+        if not a.broadcast_inverses():
+            return
+        column = a.my_column
+        held: dict[torch.device, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in column])
+        flags: list[tuple[_LayerState, torch.Tensor]] = []
+        for layer in self._layers:
+            if not a.is_grad_worker(layer.name):
+                continue
+            st = self._state[layer.name]
+            # [decomposed by the A side's worker, by the G side's]
+            flag = torch.full((2,), float(st.decomposed), dtype=self.inv_dtype, device=st.A.device)
+            for i, side in enumerate("ag"):
+                member = column.index(a.inv_worker(layer.name, side.upper()))
+                held[st.A.device][member] += [st.second[k] for k in self._second_order_keys(side)]
+                held[st.A.device][member].append(flag[i:i + 1])
+            flags.append((st, flag))
+        for lists in held.values():
+            exchange(lists, column.index(a.rank), self._column_group)
+        done = torch.cat([f.cpu() for _, f in flags]).view(-1, 2).tolist() if flags else []
+        for (st, _), ok in zip(flags, done):  # one host read: eager steps only
+            st.decomposed = ok == [1.0, 1.0]
+
+    def _decompose(self, gate: torch.Tensor | None, sides: set[tuple[str, str]] | None = None) -> None:
+        """Decompositions of the live layers' factors (those in `sides`; None: all), batched
+        over factors of equal shape and dtype. With `gate` (a device bool), new values are kept
+        only where it holds."""
         live = [layer for layer in self._layers if self._live(layer)]
         eigen = self.compute_method is ComputeMethod.EIGEN
         prediv = eigen and self.compute_eigenvalue_outer_product
@@ -461,6 +586,8 @@ class KFACPreconditioner(Preconditioner):
             # LAPACK loops anyway and a batched call rounds differently from kfac-pytorch's.
             buckets: dict[tuple, list[_LayerState]] = defaultdict(list)
             for layer in live:
+                if sides is not None and (layer.name, side) not in sides:
+                    continue
                 f = getattr(self._state[layer.name], side.upper())
                 if f.dim() == 2:  # a diagonal factor: its own eigenvalues, basis I
                     self._diagonal_decomposition(self._state[layer.name], results, eigenvalues, prediv)
@@ -492,7 +619,8 @@ class KFACPreconditioner(Preconditioner):
                 _store(st.second, key, value, gate)
         for layer in live:
             st = self._state[layer.name]
-            if id(st) in failed:
+            if id(st) in failed or (sides is not None and (layer.name, "a") not in sides
+                                    and (layer.name, "g") not in sides):
                 continue
             if gate is None:
                 st.decomposed = True
@@ -590,29 +718,55 @@ class KFACPreconditioner(Preconditioner):
     @torch.no_grad()
     def step(self) -> None:
         """Precondition the gradients of the registered layers in place (call after backward(),
-        before the optimizer's step)."""
+        before the optimizer's step). Under torch.distributed it is a collective."""
+        self._check_step()
+        self._update_factors()
+        if self.decompose_in_step:
+            self._update_inverses()
+        active = self._active_layers()
+        self._gather(active)
+        precond = self._precondition_grads(active)
+        self._share_preconditioned_grads(active, precond)
+        self._update_grads(active, precond)
+        self._keep_own_rows()
+        self._advance()
+
+    def _check_step(self) -> None:
+        """Every value the step reads, checked before it writes anything (callables are
+        evaluated for this step count here)."""
         if self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN and capturing():
             raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: set "
                                "preconditioner.decompose_in_step = False, capture the step, and call "
                                "preconditioner.decompose() eagerly every inv_update_steps steps")
-        # Every value the step reads is checked before it writes anything: callables are
-        # evaluated for this step count here.
         self._refresh_settings()
         self.factor_update_steps, self.inv_update_steps  # noqa: B018  (checked; errors name them)
         self._check_grads()
-        self._update_factors()
-        if self.decompose_in_step:
-            due = self._steps.host_due(self.inv_update_steps)
-            if due is None:
-                devices = {self._state[layer.name].A.device for layer in self._layers}
-                if len(devices) > 1:
-                    raise RuntimeError("a device-gated K-FAC step needs every layer on one device")
-                if devices:
-                    device = devices.pop()
-                    self._decompose(torch.remainder(self._steps.tensor(device),
-                                                    self.inv_update_steps) == 0)
-            elif due:
-                self._decompose(None)
+
+    def _update_inverses(self) -> None:
+        """On inv_update_steps: eagerly, this rank's share of the decompositions, then shared; a
+        device-gated step decomposes every factor on the device (no collective)."""
+        due = self._steps.host_due(self.inv_update_steps)
+        if due is None:
+            self._check_device_gated()
+            devices = {self._state[layer.name].A.device for layer in self._layers}
+            if len(devices) > 1:
+                raise RuntimeError("a device-gated K-FAC step needs every layer on one device")
+            if devices:
+                device = devices.pop()
+                # every layer is this rank's to precondition (COMM_OPT, checked): all of them
+                self._decompose(torch.remainder(self._steps.tensor(device), self.inv_update_steps) == 0)
+        elif due:
+            self._compute_inverses()
+
+    def _check_device_gated(self) -> None:
+        if self._steps.device_gated and self.assignment.broadcast_gradients():
+            raise RuntimeError("a compiled or captured K-FAC step needs grad_worker_fraction=1 "
+                               "(COMM_OPT) under torch.distributed: the preconditioned gradients "
+                               "of MEM_OPT and HYBRID_OPT are shared by eager collectives")
+
+    def _active_layers(self) -> list[Layer]:
+        """The layers whose gradients the step rewrites: statistics taken, gradients present,
+        decomposed at least once (kfac-pytorch raises otherwise; cafin leaves them as they are)."""
         active = []
         for layer in self._layers:
             m = layer.module
@@ -622,9 +776,13 @@ class KFACPreconditioner(Preconditioner):
             if not (self._state[layer.name].decomposed or self._steps.device_gated):
                 continue  # not decomposed yet (kfac-pytorch raises): left as it is
             active.append(layer)
-        self._gather(active)
+        return active
+
+    def _precondition_grads(self, active: list[Layer]) -> dict[str, torch.Tensor]:
+        """The preconditioned gradients of the active layers this rank is a gradient worker of:
+        layers stacked by second-order shape in one product chain, the others one by one."""
         precond: dict[str, torch.Tensor] = {}
-        names = {layer.name for layer in active}
+        names = {layer.name for layer in active if self.assignment.is_grad_worker(layer.name)}
         for members, stacked in self._stacks:
             if not all(layer.name in names for layer in members):
                 continue
@@ -634,14 +792,39 @@ class KFACPreconditioner(Preconditioner):
             v = self._precondition(torch.cat(grads), stacked, members[0].module.weight.device)
             for layer, piece in zip(members, v.split([g.shape[0] for g in grads])):
                 precond[layer.name] = piece
+        for layer in active:
+            if layer.name in names and layer.name not in precond:
+                precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
+                                                         layer.module.weight.device)
+        return precond
+
+    def _share_preconditioned_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
+        """MEM_OPT and HYBRID_OPT: within this rank's row (one rank of every column), each
+        layer's preconditioned gradient from its column's rank, in one all_gather per device
+        and dtype; `precond` then holds every active layer's."""
+        a = self.assignment
+        if not a.broadcast_gradients():
+            return
+        self._check_device_gated()
+        row = a.my_row
+        held: dict[tuple, list[list[torch.Tensor]]] = defaultdict(lambda: [[] for _ in row])
+        for layer in active:
+            if layer.name not in precond:
+                w = self._grads(layer)[0]
+                groups, d_a, d_g = factors.factor_sizes(layer.module)
+                precond[layer.name] = torch.empty(groups, d_g, d_a, dtype=w.dtype, device=w.device)
+            v = precond[layer.name]
+            held[(v.device, v.dtype)][a.column(layer.name)].append(v)  # row[c] is in column c
+        for lists in held.values():
+            exchange(lists, row.index(a.rank), self._row_group)
+
+    def _update_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
+        """Write the KL-clipped preconditioned gradients into the gradients, one op call per
+        device and dtype (one clip factor over all of them)."""
         buckets: dict[tuple, tuple[list, list, list]] = defaultdict(lambda: ([], [], []))
         for layer in active:
-            m = layer.module
-            if layer.name not in precond:
-                precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
-                                                         m.weight.device)
             w, b = self._grads(layer)
-            w = factors.weight_grad_view(m, w)  # [gradient side, input side], as the matrix
+            w = factors.weight_grad_view(layer.module, w)  # [gradient side, input side], as the matrix
             ws, bs, vs = buckets[(w.device, w.dtype)]
             ws.append(w)
             bs.append(b if b is not None else _empty(w))
@@ -665,12 +848,17 @@ class KFACPreconditioner(Preconditioner):
                         t.copy_(out)
             else:
                 impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], kl)
-        for name, (w, b) in self._gathered.items():  # FSDP2: each rank keeps its own rows
+
+    def _keep_own_rows(self) -> None:
+        """FSDP2: each rank keeps its own rows of the gathered gradients."""
+        for name, (w, b) in self._gathered.items():
             m = self._module(name)
             local(m.weight.grad).copy_(own_rows(w, m.weight.grad))
             if b is not None:
                 local(m.bias.grad).copy_(own_rows(b, m.bias.grad))
         self._gathered = {}
+
+    def _advance(self) -> None:
         self._mini_steps = defaultdict(int)
         self._steps.advance()
         if not torch.compiler.is_compiling():
@@ -765,8 +953,11 @@ class KFACPreconditioner(Preconditioner):
             warnings.warn("Layer factors are not included in the state_dict so inverses cannot "
                           "be computed. Skipping inverse computation.", stacklevel=2)
             compute_inverses = False
-        if compute_inverses:
-            self._decompose(None)
+        if compute_inverses:  # local: every factor of the layers this rank preconditions
+            self._decompose(None, self._my_sides(share=False))
+            for layer in self._layers:  # the others are decomposed by their gradient workers
+                st = self._state[layer.name]
+                st.decomposed = st.decomposed or (st.seen and not self.assignment.is_grad_worker(layer.name))
 
     def memory_usage(self) -> dict[str, int]:
         sizes: dict[str, int] = defaultdict(int)
@@ -828,20 +1019,26 @@ KFACPreconditioner.__doc__ = (
         lr (float or callable, optional): :math:`\eta`, only used by the KL clip (default: 0.1)
         accumulation_steps (int, optional): forward/backward passes per step; their factors
             are averaged (default: 1)
-        allreduce_bucket_cap_mb (float, optional): a KAISA option, accepted and checked as
-            kfac-pytorch does (cafin.optim.kfac_compat); every rank here computes every
-            layer's second-order data, so results do not depend on it (default: 25.0)
-        assignment_strategy (AssignmentStrategy or str, optional): a KAISA option, as
-            allreduce_bucket_cap_mb (default: AssignmentStrategy.COMPUTE)
-        colocate_factors (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
-            (default: True)
+        allreduce_bucket_cap_mb (float, optional): the largest bucket of the factor
+            all-reduce, in megabytes (10^6 bytes; a larger factor goes alone; 0: one
+            all-reduce per factor) (default: 25.0)
+        assignment_strategy (AssignmentStrategy or str, optional): how layers are balanced
+            over the inverse workers: "compute" (a factor of size n costs n^3) or "memory"
+            (n^2) (default: AssignmentStrategy.COMPUTE)
+        colocate_factors (bool, optional): decompose a layer's A and G on one rank; False
+            places each factor alone (needs compute_eigenvalue_outer_product=False with
+            "eigen"; MEM_OPT turns it on, with a warning, as kfac-pytorch) (default: True)
         compute_method (ComputeMethod or str, optional): "eigen" or "inverse", or a
             ComputeMethod (cafin's or kfac-pytorch's) (default: ComputeMethod.EIGEN)
         compute_eigenvalue_outer_product (bool, optional): precompute
             :math:`1/(d_G d_A^\top + \lambda)` at decomposition (default: True)
-        grad_worker_fraction (DistributedStrategy or float, optional): a KAISA option, as
-            allreduce_bucket_cap_mb (default: DistributedStrategy.COMM_OPT)
-        symmetry_aware (bool, optional): a KAISA option, as allreduce_bucket_cap_mb
+        grad_worker_fraction (DistributedStrategy or float, optional): the fraction of the
+            ranks that precondition each layer (KAISA): 1 (COMM_OPT: each layer is decomposed
+            on one rank and the results are shared with every rank), 1/world (MEM_OPT: the
+            layer's one rank decomposes, preconditions and shares the preconditioned
+            gradient), or in between (HYBRID_OPT). Results do not depend on it; docs/
+            distributed.md has the cost of each (default: DistributedStrategy.COMM_OPT)
+        symmetry_aware (bool, optional): the factor all-reduce sends only the upper triangles
             (default: False)
         grad_scaler (torch.amp.GradScaler or callable, optional): a GradScaler (or a callable
             returning the scale): the gradient statistics are unscaled with it (default: None)
@@ -870,7 +1067,10 @@ KFACPreconditioner.__doc__ = (
             torch.float32 or torch.float64 (kfac-pytorch: a float32 copy; torch.float64 is the
             precise choice for float64 models) (default: torch.float32)
         {_process_group_doc}
-            The factors are averaged over it.
+            The factors are averaged over it and the KAISA work is shared out over its ranks;
+            under torch.distributed ``step()`` and ``decompose()`` are collectives (every rank
+            calls them), ``load_state_dict`` stays local. ``preconditioner.assignment`` says
+            which rank decomposes each factor.
         kfac_approx (str, optional): "expand" (one statistics row per location: kfac-pytorch)
             or "reduce" (Eschenhagen et al., 2023: one row per sample, the mean of its input
             rows and the sum of its gradient rows over the shared dims of a Linear's input or a

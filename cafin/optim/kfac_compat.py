@@ -2,14 +2,14 @@
 distribution options (`allreduce_bucket_cap_mb`, `assignment_strategy`, `colocate_factors`,
 `grad_worker_fraction`, `symmetry_aware`), checked as kfac-pytorch checks them.
 
-Every rank computes every layer's second-order data today, so the KAISA options change no
-result; `kaisa_options` validates and normalises them into one frozen record that the
-preconditioner keeps.
+`kaisa_options` validates and normalises them into one frozen record that the preconditioner
+keeps; cafin.optim.kaisa distributes the work with them.
 """
 from __future__ import annotations
 
 import enum
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +102,11 @@ def kaisa_options(*, allreduce_bucket_cap_mb: Any, assignment_strategy: Any, col
             and not colocate_factors):
         raise ValueError("colocate_factors must be True to use compute_eigenvalue_outer_product")
     fraction, distributed_strategy = worker_fraction(grad_worker_fraction)
+    if not colocate_factors and distributed_strategy is DistributedStrategy.MEM_OPT:
+        # a layer's only gradient worker decomposes both of its factors (kfac-pytorch's rule)
+        warnings.warn("grad_worker_frac=1/world_size (MEM_OPT) requires colocate_factors=True. "
+                      "Enabling colocate_factors.", stacklevel=4)
+        colocate_factors = True
     return KaisaOptions(allreduce_bucket_cap_mb=cap, assignment_strategy=strategy,
                         colocate_factors=colocate_factors, grad_worker_fraction=fraction,
                         distributed_strategy=distributed_strategy, symmetry_aware=symmetry_aware)

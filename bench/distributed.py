@@ -1,0 +1,209 @@
+"""`python -m bench distributed`: K-FAC's KAISA strategies on 1 and 2 CPU/gloo ranks.
+
+Each world size is one torch.multiprocessing launch (one thread per rank; the ranks meet through a
+file). Every rank trains the bench's models (bench/models.py: the GPT; the MLP at its default
+sizes and a deeper one) with KFACPreconditioner, decomposing at every step (inv_update_steps=1),
+each rank on its share of a fixed global batch, with the gradients averaged as DDP does. Per
+model and strategy it reports, per rank:
+
+- decompose_cpu_s: the CPU time of this rank's decompositions in one inverse step
+  (`_decompose`, the median over the timed steps; `time.thread_time`, so ranks that share cores
+  with other processes are still measured by the work they do), and decompose_s, its wall time;
+  the row's ratio is the slowest rank's against one rank's;
+- step_cpu_s, step_s: the whole training step (forward, backward, the gradient average, K-FAC's
+  step, SGD), CPU and wall time (the wall time includes waiting for the other rank);
+- kfac_bytes: the bytes K-FAC's step hands to collectives per step on this rank (factor
+  all-reduce, shared decompositions, shared preconditioned gradients; the gradient average is
+  not K-FAC's and is not counted);
+- matrices: the factors this rank decomposes per inverse step.
+
+Strategies at 2 ranks: COMM_OPT (grad_worker_fraction 1, factors of a layer together), COMM_OPT
+with colocate_factors=False (each factor placed alone; needs compute_eigenvalue_outer_product
+False), MEM_OPT (grad_worker_fraction 1/2). One rank runs the default options: its decompositions
+are the same work for every strategy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from .models import batch_for, gpt, loss_for, mlp
+
+STRATEGIES = {
+    "comm_opt": dict(),
+    "comm_opt_split": dict(colocate_factors=False, compute_eigenvalue_outer_product=False),
+    "mem_opt": dict(grad_worker_fraction=0.5),
+}
+FULL_MODELS = {
+    "gpt": (lambda: gpt(), 16),
+    "mlp": (lambda: mlp(), 128),
+    "mlp-deep": (lambda: mlp((784, 512, 512, 512, 10)), 128),
+}
+TINY_MODELS = {
+    "gpt": (lambda: gpt(vocab=32, dim=16, depth=1, heads=2, context=8), 4),
+    "mlp": (lambda: mlp((12, 8, 6, 4)), 8),
+}
+
+
+def _count_bytes(counter: list) -> None:
+    """Add the payload of every all_reduce / all_gather / broadcast to counter[0] while
+    counter[1] is set."""
+    import torch.distributed as dist
+    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor"):
+        original = getattr(dist, name)
+
+        def wrapper(*args, __original=original, __name=name, **kwargs):
+            if counter[1]:
+                t = args[1] if __name.startswith("all_gather") else args[0]
+                counter[0] += t.numel() * t.element_size()
+            return __original(*args, **kwargs)
+        setattr(dist, name, wrapper)
+
+
+def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
+    import torch.distributed as dist
+    import cafin
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
+                            rank=rank, world_size=world)
+    counter = [0, False]
+    _count_bytes(counter)
+    models = TINY_MODELS if tiny else FULL_MODELS
+    strategies = STRATEGIES if world > 1 else {"one_rank": {}}
+    rows = []
+    for model_name, (make, global_batch) in models.items():
+        for strategy, kw in strategies.items():
+            torch.manual_seed(0)
+            model = make()
+            pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kw)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            decompose_times: list[tuple[float, float]] = []
+            matrices = [0]
+            inner = pre._decompose
+
+            def timed(*args, **kwargs):
+                sides = args[1] if len(args) > 1 else kwargs.get("sides")
+                matrices[0] = len(sides) if sides is not None else 2 * len(pre.layers)
+                start, cpu = time.perf_counter(), time.thread_time()
+                inner(*args, **kwargs)
+                decompose_times.append((time.perf_counter() - start, time.thread_time() - cpu))
+            pre._decompose = timed
+            gen = torch.Generator().manual_seed(1)
+            step_times, kfac_bytes = [], []
+            for step in range(steps + 1):  # the first step is a warm-up
+                x, y = batch_for(model_name.split("-")[0], model, global_batch, generator=gen)
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                dist.barrier()
+                start, cpu = time.perf_counter(), time.thread_time()
+                opt.zero_grad()
+                loss_for(model_name.split("-")[0], model(x), y).backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                if world > 1:  # DDP's average, in one flat all_reduce
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    dist.all_reduce(flat)
+                    flat.div_(world)
+                    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+                counter[0], counter[1] = 0, True
+                pre.step()
+                counter[1] = False
+                kfac_bytes.append(counter[0])
+                opt.step()
+                step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
+            rows.append(dict(model=model_name, strategy=strategy, world=world, rank=rank,
+                             decompose_s=statistics.median(t[0] for t in decompose_times[1:]),
+                             decompose_cpu_s=statistics.median(t[1] for t in decompose_times[1:]),
+                             step_s=statistics.median(t[0] for t in step_times[1:]),
+                             step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
+                             kfac_bytes=kfac_bytes[-1], matrices=matrices[0],
+                             factors=2 * len(pre.layers)))
+    torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, tiny: bool, steps: int) -> list[dict]:
+    """Run `world` ranks with torch.multiprocessing; every rank's rows."""
+    import torch.multiprocessing as mp
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank, args=(world, outdir, tiny, steps), nprocs=world, join=True)
+        return [row for r in range(world) for row in torch.load(os.path.join(outdir, f"rows_rank{r}.pt"))]
+
+
+def summarise(one: list[dict], two: list[dict]) -> list[dict]:
+    """Per model and strategy at two ranks, against one rank: the slowest rank's decomposition
+    time and step time, and the bytes per step of the rank that sends most."""
+    base = {r["model"]: r for r in one}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in two):
+        for strategy in dict.fromkeys(r["strategy"] for r in two):
+            rows = [r for r in two if r["model"] == model and r["strategy"] == strategy]
+            b = base[model]
+            out.append(dict(model=model, strategy=strategy,
+                            decompose_1rank_cpu_s=b["decompose_cpu_s"],
+                            decompose_per_rank_cpu_s=[r["decompose_cpu_s"] for r in rows],
+                            decompose_ratio=max(r["decompose_cpu_s"] for r in rows) / b["decompose_cpu_s"],
+                            decompose_wall_ratio=max(r["decompose_s"] for r in rows) / b["decompose_s"],
+                            step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
+                            step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
+                            step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
+                            kfac_bytes_1rank=b["kfac_bytes"], kfac_bytes=max(r["kfac_bytes"] for r in rows),
+                            matrices=[r["matrices"] for r in rows], factors=b["factors"]))
+    return out
+
+
+def render(summary: list[dict]) -> str:
+    head = (f"{'model':9} {'strategy':15} {'decomp 1 rank':>13} {'decomp/rank @2':>15} {'ratio':>6} "
+            f"{'(wall)':>6} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} {'KFAC MB/step':>12} "
+            f"{'matrices/rank':>14}")
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_cpu_s"])
+        lines.append(f"{s['model']:9} {s['strategy']:15} {s['decompose_1rank_cpu_s'] * 1e3:10.0f} ms "
+                     f"{per_rank:>12} ms {s['decompose_ratio']:6.2f} {s['decompose_wall_ratio']:6.2f} "
+                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
+                     f"{s['step_wall_ratio']:6.2f} {s['kfac_bytes'] / 1e6:12.3f} "
+                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['factors']):>14}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench distributed", description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed inverse steps after one warm-up")
+    parser.add_argument("--tiny", action="store_true", help="tiny models (a test of the phase)")
+    parser.add_argument("--json", default=None, help="write the rows and the summary here")
+    parser.add_argument("--predict", action="store_true",
+                        help="print the cost model's predictions for ResNet-50 and GPT-2 small at 8, 64 "
+                             "and 512 ranks (bench/kaisa_model.py) instead")
+    args = parser.parse_args(argv)
+    if args.predict:
+        from .kaisa_model import measure_c, render as render_model
+        print(render_model(measure_c()))
+        return 0
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    start = time.monotonic()
+    one = launch(1, args.tiny, args.steps)
+    two = launch(2, args.tiny, args.steps)
+    summary = summarise(one, two)
+    print(f"K-FAC KAISA, CPU gloo, one thread per rank, inv_update_steps=1, {args.steps} timed steps "
+          f"(medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
+          f"against one rank's, CPU time, then wall time)")
+    print(render(summary))
+    print(f"[{time.monotonic() - start:.0f} s]")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": one + two, "summary": summary}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
