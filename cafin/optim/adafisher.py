@@ -347,8 +347,8 @@ class AdaFisher(CurvatureOptimizer):
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            devices = self._steps.devices()
-            if len(devices) == 1:  # one add of one tensor: no list of it per parameter
+            devices = [] if torch.compiler.is_compiling() else self._steps.devices()
+            if len(devices) == 1:  # eager: one add of one tensor, no list of it per parameter
                 torch._foreach_add_(steps, self._steps.one(devices[0]))
             else:
                 torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
