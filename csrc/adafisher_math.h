@@ -46,11 +46,18 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE UpdateCoeffs<T> update_coeffs(double lr, float
   return c;
 }
 
-// F~ = S[r] * H[c] + damping, or 1 where a factor still holds its never-updated marker (< 0).
-// Written as a select, not a branch, so CPU loops vectorise; s * h == h * s, so callers may swap.
+// F~ = S[r] * H[c] + damping where neither factor entry holds the never-updated marker (< 0).
+template <typename T>
+C10_HOST_DEVICE C10_ALWAYS_INLINE T fisher_diag_updated(T s, T h, T damping) {
+  return s * h + damping;
+}
+
+// F~ with the marker tested: 1 where either entry is < 0. The CPU kernel takes this form only for
+// a tensor whose factors hold some markers and some updated entries (a select feeding the
+// division keeps GCC from vectorising the loop); the GPU takes it always.
 template <typename T>
 C10_HOST_DEVICE C10_ALWAYS_INLINE T fisher_diag(T s, T h, T damping) {
-  const T f = s * h + damping;
+  const T f = fisher_diag_updated(s, h, damping);
   return (s < T(0) || h < T(0)) ? T(1) : f;
 }
 
@@ -67,6 +74,35 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE void adafisher_element(T& theta, T& m, T g, T 
     theta = theta - c.step_size * m / f;
   }
 }
+
+// The per-element maths of the update for the row-column skeletons (cpu/row_column.h,
+// cuda/row_column.cuh): R = S, C = H, the state is exp_avg. kGuarded tests the markers.
+template <typename scalar_t_, typename opmath_t_, bool kDecoupled, bool kScaled>
+struct AdaFisherElement {
+  using scalar_t = scalar_t_;
+  using opmath_t = opmath_t_;
+  using state_t = opmath_t;  // exp_avg
+  static constexpr bool kState = true;
+  struct Coeffs {
+    UpdateCoeffs<opmath_t> update;
+    opmath_t grad_scale;  // the gradients' divisor when kScaled
+  };
+
+  static C10_HOST_DEVICE C10_ALWAYS_INLINE void plain(opmath_t& theta, opmath_t& m, opmath_t g,
+                                                      const Coeffs& c) {
+    if (kScaled) g = g / c.grad_scale;
+    adafisher_element<kDecoupled>(theta, m, g, opmath_t(1), c.update);
+  }
+
+  template <bool kGuarded>
+  static C10_HOST_DEVICE C10_ALWAYS_INLINE void factored(opmath_t& theta, opmath_t& m, opmath_t g,
+                                                         opmath_t s, opmath_t h, const Coeffs& c) {
+    if (kScaled) g = g / c.grad_scale;
+    const opmath_t f = kGuarded ? fisher_diag(s, h, c.update.damping)
+                                : fisher_diag_updated(s, h, c.update.damping);
+    adafisher_element<kDecoupled>(theta, m, g, f, c.update);
+  }
+};
 
 // ------------------------------------------------------------------------------------ factors
 

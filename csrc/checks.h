@@ -236,16 +236,20 @@ inline ConvGeometry check_conv2d_input_stats(const at::Tensor& stat, const at::T
 // ------------------------------------------------------------------------------------ factors
 
 inline void check_fisher_average(at::TensorList factors, at::TensorList stats, const at::Tensor& skipped,
-                                 double gamma, const c10::List<bool>& grad_side,
+                                 const at::Tensor& gamma, const c10::List<bool>& grad_side,
                                  const std::optional<at::Tensor>& grad_scale,
                                  const std::optional<at::Tensor>& found_inf) {
   const size_t n = factors.size();
   TORCH_CHECK_VALUE(stats.size() == n && grad_side.size() == n,
                     "factors, stats and grad_side must have one entry each, got ", n, ", ",
                     stats.size(), ", ", grad_side.size());
-  TORCH_CHECK_VALUE(0.0 < gamma && gamma <= 10.0, "gamma must be in (0, 10], got ", gamma);
   if (n == 0) return;
   const at::Device device = factors[0].device();
+  check_scalar_tensor(gamma, "gamma", device, at::kDouble);
+  if (device.is_cpu()) {  // read without a sync only on the CPU
+    const double g = gamma.item<double>();
+    TORCH_CHECK_VALUE(0.0 < g && g <= 10.0, "gamma must be in (0, 10], got ", g);
+  }
   check_scalar_tensor(skipped, "skipped", device, at::kFloat);
   check_optional_scalar(grad_scale, "grad_scale", device);
   check_optional_scalar(found_inf, "found_inf", device);

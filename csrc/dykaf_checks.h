@@ -26,11 +26,20 @@ inline void check_dykaf_work(const at::Tensor& t, const std::string& name, const
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
 }
 
+// A 0-dim float64 tensor >= 0 (its value read where that costs no sync: on the CPU).
+inline void check_dykaf_scalar(const at::Tensor& t, const char* name, const at::Device& device) {
+  check_scalar_tensor(t, name, device, at::kDouble);
+  if (device.is_cpu()) {
+    const double v = t.item<double>();
+    TORCH_CHECK_VALUE(v >= 0, name, " must be >= 0, got ", v);
+  }
+}
+
 inline void check_dykaf_rank_one(at::TensorList ls, at::TensorList rs, at::TensorList gps,
-                                 const at::Tensor& beta2, double guard) {
+                                 const at::Tensor& beta2, const at::Tensor& guard) {
   check_dykaf_same_length(ls.size(), rs.size(), "r", "l");
   check_dykaf_same_length(ls.size(), gps.size(), "gp", "l");
-  TORCH_CHECK_VALUE(guard >= 0, "guard must be >= 0, got ", guard);
+  if (!gps.empty()) check_dykaf_scalar(guard, "guard", gps[0].device());
   for (size_t i = 0; i < gps.size(); ++i) {
     const std::string k = "[" + std::to_string(i) + "]";
     TORCH_CHECK_VALUE(gps[i].dim() == 2, "gp", k, " must be 2-D, got shape ", gps[i].sizes());
@@ -46,10 +55,10 @@ inline void check_dykaf_rank_one(at::TensorList ls, at::TensorList rs, at::Tenso
 }
 
 inline void check_dykaf_precondition(at::TensorList mps, at::TensorList ls, at::TensorList rs,
-                                     double guard) {
+                                     const at::Tensor& guard) {
   check_dykaf_same_length(mps.size(), ls.size(), "l", "mp");
   check_dykaf_same_length(mps.size(), rs.size(), "r", "mp");
-  TORCH_CHECK_VALUE(guard >= 0, "guard must be >= 0, got ", guard);
+  if (!mps.empty()) check_dykaf_scalar(guard, "guard", mps[0].device());
   for (size_t i = 0; i < mps.size(); ++i) {
     const std::string k = "[" + std::to_string(i) + "]";
     TORCH_CHECK_VALUE(mps[i].dim() == 2, "mp", k, " must be 2-D, got shape ", mps[i].sizes());
@@ -63,9 +72,10 @@ inline void check_dykaf_precondition(at::TensorList mps, at::TensorList ls, at::
 }
 
 inline void check_dykaf_adam_precondition(at::TensorList mps, at::TensorList vs, at::TensorList gps,
-                                          const at::Tensor& beta2, double eps) {
+                                          const at::Tensor& beta2, const at::Tensor& eps) {
   check_dykaf_same_length(mps.size(), vs.size(), "v", "mp");
   check_dykaf_same_length(mps.size(), gps.size(), "gp", "mp");
+  if (!mps.empty()) check_dykaf_scalar(eps, "eps", mps[0].device());
   for (size_t i = 0; i < mps.size(); ++i) {
     const std::string k = "[" + std::to_string(i) + "]";
     check_dykaf_work(mps[i], "mp" + k, mps[i]);
@@ -78,9 +88,9 @@ inline void check_dykaf_adam_precondition(at::TensorList mps, at::TensorList vs,
 }
 
 inline void check_dykaf_apply(at::TensorList params, at::TensorList updates, const at::Tensor& step_size,
-                              const at::Tensor& lr, double weight_decay, bool) {
+                              const at::Tensor& lr, const at::Tensor& weight_decay, bool) {
   check_dykaf_same_length(params.size(), updates.size(), "updates", "params");
-  TORCH_CHECK_VALUE(weight_decay >= 0, "weight_decay must be >= 0, got ", weight_decay);
+  if (!params.empty()) check_dykaf_scalar(weight_decay, "weight_decay", params[0].device());
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string k = "[" + std::to_string(i) + "]";
     TORCH_CHECK_TYPE(is_supported_float(params[i].scalar_type()), "params", k, " has dtype ",

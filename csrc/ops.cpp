@@ -47,8 +47,10 @@ TORCH_LIBRARY(cafin, m) {
       "int interval=1) -> ()",
       {at::Tag::pt2_compliant_tag});
   // Normalise the accumulated statistics and fold them into the factors; empties the statistics.
+  // gamma is a 0-dim float64 tensor (the coefficients 0.1 gamma and 0.01 gamma are formed in
+  // float64, as published).
   m.def(
-      "fisher_average_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!) skipped, float gamma, "
+      "fisher_average_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!) skipped, Tensor gamma, "
       "bool[] grad_side, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // SINGD step of a bucket of parameters whose layers have diagonal K and C: the natural gradient
@@ -66,10 +68,12 @@ TORCH_LIBRARY(cafin, m) {
   // SINGD preconditioner update, elementwise over the parts of structured factors (one list entry
   // per part; the GEMMs around it stay in torch). Where go[i]: m <- scale*(c_h*H + c_damp*pi*KtK
   // - I) + alpha1*m (m not read when alpha1 == 0), H <- 0; elsewhere nothing is written.
+  // c_h, c_damp, scale and alpha1 are 0-dim tensors of the op-math dtype; pi (1 or 2) is the
+  // projection's fold on the part, fixed by the structure.
   // eye: 0 no identity entry, 1 the diagonal of each [rows, cols] matrix, 2 every entry, 3 entry 0.
   m.def(
       "singd_momentum_(Tensor(a!)[] m, Tensor(b!)[] H, Tensor[] KtK, Tensor[] c_h, Tensor[] c_damp, "
-      "Tensor[] go, int[] eye, float[] pi, float[] scale, float[] alpha1) -> ()",
+      "Tensor[] go, int[] eye, int[] pi, Tensor[] scale, Tensor[] alpha1) -> ()",
       {at::Tag::pt2_compliant_tag});
   // Where go[i]: K <- K - beta*KM (KM = K m from a GEMM), or K <- K - beta*K*KM where elementwise.
   m.def(
@@ -92,23 +96,24 @@ TORCH_LIBRARY(cafin, m) {
       "kfac_precondition_apply_(Tensor(a!)[] weight_grads, Tensor(b!)[] bias_grads, Tensor[] precond, "
       "Tensor lr, Tensor? kl_clip=None) -> ()",
       {at::Tag::pt2_compliant_tag});
-  // DyKAF (semantics: cafin/reference/dykaf.py). The rank-one second moment l r^T of each rotated
-  // gradient gp (one projector-splitting step towards beta2 V + (1 - beta2) gp^2).
+  // DyKAF (semantics: cafin/reference/dykaf.py). Every scalar is a 0-dim float64 tensor.
+  // The rank-one second moment l r^T of each rotated gradient gp (one projector-splitting step
+  // towards beta2 V + (1 - beta2) gp^2).
   m.def(
-      "dykaf_rank_one_(Tensor(a!)[] l, Tensor(b!)[] r, Tensor[] gp, Tensor beta2, float guard) -> ()",
+      "dykaf_rank_one_(Tensor(a!)[] l, Tensor(b!)[] r, Tensor[] gp, Tensor beta2, Tensor guard) -> ()",
       {at::Tag::pt2_compliant_tag});
   // mp <- mp / (sqrt(l r^T) + guard), the denominator formed per element.
-  m.def("dykaf_precondition_(Tensor(a!)[] mp, Tensor[] l, Tensor[] r, float guard) -> ()",
+  m.def("dykaf_precondition_(Tensor(a!)[] mp, Tensor[] l, Tensor[] r, Tensor guard) -> ()",
         {at::Tag::pt2_compliant_tag});
   // v <- beta2 v + (1 - beta2) gp^2, mp <- mp / (sqrt(v) + eps).
   m.def(
       "dykaf_adam_precondition_(Tensor(a!)[] mp, Tensor(b!)[] v, Tensor[] gp, Tensor beta2, "
-      "float eps) -> ()",
+      "Tensor eps) -> ()",
       {at::Tag::pt2_compliant_tag});
   // theta <- theta - step_size * u (RMS-normalised when normalize), then theta <- theta - lr*wd*theta.
   m.def(
       "dykaf_apply_(Tensor(a!)[] params, Tensor[] updates, Tensor step_size, Tensor lr, "
-      "float weight_decay, bool normalize) -> ()",
+      "Tensor weight_decay, bool normalize) -> ()",
       {at::Tag::pt2_compliant_tag});
   // The factor split around its GEMMs, per matrix of [B, d, d] stacks (sigma [B]):
   // K <- unit(sigma L + K), M <- unit(sigma R + M); then S = sigma <L,U><R,V> + <U,C>,

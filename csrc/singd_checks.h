@@ -86,12 +86,11 @@ inline void check_singd_parts(at::TensorList out, at::TensorList in, const char*
 
 inline void check_singd_momentum(at::TensorList m, at::TensorList H, at::TensorList KtK,
                                  at::TensorList c_h, at::TensorList c_damp, at::TensorList go,
-                                 at::IntArrayRef eye, c10::ArrayRef<double> pi,
-                                 c10::ArrayRef<double> scale, c10::ArrayRef<double> alpha1) {
+                                 at::IntArrayRef eye, at::IntArrayRef pi, at::TensorList scale,
+                                 at::TensorList alpha1) {
   const size_t n = m.size();
-  TORCH_CHECK_VALUE(H.size() == n && KtK.size() == n && eye.size() == n && pi.size() == n &&
-                        scale.size() == n && alpha1.size() == n,
-                    "H, KtK, eye, pi, scale and alpha1 must have as many entries as m (", n, ")");
+  TORCH_CHECK_VALUE(H.size() == n && KtK.size() == n && eye.size() == n && pi.size() == n,
+                    "H, KtK, eye and pi must have as many entries as m (", n, ")");
   if (n == 0) return;
   const auto dtype = m[0].scalar_type();
   const auto device = m[0].device();
@@ -100,11 +99,14 @@ inline void check_singd_momentum(at::TensorList m, at::TensorList H, at::TensorL
     check_singd_parts(m, H, "m", "H", i, dtype, device);
     check_singd_parts(m, KtK, "m", "KtK", i, dtype, device);
     TORCH_CHECK_VALUE(eye[i] >= kEyeNone && eye[i] <= kEyeFirst, "eye[", i, "] must be 0..3, got ", eye[i]);
+    TORCH_CHECK_VALUE(pi[i] == 1 || pi[i] == 2, "pi[", i, "] must be 1 or 2, got ", pi[i]);
     TORCH_CHECK_VALUE(eye[i] != kEyeMatrixDiagonal || m[i].dim() >= 2, "eye[", i,
                       "] asks for a matrix diagonal but m[", i, "] has ", m[i].dim(), " dimensions");
   }
   check_singd_coefficients(c_h, "c_h", n, device, state_dtype(dtype));
   check_singd_coefficients(c_damp, "c_damp", n, device, state_dtype(dtype));
+  check_singd_coefficients(scale, "scale", n, device, state_dtype(dtype));
+  check_singd_coefficients(alpha1, "alpha1", n, device, state_dtype(dtype));
   check_singd_coefficients(go, "go", n, device, at::kBool);
 }
 

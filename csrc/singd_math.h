@@ -32,6 +32,30 @@ C10_HOST_DEVICE inline void singd_diag_element(T& theta, T& buf, T g, T k, T c,
   theta = theta + (-s.lr) * u;
 }
 
+// The per-element maths of singd_diag_step_ for the row-column skeletons (cpu/row_column.h,
+// cuda/row_column.cuh): R = C, C = K, the state is the momentum buffer (parameters' dtype).
+template <typename scalar_t_, typename opmath_t_, bool kMomentum>
+struct SingdDiagElement {
+  using scalar_t = scalar_t_;
+  using opmath_t = opmath_t_;
+  using state_t = scalar_t;
+  static constexpr bool kState = kMomentum;
+  using Coeffs = SingdCoeffs<opmath_t>;
+
+  // No factors: K = C = 1, which leaves the gradient exactly as it is.
+  static C10_HOST_DEVICE C10_ALWAYS_INLINE void plain(opmath_t& theta, opmath_t& buf, opmath_t g,
+                                                      const Coeffs& s) {
+    singd_diag_element<kMomentum>(theta, buf, g, opmath_t(1), opmath_t(1), s);
+  }
+
+  // No markers in SINGD's factors: kGuarded changes nothing.
+  template <bool kGuarded>
+  static C10_HOST_DEVICE C10_ALWAYS_INLINE void factored(opmath_t& theta, opmath_t& buf, opmath_t g,
+                                                         opmath_t c, opmath_t k, const Coeffs& s) {
+    singd_diag_element<kMomentum>(theta, buf, g, k, c, s);
+  }
+};
+
 // The preconditioner update of one structured factor, elementwise over its storage (the matrix
 // products around it stay in BLAS):
 //   m <- scale * (c_h * H + c_damp * (pi * KtK) - I) + alpha1 * m,   H <- 0

@@ -437,15 +437,16 @@ def _op_inputs(dtype, seed=0):
     Cs = [spd(2, 3), spd(1, 5)]
     sig = [mk(2).abs() + 0.5, mk(1).abs() + 0.5]
     return dict(gps=gps, ls=ls, rs=rs, mps=mps, vs=vs, params=params, beta2=scalar(0.93),
-                step_size=scalar(0.03), lr=scalar(0.01), Ks=Ks, Ms=Ms, Ls=Ls, Rs=Rs, Cs=Cs, sig=sig)
+                step_size=scalar(0.03), lr=scalar(0.01), no_guard=scalar(0.0), guard=scalar(1e-6), eps=scalar(1e-8),
+                weight_decay=scalar(0.1), Ks=Ks, Ms=Ms, Ls=Ls, Rs=Rs, Cs=Cs, sig=sig)
 
 
 def _op_calls(x):
     return {
-        "dykaf_rank_one_": (x["ls"], x["rs"], x["gps"], x["beta2"], 0.0),
-        "dykaf_precondition_": (x["mps"], x["ls"], x["rs"], 1e-6),
-        "dykaf_adam_precondition_": (x["mps"], x["vs"], x["gps"], x["beta2"], 1e-8),
-        "dykaf_apply_": (x["params"], x["mps"], x["step_size"], x["lr"], 0.1, True),
+        "dykaf_rank_one_": (x["ls"], x["rs"], x["gps"], x["beta2"], x["no_guard"]),
+        "dykaf_precondition_": (x["mps"], x["ls"], x["rs"], x["guard"]),
+        "dykaf_adam_precondition_": (x["mps"], x["vs"], x["gps"], x["beta2"], x["eps"]),
+        "dykaf_apply_": (x["params"], x["mps"], x["step_size"], x["lr"], x["weight_decay"], True),
         "dykaf_split_normalize_": (x["Ks"], x["Ms"], x["Ls"], x["Rs"], x["sig"]),
         "dykaf_split_scale_": (x["Ks"], x["Ms"], x["Ls"], x["Rs"], x["Cs"], x["sig"]),
     }

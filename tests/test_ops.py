@@ -100,6 +100,8 @@ UPDATE_SPECS = [
     ((6,), 6, 2, 1, 5.0, True),          # ... and bias
     ((2, 3), 6, 2, 0, 7.0, False),       # LayerNorm weight, normalised shape (2, 3)
     ((300, 301), 300, 301, 0, 100.0, False),  # several threads: a split inside a row
+    ((5, 6), 5, 6, 0, 2.0, False),       # S never updated, H updated: F = 1 throughout
+    ((9,), 9, 1, 0, 3.0, False),         # one element per row, one row never updated
     ((11, 13), 11, 13, 0, 4.0, False),   # factors never updated: S and H hold -1
 ]
 
@@ -127,6 +129,10 @@ def update_bucket(device, dtype, seed=0, specs=UPDATE_SPECS, scaled=False):
             if shape == (7, 5):
                 S[2] = -1.0  # a row never updated ...
                 H[3] = -1.0  # ... and a column
+            if shape == (5, 6):
+                S.fill_(-1.0)
+            if shape == (9,):
+                S[4] = -1.0
         fisher_S.append(S)
         fisher_H.append(H)
         offsets.append(offset)
@@ -616,7 +622,8 @@ def norm_grad_args():
 def average_args():
     g = gen(18)
     return dict(factors=[rand(g, 3), rand(g, 4)], stats=[rand(g, 4), rand(g, 5)], skipped=torch.tensor(0.0),
-                gamma=0.8, grad_side=[False, True], grad_scale=torch.tensor(2.0), found_inf=torch.tensor(0.0))
+                gamma=torch.tensor(0.8, dtype=torch.float64), grad_side=[False, True], grad_scale=torch.tensor(2.0),
+                found_inf=torch.tensor(0.0))
 
 
 def put(key, index=None, value=None, fn=None):
@@ -723,7 +730,7 @@ ERRORS = [
      r"norm_grad_stats_: the gradient is empty", True),
     ("average-lengths", "fisher_average_", average_args, put("grad_side", value=[False]), ValueError,
      r"factors, stats and grad_side must have one entry each, got 2, 2, 1", True),
-    ("average-gamma", "fisher_average_", average_args, put("gamma", value=0.0), ValueError,
+    ("average-gamma", "fisher_average_", average_args, put("gamma", value=torch.tensor(0.0, dtype=torch.float64)), ValueError,
      r"gamma must be in \(0, 10\]", True),
     ("average-skipped-dtype", "fisher_average_", average_args,
      put("skipped", value=torch.tensor(0.0, dtype=torch.float64)), TypeError, r"skipped has dtype", True),

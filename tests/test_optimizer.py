@@ -921,3 +921,67 @@ def test_nan_statistic_never_reaches_a_factor(backend):
         for key, value in kept.items():
             assert torch.isfinite(st[key]).all() and not torch.equal(st[key], value)
     assert opt.skipped_factor_updates == 4
+
+
+# ----------------------------------------------------------------------------------- kept between steps
+def _one_step(model, opt):
+    opt.zero_grad()
+    model(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+
+
+def test_a_bad_value_written_in_place_between_steps_is_refused_before_any_write():
+    """The step keeps what it checked; a hyperparameter tensor written in place (a new version)
+    is checked again, and the step refuses it with nothing written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = AdaFisher(model, lr=torch.tensor(1e-2), TCov=1)
+    _one_step(model, opt)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"].fill_(-1.0)
+    opt.zero_grad()
+    model(torch.randn(4, 6)).square().sum().backward()
+    with pytest.raises(ValueError, match="lr"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.param_groups[0]["lr"].fill_(1e-2)
+    opt.step()
+    assert not all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_an_edited_parameter_list_is_followed():
+    """A group's parameter list edited between steps (a parameter dropped) is what the next
+    step updates: the dropped parameter stays as it is, the others move."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _one_step(model, opt)
+    dropped = opt.param_groups[0]["params"].pop()
+    kept = dropped.detach().clone()
+    others = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    _one_step(model, opt)
+    assert torch.equal(dropped, kept)
+    assert all(not torch.equal(p, b) for p, b in zip(opt.param_groups[0]["params"], others))
+
+
+def test_a_loaded_checkpoint_is_stepped_from_its_own_state():
+    """After load_state_dict (new state tensors) the step reads and writes the loaded ones: two
+    optimizers loaded from one checkpoint take the same step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _one_step(model, opt)
+    twin = copy.deepcopy(model)
+    twin_opt = AdaFisher(twin, lr=1e-2, TCov=1)
+    _one_step(twin, twin_opt)  # its kept step tensors must give way to the loaded state
+    twin.load_state_dict(model.state_dict())
+    twin_opt.load_state_dict(opt.state_dict())
+    x = torch.randn(4, 6)
+    for m, o in ((model, opt), (twin, twin_opt)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(opt.state[p]["exp_avg"], twin_opt.state[q]["exp_avg"])

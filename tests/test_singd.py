@@ -672,7 +672,8 @@ def test_preconditioner_update_ops_match_unfused(device, name, dtype, alpha1):
                 flag = torch.tensor(go, device=device)
                 n = len(k)
                 impl.singd_momentum_(m, h, list(raw), [c_h] * n, [c_d] * n, [flag] * n,
-                                     list(cls.eye_kinds(d)), list(pi), [0.5] * n, [alpha1] * n)
+                                     list(cls.eye_kinds(d)), list(pi), [c_h.new_tensor(0.5)] * n,
+                                     [c_h.new_tensor(alpha1)] * n)
                 km, elementwise = cls.product_parts(tuple(k), tuple(m))
                 impl.singd_factor_step_(k, list(km), [beta] * n, [flag] * n, list(elementwise))
                 if not go:
@@ -689,10 +690,12 @@ def test_preconditioner_update_ops_errors_write_nothing(device):
     raw, pi = cls.inner_parts(K)
     n, go = len(K), torch.tensor(True, device=device)
     m, h = [t.clone() for t in m_old], [t.clone() for t in H]
-    args = [m, h, list(raw), [c_h] * n, [c_d] * n, [go] * n, list(cls.eye_kinds(40)), list(pi), [0.5] * n, [0.5] * n]
+    args = [m, h, list(raw), [c_h] * n, [c_d] * n, [go] * n, list(cls.eye_kinds(40)), list(pi),
+            [c_h.new_tensor(0.5)] * n, [c_h.new_tensor(0.5)] * n]
     for i, bad, match in [(2, list(raw[:-1]), "KtK"), (3, [c_h.double()] * n, "c_h"),
                           (5, [go.float()] * n, "go"), (2, [r.double() for r in raw], "dtype"),
-                          (6, [5] * n, "eye"), (2, [r.T if r.dim() == 2 else r for r in raw], "shape|contiguous")]:
+                          (6, [5] * n, "eye"), (7, [3] * n, "pi"), (8, [0.5] * n, "scale"),
+                          (9, [c_h.double()] * n, "alpha1"), (2, [r.T if r.dim() == 2 else r for r in raw], "shape|contiguous")]:
         with pytest.raises((ValueError, TypeError), match=match):
             cafin.ops.singd_momentum_(*(args[:i] + [bad] + args[i + 1:]))
     assert all(torch.equal(a, b) for a, b in zip(m + h, list(m_old) + list(H)))
@@ -720,7 +723,8 @@ class TestSingdOps:
         raw = [raw[0].detach().requires_grad_(True)] + list(raw[1:])  # the autograd check needs one
         cafin.ops.singd_momentum_([t.clone() for t in m_old], [t.clone() for t in H], list(raw),
                                   [c_h] * n, [c_d] * n, [torch.tensor(True)] * n,
-                                  list(cls.eye_kinds(33)), list(pi), [0.5] * n, [0.5] * n)
+                                  list(cls.eye_kinds(33)), list(pi), [c_h.new_tensor(0.5)] * n,
+                                  [c_h.new_tensor(0.5)] * n)
 
     def test_singd_factor_step_(self):
         cls, K, m_old, H, c_h, c_d, beta = update_case("hierarchical15_15", 33, torch.float32, "cpu", 0.5)

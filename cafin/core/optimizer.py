@@ -29,6 +29,15 @@ class _Called:
     value = False
 
 
+def _version_of(value: Any) -> tuple | None:
+    """The version counters of a tensor hyperparameter (a tensor, or a tuple of them): what a
+    write in place changes. None for anything else (numbers are checked every step)."""
+    items = value if isinstance(value, tuple) else (value,)
+    if not all(isinstance(t, torch.Tensor) and not t.is_inference() for t in items):
+        return None
+    return tuple(t._version for t in items)
+
+
 # ------------------------------------------------------------------------------ the optimizer base
 class CoreOptimizer(torch.optim.Optimizer):
     """What every member that is a torch optimizer shares, model or not: validated param groups
@@ -50,6 +59,8 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
         self._ones: dict[tuple, torch.Tensor] = {}
+        # (id(group), name) -> (value, version) of the hyperparameters that passed `_check_group`
+        self._live_checked: dict[tuple, tuple] = {}
         self._called = _Called()
         super().__init__(params, defaults)
 
@@ -139,21 +150,36 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         """Everything the kernels would reject, in what a user or a schedule may have changed
-        since the group was added."""
+        since the group was added. A hyperparameter tensor that passed is not read again until
+        it changes (another object, or a write bumped its version counter)."""
+        eager = not torch.compiler.is_compiling()
         for name, rule in self._rules.items():
+            value = group[name]
+            version = _version_of(value) if eager else None
+            if version is not None:
+                seen = self._live_checked.get((id(group), name))
+                if seen is not None and seen[0] is value and seen[1] == version:
+                    continue
             try:
-                rule.check_live(group[name], name)
+                rule.check_live(value, name)
             except (TypeError, ValueError) as e:
                 raise type(e)(f"param group {index}: {e}") from None
+            if version is not None:
+                self._live_checked[(id(group), name)] = (value, version)
+        owner, contiguous = type(self).__name__, self.contiguous_params
         for p in group["params"]:
-            if p.grad is None:
+            grad = p.grad
+            if grad is None:
+                continue
+            # One test for the usual case; the message (and its shape string) only for a bad one.
+            if not (grad.is_sparse or grad.shape != p.shape or grad.dtype != p.dtype
+                    or grad.device != p.device or (contiguous and not p.is_contiguous())):
                 continue
             where = f"param group {index}, parameter of shape {tuple(p.shape)}"
-            check_gradient(p, type(self).__name__, where)
-            if self.contiguous_params and not p.is_contiguous():
-                raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
-                                 "channels_last after the optimizer was built); cafin needs "
-                                 "contiguous parameters")
+            check_gradient(p, owner, where)
+            raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
+                             "channels_last after the optimizer was built); cafin needs "
+                             "contiguous parameters")
 
     def _hyperparameter(self, group: dict[str, Any], name: str, device: torch.device,
                         work: torch.dtype):

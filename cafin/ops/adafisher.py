@@ -198,19 +198,22 @@ def _norm_grad_stats_fake(stat, g, start_dim, end_dim, step=None, interval=1):
 
 # ----------------------------------------------------------------------------------- factors
 def fisher_average_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tensor],
-                    skipped: torch.Tensor, gamma: float, grad_side: Sequence[bool],
+                    skipped: torch.Tensor, gamma: torch.Tensor | float, grad_side: Sequence[bool],
                     grad_scale: torch.Tensor | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
     """For every statistic with contributions: normalise its mean and fold it into the factor
     (F <- 0.1*gamma*F + 0.01*gamma*z_hat; ones the first time); NaN drops it and counts in
-    `skipped`. Every statistic is emptied."""
+    `skipped`. Every statistic is emptied. gamma is a 0-dim float64 tensor on the factors' device
+    (a number is accepted)."""
     n = len(factors)
     _check(len(stats) == n and len(grad_side) == n,
            f"factors, stats and grad_side must have one entry each, got {n}, {len(stats)}, {len(grad_side)}")
-    _check(0.0 < gamma <= 10.0, f"gamma must be in (0, 10], got {gamma}")
     if n == 0:
+        if isinstance(gamma, (int, float)) and not isinstance(gamma, bool):
+            _check(0.0 < gamma <= 10.0, f"gamma must be in (0, 10], got {gamma}")
         return
     device = factors[0].device
+    gamma = _hyperparameter(gamma, "gamma", device, torch.float64, lambda v: 0.0 < v <= 10.0, "in (0, 10]")
     _check_scalar_tensor(skipped, "skipped", device, torch.float32)
     if grad_scale is not None:
         _check_scalar_tensor(grad_scale, "grad_scale", device, torch.float32)

@@ -29,6 +29,18 @@ def _scalar(t, name: str, device: torch.device) -> None:
     _check(t.device == device, f"{name} is on {t.device}, expected {device}")
 
 
+def _nonnegative(value, name: str, device: torch.device) -> torch.Tensor:
+    """A 0-dim float64 tensor on `device` holding a value >= 0 (a number is checked and wrapped;
+    a tensor's value is checked where that costs no sync: on the CPU)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check(value >= 0, f"{name} must be >= 0, got {value}")
+        return torch.tensor(float(value), dtype=torch.float64, device=device)
+    _scalar(value, name, device)
+    if value.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check(float(value) >= 0, f"{name} must be >= 0, got {float(value)}")
+    return value
+
+
 def _work(t, name: str, like: torch.Tensor) -> None:
     _check(t.dtype in (torch.float32, torch.float64), f"{name} must be float32 or float64, got {t.dtype}",
            TypeError)
@@ -38,10 +50,13 @@ def _work(t, name: str, like: torch.Tensor) -> None:
 
 
 def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Sequence[torch.Tensor],
-                    beta2: torch.Tensor, guard: float = 0.0) -> None:
-    """One projector-splitting step of the rank-one second moment l r^T; writes l and r."""
+                    beta2: torch.Tensor, guard: torch.Tensor | float = 0.0) -> None:
+    """One projector-splitting step of the rank-one second moment l r^T; writes l and r. beta2
+    and guard (>= 0; a number is accepted) are 0-dim float64 tensors on gp's device."""
     _lengths("l", len(l), r=r, gp=gp)
-    _check(guard >= 0, f"guard must be >= 0, got {guard}")
+    if not gp:
+        return
+    guard = _nonnegative(guard, "guard", gp[0].device)
     for i, (li, ri, g) in enumerate(zip(l, r, gp)):
         _check(g.dim() == 2, f"gp[{i}] must be 2-D, got shape {tuple(g.shape)}")
         _work(g, f"gp[{i}]", g)
@@ -51,14 +66,17 @@ def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Se
         _check(ri.numel() == g.shape[1], f"r[{i}] has {ri.numel()} entries, expected {g.shape[1]}")
         _scalar(beta2, "beta2", g.device)
     if l:
-        torch.ops.cafin.dykaf_rank_one_(list(l), list(r), list(gp), beta2, float(guard))
+        torch.ops.cafin.dykaf_rank_one_(list(l), list(r), list(gp), beta2, guard)
 
 
 def dykaf_precondition_(mp: Sequence[torch.Tensor], l: Sequence[torch.Tensor],
-                        r: Sequence[torch.Tensor], guard: float = 0.0) -> None:
-    """mp <- mp / (sqrt(l r^T) + guard); writes mp."""
+                        r: Sequence[torch.Tensor], guard: torch.Tensor | float = 0.0) -> None:
+    """mp <- mp / (sqrt(l r^T) + guard); writes mp. guard (>= 0; a number is accepted) is a 0-dim
+    float64 tensor on mp's device."""
     _lengths("mp", len(mp), l=l, r=r)
-    _check(guard >= 0, f"guard must be >= 0, got {guard}")
+    if not mp:
+        return
+    guard = _nonnegative(guard, "guard", mp[0].device)
     for i, (x, li, ri) in enumerate(zip(mp, l, r)):
         _check(x.dim() == 2, f"mp[{i}] must be 2-D, got shape {tuple(x.shape)}")
         _work(x, f"mp[{i}]", x)
@@ -68,13 +86,18 @@ def dykaf_precondition_(mp: Sequence[torch.Tensor], l: Sequence[torch.Tensor],
                f"l[{i}] and r[{i}] must have {x.shape[0]} and {x.shape[1]} entries, "
                f"got {li.numel()} and {ri.numel()}")
     if mp:
-        torch.ops.cafin.dykaf_precondition_(list(mp), list(l), list(r), float(guard))
+        torch.ops.cafin.dykaf_precondition_(list(mp), list(l), list(r), guard)
 
 
 def dykaf_adam_precondition_(mp: Sequence[torch.Tensor], v: Sequence[torch.Tensor],
-                             gp: Sequence[torch.Tensor], beta2: torch.Tensor, eps: float) -> None:
-    """v <- beta2 v + (1-beta2) gp^2, mp <- mp / (sqrt(v) + eps); writes mp and v."""
+                             gp: Sequence[torch.Tensor], beta2: torch.Tensor,
+                             eps: torch.Tensor | float) -> None:
+    """v <- beta2 v + (1-beta2) gp^2, mp <- mp / (sqrt(v) + eps); writes mp and v. beta2 and eps
+    (>= 0; a number is accepted) are 0-dim float64 tensors on mp's device."""
     _lengths("mp", len(mp), v=v, gp=gp)
+    if not mp:
+        return
+    eps = _nonnegative(eps, "eps", mp[0].device)
     for i, (x, vi, g) in enumerate(zip(mp, v, gp)):
         _work(x, f"mp[{i}]", x)
         _work(vi, f"v[{i}]", x)
@@ -83,15 +106,19 @@ def dykaf_adam_precondition_(mp: Sequence[torch.Tensor], v: Sequence[torch.Tenso
                f"v[{i}] and gp[{i}] must have mp[{i}]'s shape {tuple(x.shape)}")
         _scalar(beta2, "beta2", x.device)
     if mp:
-        torch.ops.cafin.dykaf_adam_precondition_(list(mp), list(v), list(gp), beta2, float(eps))
+        torch.ops.cafin.dykaf_adam_precondition_(list(mp), list(v), list(gp), beta2, eps)
 
 
 def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
-                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay: float,
+                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay: torch.Tensor | float,
                  normalize: bool) -> None:
-    """theta <- theta - step_size * u (RMS-normalised when normalize), then decoupled decay."""
+    """theta <- theta - step_size * u (RMS-normalised when normalize), then decoupled decay.
+    step_size, lr and weight_decay (>= 0; a number is accepted) are 0-dim float64 tensors on the
+    parameters' device."""
     _lengths("params", len(params), updates=updates)
-    _check(weight_decay >= 0, f"weight_decay must be >= 0, got {weight_decay}")
+    if not params:
+        return
+    weight_decay = _nonnegative(weight_decay, "weight_decay", params[0].device)
     for i, (p, u) in enumerate(zip(params, updates)):
         _check(p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
                f"params[{i}] has dtype {p.dtype}", TypeError)
@@ -104,8 +131,8 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         _scalar(step_size, "step_size", p.device)
         _scalar(lr, "lr", p.device)
     if params:
-        torch.ops.cafin.dykaf_apply_(list(params), list(updates), step_size, lr,
-                                     float(weight_decay), bool(normalize))
+        torch.ops.cafin.dykaf_apply_(list(params), list(updates), step_size, lr, weight_decay,
+                                     bool(normalize))
 
 
 @torch.library.register_fake("cafin::dykaf_rank_one_")

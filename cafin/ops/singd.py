@@ -45,18 +45,23 @@ def _singd_diag_step_fake(params, grads, momentum_buffers, K, C, k_offsets, lr, 
 
 def singd_momentum_(m: Sequence[torch.Tensor], H: Sequence[torch.Tensor], KtK: Sequence[torch.Tensor],
                     c_h: Sequence[torch.Tensor], c_damp: Sequence[torch.Tensor],
-                    go: Sequence[torch.Tensor], eye: Sequence[int], pi: Sequence[float],
-                    scale: Sequence[float], alpha1: Sequence[float]) -> None:
+                    go: Sequence[torch.Tensor], eye: Sequence[int], pi: Sequence[int],
+                    scale: Sequence[torch.Tensor], alpha1: Sequence[torch.Tensor]) -> None:
     """The Riemannian momentum of structured factors, one entry per stored part, in place: where
     go[i] (a 0-dim bool tensor: the update is written), m <- scale*(c_h*H + c_damp*pi*KtK - I)
     + alpha1*m and H <- 0 (m is not read when alpha1 == 0); elsewhere nothing is written.
     eye[i] says where the identity's ones are (0 none, 1 each matrix's diagonal, 2 every entry,
-    3 entry 0). c_h, c_damp are 0-dim tensors of the parts' op-math dtype."""
+    3 entry 0); pi[i] (1 or 2) is the projection's fold on the part. c_h, c_damp, scale and alpha1
+    are 0-dim tensors of the parts' op-math dtype."""
     if len(m) == 0:
         return
+    for name, values in (("c_h", c_h), ("c_damp", c_damp), ("scale", scale), ("alpha1", alpha1)):
+        for i, value in enumerate(values):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name}[{i}] must be a 0-dim Tensor, got {type(value).__name__}")
     torch.ops.cafin.singd_momentum_(list(m), list(H), list(KtK), list(c_h), list(c_damp), list(go),
-                                    [int(e) for e in eye], [float(p) for p in pi],
-                                    [float(s) for s in scale], [float(a) for a in alpha1])
+                                    [int(e) for e in eye], [int(p) for p in pi], list(scale),
+                                    list(alpha1))
 
 
 def singd_factor_step_(K: Sequence[torch.Tensor], KM: Sequence[torch.Tensor],

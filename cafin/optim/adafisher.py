@@ -14,8 +14,9 @@ average and update rule.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
@@ -159,6 +160,7 @@ class AdaFisher(CurvatureOptimizer):
                 state.update(self._new_factors(layer))
         self._hooks = Hooks(self, self._curvature)
         self._ranks_checked = False
+        self._step_tensors: dict[int, _StepTensors] = {}  # rebuilt: layers or state may be new
 
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         work = state_dtype(p.dtype)
@@ -203,42 +205,68 @@ class AdaFisher(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
-        """Collect one group's tensors (torch.compile runs this eagerly and marks them static)."""
-        for p in group["params"]:
-            if p.grad is None:
+        """Collect one group's tensors (torch.compile runs this eagerly and marks them static):
+        the gradients at every step, the rest from the group's `_StepTensors` when kept."""
+        kept = self._step_tensors_of(group)
+        current = [p.grad for p in group["params"]]
+        outputs = (params, exp_avgs, steps, fisher_S, fisher_H, h_offsets)
+        if kept is not None and all(g is not None for g in current):  # the usual step: whole lists
+            grads += [g if g.is_contiguous() else g.contiguous() for g in current]
+            for lst, column in zip(outputs, kept.columns):
+                lst += column
+            return False
+        entries = kept.entries if kept is not None else [self._step_entry(p) for p in group["params"]]
+        for grad, entry in zip(current, entries):
+            if grad is None:
                 continue
-            state = self.state[p]
-            # FSDP2: the kernels update the local shard (views, so the DTensors see the writes).
-            grad = local(p.grad)
-            params.append(local(p))
+            grad = local(grad)  # FSDP2: the kernels update the local shard
             grads.append(grad if grad.is_contiguous() else grad.contiguous())
-            exp_avgs.append(local(state["exp_avg"]))
-            steps.append(state["step"])
-            owner = self._owner.get(p)
-            if owner is None:
-                empty = self._empty(p)
-                fisher_S.append(empty)
-                fisher_H.append(empty)
-                h_offsets.append(0)
-            else:
-                record, offset, transposed = owner
-                anchor_state = self.state[record.anchor]
-                # The update op computes F~[r, c] = first[r] * second[offset + c]: S then H, or,
-                # for a parameter stored with its rows on the activation side, its rows of H
-                # then S.
-                first, second = anchor_state["fisher_S"], anchor_state["fisher_H"]
-                if transposed:
-                    first, second = second[offset:offset + p.shape[0]], first
-                    offset = 0
-                if is_sharded(p):  # a shard holds rows [start, stop) of F~: their rows of `first`
-                    start, stop = rows(p)
-                    first = first[start:stop]
-                    if start == stop:  # an empty shard: nothing to precondition
-                        first = second = self._empty(p)
-                fisher_S.append(first)
-                fisher_H.append(second)
-                h_offsets.append(offset)
+            for lst, value in zip(outputs, entry):
+                lst.append(value)
         return False
+
+    def _step_entry(self, p: torch.Tensor) -> tuple:
+        """What the step reads for parameter p besides its gradient: (p, exp_avg, step, S, H,
+        h_offset), local shards for FSDP2 (views, so the DTensors see the writes)."""
+        state = self.state[p]
+        owner = self._owner.get(p)
+        if owner is None:
+            empty = self._empty(p)
+            return local(p), local(state["exp_avg"]), state["step"], empty, empty, 0
+        record, offset, transposed = owner
+        anchor_state = self.state[record.anchor]
+        # The update op computes F~[r, c] = first[r] * second[offset + c]: S then H, or, for a
+        # parameter stored with its rows on the activation side, its rows of H then S (views:
+        # the factors are updated in place, so kept entries stay current).
+        first, second = anchor_state["fisher_S"], anchor_state["fisher_H"]
+        if transposed:
+            first, second = second[offset:offset + p.shape[0]], first
+            offset = 0
+        if is_sharded(p):  # a shard holds rows [start, stop) of F~: their rows of `first`
+            start, stop = rows(p)
+            first = first[start:stop]
+            if start == stop:  # an empty shard: nothing to precondition
+                first = second = self._empty(p)
+        return local(p), local(state["exp_avg"]), state["step"], first, second, offset
+
+    def _step_tensors_of(self, group) -> "_StepTensors | None":
+        """The group's `_step_entry`s, kept from step to step. They change only with the group's
+        parameter list (compared here, by identity) and in `_attach` (a new group, a checkpoint
+        load), which drops them all. Not kept for sharded (FSDP2) parameters, whose local shards
+        are taken at each step, nor while compiling."""
+        if torch.compiler.is_compiling():
+            return None
+        params = group["params"]
+        kept = self._step_tensors.get(id(group))
+        if (kept is not None and kept.group is group and len(kept.params) == len(params)
+                and all(map(operator.is_, params, kept.params))):
+            return kept
+        if any(is_sharded(p) for p in params):
+            return None
+        entries = [self._step_entry(p) for p in params]
+        kept = _StepTensors(group, list(params), entries, [list(c) for c in zip(*entries)] or [[]] * 6)
+        self._step_tensors[id(group)] = kept
+        return kept
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.device, state_dtype(p.dtype))
@@ -255,7 +283,8 @@ class AdaFisher(CurvatureOptimizer):
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
         watch = device.type == "cpu" and not torch.compiler.is_compiling()
         before = float(skipped) if watch else 0.0
-        self._impl.fisher_average_(factors, stats, skipped, self.gamma, grad_side,
+        gamma = self._as_tensor(self.gamma, device, torch.float64)
+        self._impl.fisher_average_(factors, stats, skipped, gamma, grad_side,
                                    on(grad_scale, device), on(found_inf, device))
         if watch and float(skipped) > before:
             warnings.warn(f"{type(self).__name__}: {int(float(skipped) - before)} curvature "
@@ -326,7 +355,11 @@ class AdaFisher(CurvatureOptimizer):
         for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
+            devices = [] if torch.compiler.is_compiling() else self._steps.devices()
+            if len(devices) == 1:  # eager: one add of one tensor, no list of it per parameter
+                torch._foreach_add_(steps, self._steps.one(devices[0]))
+            else:
+                torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
             buckets: dict[tuple, list[int]] = {}
             for i, p in enumerate(params):
                 buckets.setdefault((p.device, p.dtype), []).append(i)
@@ -403,6 +436,14 @@ AdaFisher.__doc__ = (
     """
     + _ADAFISHER_ARGS
 )
+
+
+class _StepTensors(NamedTuple):
+    """A group's `_step_entry`s, kept while its parameter list stays the same objects."""
+    group: dict
+    params: list
+    entries: list  # per parameter
+    columns: list  # per kind: the parameters, exp_avgs, steps, fisher_S, fisher_H, h_offsets
 
 
 class _BetaMirror(tuple):

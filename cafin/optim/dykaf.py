@@ -53,7 +53,7 @@ class DyKAF(CoreOptimizer):
         # The rank-one moment starts at eps * 1 (0 would make it 0/0) and eps is the full second
         # moment's epsilon: > 0 and finite.
         "eps": Real(0.0, inf, low_open=True, high_open=True, tensor=False),
-        "weight_decay": Real(0.0, inf, high_open=True, tensor=False),  # the kernel takes a number
+        "weight_decay": Real(0.0, inf, high_open=True, tensor=False),
         "precondition_frequency": Int(1),
         "max_precond_dim": Int(1),
         "merge_dims": Flag(),
@@ -328,12 +328,14 @@ class DyKAF(CoreOptimizer):
         full = [i for i, st in enumerate(states) if "l" not in st]
         if rank_one:
             ls, rs = [states[i]["l"] for i in rank_one], [states[i]["r"] for i in rank_one]
-            impl.dykaf_rank_one_(ls, rs, [rotated[i] for i in rank_one], beta2, self.rank_one_eps)
-            impl.dykaf_precondition_([moments[i] for i in rank_one], ls, rs, self.rank_one_eps)
+            guard = self._as_tensor(self.rank_one_eps, ls[0].device, torch.float64)
+            impl.dykaf_rank_one_(ls, rs, [rotated[i] for i in rank_one], beta2, guard)
+            impl.dykaf_precondition_([moments[i] for i in rank_one], ls, rs, guard)
         if full:
             impl.dykaf_adam_precondition_([moments[i] for i in full],
                                           [states[i]["exp_avg_sq"] for i in full],
-                                          [rotated[i] for i in full], beta2, float(group["eps"]))
+                                          [rotated[i] for i in full], beta2,
+                                          self._as_tensor(group["eps"], moments[full[0]].device, torch.float64))
 
     def _rotate_back(self, group, params, states, moments, stacks, stacked_moments, alone) -> list:
         """The preconditioned moments rotated back out of the eigenbases: the updates."""
@@ -365,8 +367,9 @@ class DyKAF(CoreOptimizer):
             # contiguous copy, copied back.
             targets = [params[i] for i in idx]
             flat = [p if p.is_contiguous() else p.contiguous() for p in targets]
-            impl.dykaf_apply_(flat, [updates[i] for i in idx], step_size, lr,
-                              float(group["weight_decay"]), bool(group["normalize_grads"]))
+            weight_decay = self._as_tensor(group["weight_decay"], flat[0].device, torch.float64)
+            impl.dykaf_apply_(flat, [updates[i] for i in idx], step_size, lr, weight_decay,
+                              bool(group["normalize_grads"]))
             for p, q in zip(targets, flat):
                 if q is not p:
                     p.copy_(q)

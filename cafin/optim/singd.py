@@ -533,6 +533,8 @@ class SINGD(CurvatureOptimizer):
             scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
             (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
             wk, wc = _work_dtype(dk), _work_dtype(dc)
+            scale_k, scale_c = self._as_tensor(scale, device, wk), self._as_tensor(scale, device, wc)
+            alpha1_k, alpha1_c = self._as_tensor(alpha1, device, wk), self._as_tensor(alpha1, device, wc)
             damping_k = self._hyperparameter(group, "damping", device, wk)
             damping_c = self._hyperparameter(group, "damping", device, wc)
             if group["kfac_like"]:
@@ -544,13 +546,14 @@ class SINGD(CurvatureOptimizer):
                 cc = (c_g * sk.average_trace(H_K)).to(wc)
                 dmp_c = damping_c * sk.average_trace(K_tK)
             due, commit = self._due_and_commit(layer, due_host, H_K + H_C)
-            for kind, d, dtype, m, h, ktk, pi, c_h, c_d in (
-                    (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk)),
-                    (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc))):
+            for kind, d, dtype, m, h, ktk, pi, c_h, c_d, s, a1 in (
+                    (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk), scale_k, alpha1_k),
+                    (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc), scale_c, alpha1_c)):
                 lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
                 n = len(m)
                 for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [commit] * n,
-                                               kind.eye_kinds(d), pi, [scale] * n, [alpha1] * n)):
+                                               kind.eye_kinds(d), [int(p) for p in pi], [s] * n,
+                                               [a1] * n)):
                     lst.extend(values)
             pending.append(_PendingUpdate(layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, commit,
                                         device, H_K, H_C, due, due_host))

@@ -12,23 +12,27 @@ import torch
 
 
 # ----------------------------------------------------------------------------------- rank-one moment
-def _unit(x: torch.Tensor, norm: torch.Tensor, guard: float) -> torch.Tensor:
-    """x / ||x||; with the guard on, a collapsed (zero) vector becomes the uniform direction, so the
-    moment can grow back from later gradients instead of staying 0 (or turning NaN) for good."""
-    if guard <= 0.0:
-        return x / norm
+def _scalar(value, like: torch.Tensor) -> torch.Tensor:
+    """A number or a 0-dim tensor as a 0-dim float64 tensor on `like`'s device."""
+    return torch.as_tensor(value, dtype=torch.float64, device=like.device)
+
+
+def _unit(x: torch.Tensor, norm: torch.Tensor, guard: torch.Tensor) -> torch.Tensor:
+    """x / ||x||; with the guard on (> 0), a collapsed (zero) vector becomes the uniform direction,
+    so the moment can grow back from later gradients instead of staying 0 (or turning NaN) for good."""
     uniform = torch.full_like(x, x.numel() ** -0.5)
-    return torch.where(norm > 0, x / torch.where(norm > 0, norm, torch.ones_like(norm)), uniform)
+    return torch.where((guard > 0) & ~(norm > 0), uniform, x / norm)
 
 
 def dykaf_rank_one_(ls: Sequence[torch.Tensor], rs: Sequence[torch.Tensor],
-                    gps: Sequence[torch.Tensor], beta2: torch.Tensor, guard: float = 0.0) -> None:
+                    gps: Sequence[torch.Tensor], beta2: torch.Tensor, guard=0.0) -> None:
     """One step of the rank-one second moment V = l r^T towards beta2*V + (1-beta2)*gp^2, by the
     parallel projector-splitting step (l and r updated from the previous unit vectors):
       l' = unit(beta2 |l||r| l^ + (1-beta2) gp^2 r^),  r' = unit(beta2 |l||r| r^ + (1-beta2) (gp^2)^T l^),
       c = beta2 (l'.l^)(r'.r^) |l||r| + (1-beta2) l'^T gp^2 r',  l, r <- sqrt(c) l', sqrt(c) r'.
     ls[i] has gps[i].shape[0] entries, rs[i] gps[i].shape[1]. guard > 0: see `_unit`."""
     for l, r, gp in zip(ls, rs, gps):
+        guard = _scalar(guard, l)
         b = beta2.to(l.dtype)
         sq = gp.square()
         l_norm, r_norm = l.norm(), r.norm()
@@ -46,27 +50,26 @@ def dykaf_rank_one_(ls: Sequence[torch.Tensor], rs: Sequence[torch.Tensor],
 
 
 def dykaf_precondition_(mps: Sequence[torch.Tensor], ls: Sequence[torch.Tensor],
-                        rs: Sequence[torch.Tensor], guard: float = 0.0) -> None:
+                        rs: Sequence[torch.Tensor], guard=0.0) -> None:
     """mp <- mp / (sqrt(l r^T) + guard), the denominator formed per element, never stored.
     guard = 0 is the published rule (no epsilon)."""
     for mp, l, r in zip(mps, ls, rs):
         denom = (l[:, None] * r[None, :]).sqrt()
-        if guard > 0.0:
-            denom = denom + guard
-        mp.div_(denom)
+        guard = _scalar(guard, mp)
+        mp.div_(torch.where(guard > 0, denom + guard.to(denom.dtype), denom))
 
 
 def dykaf_adam_precondition_(mps: Sequence[torch.Tensor], vs: Sequence[torch.Tensor],
-                             gps: Sequence[torch.Tensor], beta2: torch.Tensor, eps: float) -> None:
+                             gps: Sequence[torch.Tensor], beta2: torch.Tensor, eps) -> None:
     """The full second moment: v <- beta2 v + (1-beta2) gp^2, then mp <- mp / (sqrt(v) + eps)."""
     for mp, v, gp in zip(mps, vs, gps):
         b = beta2.to(v.dtype)
         v.mul_(b).add_(gp.square() * (1 - b))
-        mp.div_(v.sqrt().add_(eps))
+        mp.div_(v.sqrt().add_(_scalar(eps, v).to(v.dtype)))
 
 
 def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor],
-                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay: float,
+                 step_size: torch.Tensor, lr: torch.Tensor, weight_decay,
                  normalize: bool) -> None:
     """theta <- theta - step_size * u (u / (1e-30 + rms(u)) when normalize), then decoupled decay
     on the updated theta: theta <- theta - lr*weight_decay*theta (skipped when weight_decay is 0)."""
@@ -75,8 +78,9 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
         if normalize:
             u = u / (1e-30 + u.square().mean().sqrt())
         p.sub_((step_size.to(work) * u).to(p.dtype))
-        if weight_decay > 0.0:
-            p.sub_((lr.to(work) * weight_decay * p.to(work)).to(p.dtype))
+        decay = _scalar(weight_decay, p)
+        decayed = p - (lr.to(work) * decay.to(work) * p.to(work)).to(p.dtype)
+        p.copy_(torch.where(decay > 0, decayed, p))
 
 
 def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],

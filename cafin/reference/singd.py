@@ -49,14 +49,13 @@ def _eye_mask(t: Tensor, kind: int) -> Tensor:
 
 
 def singd_momentum_(m: list[Tensor], H: list[Tensor], KtK: list[Tensor], c_h: list[Tensor],
-                    c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[float],
-                    scale: list[float], alpha1: list[float]) -> None:
+                    c_damp: list[Tensor], go: list[Tensor], eye: list[int], pi: list[int],
+                    scale: list[Tensor], alpha1: list[Tensor]) -> None:
     """The op of the same name in plain PyTorch (`cafin.maths.singd.new_momentum` part by part,
     written only where go[i], a 0-dim bool tensor, is true)."""
     for i in range(len(m)):
         new = (c_h[i] * H[i] + c_damp[i] * (pi[i] * KtK[i]) - _eye_mask(m[i], eye[i])) * scale[i]
-        if alpha1[i] != 0.0:
-            new = new + alpha1[i] * m[i]
+        new = torch.where(alpha1[i] != 0, new + alpha1[i] * m[i], new)  # m unread when alpha1 == 0
         m[i].copy_(torch.where(go[i], new.to(m[i].dtype), m[i]))
         H[i].copy_(torch.where(go[i], torch.zeros_like(H[i]), H[i]))
 

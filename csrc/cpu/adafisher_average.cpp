@@ -47,10 +47,10 @@ bool fold_statistic(T* factor, T* stat, int64_t n, bool scaled, float grad_scale
 }
 
 void fisher_average_cpu(at::TensorList factors, at::TensorList stats, const at::Tensor& skipped,
-                        double gamma, const c10::List<bool>& grad_side,
+                        const at::Tensor& gamma_tensor, const c10::List<bool>& grad_side,
                         const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf) {
-  check_fisher_average(factors, stats, skipped, gamma, grad_side, grad_scale, found_inf);
+  check_fisher_average(factors, stats, skipped, gamma_tensor, grad_side, grad_scale, found_inf);
   const int64_t n = static_cast<int64_t>(factors.size());
   if (found_inf.has_value() && *found_inf->const_data_ptr<float>() != 0.0f) {
     // The statistics of a skipped step are void.
@@ -61,6 +61,7 @@ void fisher_average_cpu(at::TensorList factors, at::TensorList stats, const at::
     }
     return;
   }
+  const double gamma = factors.empty() ? 0.0 : gamma_tensor.item<double>();
   const float scale = grad_scale.has_value() ? *grad_scale->const_data_ptr<float>() : 1.0f;
   std::vector<char> dropped(n, 0);
   at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {

@@ -124,9 +124,10 @@ void rank_one_one(T* l, T* r, const T* gp, int64_t m, int64_t n, T beta2, bool g
 }
 
 void rank_one_cpu(at::TensorList ls, at::TensorList rs, at::TensorList gps, const at::Tensor& beta2,
-                  double guard) {
-  check_dykaf_rank_one(ls, rs, gps, beta2, guard);
-  const double b2 = beta2.item<double>();
+                  const at::Tensor& guard_tensor) {
+  check_dykaf_rank_one(ls, rs, gps, beta2, guard_tensor);
+  if (gps.empty()) return;
+  const double b2 = beta2.item<double>(), guard = guard_tensor.item<double>();
   at::parallel_for(0, static_cast<int64_t>(ls.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const at::Tensor& gp = gps[t];
@@ -139,8 +140,11 @@ void rank_one_cpu(at::TensorList ls, at::TensorList rs, at::TensorList gps, cons
   });
 }
 
-void precondition_cpu(at::TensorList mps, at::TensorList ls, at::TensorList rs, double guard) {
-  check_dykaf_precondition(mps, ls, rs, guard);
+void precondition_cpu(at::TensorList mps, at::TensorList ls, at::TensorList rs,
+                      const at::Tensor& guard_tensor) {
+  check_dykaf_precondition(mps, ls, rs, guard_tensor);
+  if (mps.empty()) return;
+  const double guard = guard_tensor.item<double>();
   for (size_t t = 0; t < mps.size(); ++t) {
     const at::Tensor& mp = mps[t];
     const int64_t m = mp.size(0), n = mp.size(1);
@@ -157,9 +161,10 @@ void precondition_cpu(at::TensorList mps, at::TensorList ls, at::TensorList rs, 
 }
 
 void adam_precondition_cpu(at::TensorList mps, at::TensorList vs, at::TensorList gps,
-                           const at::Tensor& beta2, double eps) {
-  check_dykaf_adam_precondition(mps, vs, gps, beta2, eps);
-  const double b2 = beta2.item<double>();
+                           const at::Tensor& beta2, const at::Tensor& eps_tensor) {
+  check_dykaf_adam_precondition(mps, vs, gps, beta2, eps_tensor);
+  if (mps.empty()) return;
+  const double b2 = beta2.item<double>(), eps = eps_tensor.item<double>();
   for (size_t t = 0; t < mps.size(); ++t) {
     AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_adam_precondition_", [&] {
       scalar_t* x = mps[t].data_ptr<scalar_t>();
@@ -174,9 +179,10 @@ void adam_precondition_cpu(at::TensorList mps, at::TensorList vs, at::TensorList
 }
 
 void apply_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& step_size,
-               const at::Tensor& lr, double weight_decay, bool normalize) {
-  check_dykaf_apply(params, updates, step_size, lr, weight_decay, normalize);
-  const double s = step_size.item<double>();
+               const at::Tensor& lr, const at::Tensor& weight_decay_tensor, bool normalize) {
+  check_dykaf_apply(params, updates, step_size, lr, weight_decay_tensor, normalize);
+  if (params.empty()) return;
+  const double s = step_size.item<double>(), weight_decay = weight_decay_tensor.item<double>();
   const double decay = weight_decay > 0 ? lr.item<double>() * weight_decay : 0.0;
   for (size_t t = 0; t < params.size(); ++t) {
     const at::Tensor& u = updates[t];

@@ -32,7 +32,7 @@ struct AverageArgs {
   float* skipped;
   const float* grad_scale;
   const float* found_inf;
-  double gamma;
+  const double* gamma;
 };
 
 static_assert(sizeof(AverageTable) + sizeof(AverageArgs) <= 4000, "kernel arguments must stay under 4 KB");
@@ -81,8 +81,8 @@ __device__ void fold_statistic(T* factor, T* stat, int64_t n, bool scaled, const
   block_min_max(lo, hi);
   if (active && !nan) {
     const T denominator = minmax_denominator(lo, hi);
-    const T keep = factor_keep<T>(args.gamma);
-    const T add = factor_add<T>(args.gamma);
+    const T keep = factor_keep<T>(*args.gamma);
+    const T add = factor_add<T>(*args.gamma);
     for (int64_t k = threadIdx.x; k < n; k += kThreads) {
       const T z = map_inf(statistic_mean(stat[k], count, scale_sq, scaled));
       factor[k] = average_factor(factor[k], z, lo, denominator, keep, add);
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) fisher_average_kernel(const AverageT
 }
 
 void fisher_average_cuda(at::TensorList factors, at::TensorList stats, const at::Tensor& skipped,
-                         double gamma, const c10::List<bool>& grad_side,
+                         const at::Tensor& gamma, const c10::List<bool>& grad_side,
                          const std::optional<at::Tensor>& grad_scale,
                          const std::optional<at::Tensor>& found_inf) {
   check_fisher_average(factors, stats, skipped, gamma, grad_side, grad_scale, found_inf);
@@ -125,7 +125,8 @@ void fisher_average_cuda(at::TensorList factors, at::TensorList stats, const at:
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const AverageArgs args{skipped.mutable_data_ptr<float>(),
                          grad_scale.has_value() ? grad_scale->const_data_ptr<float>() : nullptr,
-                         found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr, gamma};
+                         found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr,
+                         gamma.const_data_ptr<double>()};
   AverageTable table;
   int entries = 0;
   for (size_t i = 0; i < factors.size(); ++i) {

@@ -63,7 +63,8 @@ __device__ T unit_at(const T* x, int64_t i, int64_t n, double norm, bool guard) 
 // rows[i] = sum_j gp_ij^2 * unit(r)_j, one block per row.
 template <typename T>
 __global__ void rows_kernel(const T* gp, int64_t m, int64_t n, const T* r, const double* r_norm,
-                            bool guard, T* rows) {
+                            const double* guard_value, T* rows) {
+  const bool guard = *guard_value > 0;
   for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
     double acc = 0;
     for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
@@ -78,7 +79,8 @@ __global__ void rows_kernel(const T* gp, int64_t m, int64_t n, const T* r, const
 // cols[j] = sum_i gp_ij^2 * unit(l)_i, one thread per column (coalesced along a row).
 template <typename T>
 __global__ void cols_kernel(const T* gp, int64_t m, int64_t n, const T* l, const double* l_norm,
-                            bool guard, T* cols) {
+                            const double* guard_value, T* cols) {
+  const bool guard = *guard_value > 0;
   for (int64_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
     T acc = 0;
     for (int64_t i = 0; i < m; ++i) {
@@ -92,8 +94,9 @@ __global__ void cols_kernel(const T* gp, int64_t m, int64_t n, const T* l, const
 // l_new, r_new (unnormalised) into dir_l, dir_r and their norms into scratch[2], scratch[3].
 template <typename T>
 __global__ void directions_kernel(const T* l, int64_t m, const T* r, int64_t n, const T* rows,
-                                  const T* cols, const double* beta2, bool guard, double* scratch,
+                                  const T* cols, const double* beta2, const double* guard_value, double* scratch,
                                   T* dir_l, T* dir_r) {
+  const bool guard = *guard_value > 0;
   const T b = T(*beta2);
   const T np = T(scratch[0]) * T(scratch[1]);
   double a = 0, c = 0;
@@ -119,8 +122,9 @@ __global__ void directions_kernel(const T* l, int64_t m, const T* r, int64_t n, 
 // rows2[i] = sum_j gp_ij^2 r'_j was computed by rows_kernel on dir_r.
 template <typename T>
 __global__ void finish_kernel(T* l, int64_t m, T* r, int64_t n, const T* dir_l, const T* dir_r,
-                              const T* rows2, const double* beta2, bool guard,
+                              const T* rows2, const double* beta2, const double* guard_value,
                               const double* scratch) {
+  const bool guard = *guard_value > 0;
   const T b = T(*beta2);
   double ll = 0, rr = 0, quad = 0;
   for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
@@ -142,12 +146,12 @@ __global__ void finish_kernel(T* l, int64_t m, T* r, int64_t n, const T* dir_l, 
 }
 
 void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, const at::Tensor& beta2,
-                   double guard) {
+                   const at::Tensor& guard) {
   check_dykaf_rank_one(ls, rs, gps, beta2, guard);
   if (gps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(gps[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  const bool g = guard > 0;
+  const double* g = guard.const_data_ptr<double>();
   for (size_t t = 0; t < gps.size(); ++t) {
     const at::Tensor& gp = gps[t];
     const int64_t m = gp.size(0), n = gp.size(1);
@@ -183,7 +187,9 @@ void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, con
 
 // ---------------------------------------------------------------------------- rotated Adam
 template <typename T>
-__global__ void precondition_kernel(T* mp, const T* l, const T* r, int64_t m, int64_t n, T guard) {
+__global__ void precondition_kernel(T* mp, const T* l, const T* r, int64_t m, int64_t n,
+                                    const double* guard_value) {
+  const T guard = T(*guard_value);
   const int64_t total = m * n;
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
@@ -191,7 +197,7 @@ __global__ void precondition_kernel(T* mp, const T* l, const T* r, int64_t m, in
   }
 }
 
-void precondition_cuda(at::TensorList mps, at::TensorList ls, at::TensorList rs, double guard) {
+void precondition_cuda(at::TensorList mps, at::TensorList ls, at::TensorList rs, const at::Tensor& guard) {
   check_dykaf_precondition(mps, ls, rs, guard);
   if (mps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(mps[0].device());
@@ -202,7 +208,7 @@ void precondition_cuda(at::TensorList mps, at::TensorList ls, at::TensorList rs,
     AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_precondition_cuda", [&] {
       precondition_kernel<scalar_t><<<blocks_for(m * n), kThreads, 0, stream>>>(
           mps[t].data_ptr<scalar_t>(), ls[t].data_ptr<scalar_t>(), rs[t].data_ptr<scalar_t>(), m, n,
-          static_cast<scalar_t>(guard));
+          guard.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -210,8 +216,8 @@ void precondition_cuda(at::TensorList mps, at::TensorList ls, at::TensorList rs,
 
 template <typename T>
 __global__ void adam_precondition_kernel(T* mp, T* v, const T* gp, int64_t total, const double* beta2,
-                                         T eps) {
-  const T b = T(*beta2);
+                                         const double* eps_value) {
+  const T b = T(*beta2), eps = T(*eps_value);
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
     T vk = v[k];
@@ -221,7 +227,7 @@ __global__ void adam_precondition_kernel(T* mp, T* v, const T* gp, int64_t total
 }
 
 void adam_precondition_cuda(at::TensorList mps, at::TensorList vs, at::TensorList gps,
-                            const at::Tensor& beta2, double eps) {
+                            const at::Tensor& beta2, const at::Tensor& eps) {
   check_dykaf_adam_precondition(mps, vs, gps, beta2, eps);
   if (mps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(mps[0].device());
@@ -232,7 +238,7 @@ void adam_precondition_cuda(at::TensorList mps, at::TensorList vs, at::TensorLis
     AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_adam_precondition_cuda", [&] {
       adam_precondition_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
           mps[t].data_ptr<scalar_t>(), vs[t].data_ptr<scalar_t>(), gps[t].data_ptr<scalar_t>(), total,
-          beta2.data_ptr<double>(), static_cast<scalar_t>(eps));
+          beta2.data_ptr<double>(), eps.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -252,10 +258,10 @@ __global__ void sumsq_kernel(const T* u, int64_t total, double* out) {
 
 template <typename P, typename T>
 __global__ void apply_kernel(P* theta, const T* u, int64_t total, const double* step_size,
-                             const double* lr, double weight_decay, const double* sumsq) {
+                             const double* lr, const double* weight_decay, const double* sumsq) {
   const T scale = sumsq == nullptr ? T(1) : T(1) / (T(1e-30) + T(sqrt(*sumsq / double(total))));
   const T s = T(*step_size);
-  const T decay = weight_decay > 0 ? T(*lr * weight_decay) : T(0);
+  const T decay = *weight_decay > 0 ? T(*lr * *weight_decay) : T(0);
   for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
        k += int64_t(gridDim.x) * blockDim.x) {
     theta[k] = static_cast<P>(dykaf_apply(static_cast<T>(theta[k]), u[k], scale, s, decay));
@@ -263,7 +269,7 @@ __global__ void apply_kernel(P* theta, const T* u, int64_t total, const double* 
 }
 
 void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor& step_size,
-                const at::Tensor& lr, double weight_decay, bool normalize) {
+                const at::Tensor& lr, const at::Tensor& weight_decay, bool normalize) {
   check_dykaf_apply(params, updates, step_size, lr, weight_decay, normalize);
   if (params.empty()) return;
   const c10::cuda::CUDAGuard device_guard(params[0].device());
@@ -284,7 +290,7 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[t].scalar_type(), "dykaf_apply_p", [&] {
         apply_kernel<scalar_t, T><<<blocks_for(total), kThreads, 0, stream>>>(
             params[t].data_ptr<scalar_t>(), u, total, step_size.data_ptr<double>(), lr.data_ptr<double>(),
-            weight_decay, sumsq);
+            weight_decay.const_data_ptr<double>(), sumsq);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });

@@ -1,7 +1,6 @@
-// CUDA kernel of singd_diag_step_: one multi-tensor-apply launch per table of the bucket; lr,
-// momentum, weight_decay and grad_scale are read through device pointers (no host sync,
-// capturable). Semantics: cafin/reference/singd.py; arithmetic: singd_math.h, shared with the CPU
-// kernel.
+// CUDA kernels of SINGD's ops. singd_diag_step_ is the row-column skeleton (cuda/row_column.cuh)
+// with SINGD's per-element maths (singd_math.h, shared with the CPU kernel); every coefficient is
+// read through a device pointer (no host sync, capturable). Semantics: cafin/reference/singd.py.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
@@ -12,7 +11,7 @@
 
 #include <vector>
 
-#include "cuda/multi_tensor.cuh"
+#include "cuda/row_column.cuh"
 #include "singd_checks.h"
 #include "singd_math.h"
 
@@ -20,52 +19,46 @@ namespace cafin {
 namespace cuda {
 namespace {
 
-template <typename scalar_t, typename opmath_t>
-struct DiagMeta {
-  scalar_t* theta;
-  const scalar_t* grad;
-  scalar_t* buf;       // nullptr: no momentum
-  const opmath_t* K;   // already advanced by the parameter's k_offset
-  const opmath_t* C;   // nullptr (and K too): no factors, the update is the gradient
-  int64_t cols;
-};
+// What the device reads for SINGD's element maths: lr, momentum, weight_decay and grad_scale, per
+// launch.
+template <typename scalar_t, bool kMomentum>
+struct SingdDiagOnDevice : SingdDiagElement<scalar_t, at::opmath_type<scalar_t>, kMomentum> {
+  using opmath_t = at::opmath_type<scalar_t>;
+  using Coeffs = SingdCoeffs<opmath_t>;
+  struct PerTensor {};
+  struct Args {
+    const opmath_t* lr;
+    const opmath_t* momentum;
+    const opmath_t* weight_decay;
+    const opmath_t* grad_scale;  // nullptr: gradients are not scaled
+  };
 
-template <typename opmath_t>
-struct DiagArgs {
-  const opmath_t* lr;
-  const opmath_t* momentum;
-  const opmath_t* weight_decay;
-  const opmath_t* grad_scale;  // nullptr: gradients are not scaled
-};
+  __device__ static bool skip(const Args&) { return false; }
 
-constexpr int kMaxDiagTensors = 30;
-
-template <typename scalar_t, typename opmath_t>
-using DiagTable = TensorTable<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>;
-
-static_assert(sizeof(DiagTable<double, double>) + sizeof(DiagArgs<double>) <= 4000,
-              "kernel arguments must stay under 4 KB");
-
-template <bool kMomentum, typename scalar_t, typename opmath_t>
-__global__ void __launch_bounds__(kBlockSize)
-    singd_diag_kernel(const DiagTable<scalar_t, opmath_t> table, const DiagArgs<opmath_t> args) {
-  const int slot = table.block_to_tensor[blockIdx.x];
-  const DiagMeta<scalar_t, opmath_t>& t = table.meta[slot];
-  const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
-  const int64_t end = min(table.numel[slot], begin + kChunkSize);
-  const opmath_t scale = args.grad_scale != nullptr ? *args.grad_scale : opmath_t(1);
-  const SingdCoeffs<opmath_t> s{*args.lr, *args.momentum, *args.weight_decay, scale, scale != opmath_t(1)};
-  for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
-    const int64_t row = i / t.cols;
-    opmath_t th = static_cast<opmath_t>(t.theta[i]);
-    opmath_t b = kMomentum ? static_cast<opmath_t>(t.buf[i]) : opmath_t(0);
-    // No factors (C null): K = C = 1, which leaves the gradient exactly as it is.
-    const opmath_t k = t.C != nullptr ? __ldg(t.K + (i - row * t.cols)) : opmath_t(1);
-    const opmath_t c = t.C != nullptr ? __ldg(t.C + row) : opmath_t(1);
-    singd_diag_element<kMomentum>(th, b, static_cast<opmath_t>(t.grad[i]), k, c, s);
-    t.theta[i] = static_cast<scalar_t>(th);
-    if (kMomentum) t.buf[i] = static_cast<scalar_t>(b);
+  __device__ static Coeffs coeffs(const Args& a, const PerTensor&) {
+    const opmath_t scale = a.grad_scale != nullptr ? *a.grad_scale : opmath_t(1);
+    return {*a.lr, *a.momentum, *a.weight_decay, scale, scale != opmath_t(1)};
   }
+};
+
+template <typename Op>
+void diag_bucket(at::TensorList params, at::TensorList grads, at::TensorList bufs, at::TensorList K,
+                 at::TensorList C, at::IntArrayRef k_offsets, const typename Op::Args& args,
+                 cudaStream_t stream) {
+  using scalar_t = typename Op::scalar_t;
+  using opmath_t = typename Op::opmath_t;
+  std::vector<RowColumnMeta<Op>> metas;
+  std::vector<int64_t> numels;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool plain = C[i].numel() == 0;
+    metas.push_back({params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(),
+                     Op::kState ? bufs[i].mutable_data_ptr<scalar_t>() : nullptr,
+                     plain ? nullptr : C[i].const_data_ptr<opmath_t>(),
+                     plain ? nullptr : K[i].const_data_ptr<opmath_t>() + k_offsets[i],
+                     plain ? params[i].numel() : params[i].numel() / C[i].numel(), {}});
+    numels.push_back(params[i].numel());
+  }
+  row_column_launch<Op>(metas, numels, args, stream);
 }
 
 void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList bufs,
@@ -78,28 +71,18 @@ void singd_diag_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[0].scalar_type(), "singd_diag_step_", [&] {
     using opmath_t = at::opmath_type<scalar_t>;
-    std::vector<DiagMeta<scalar_t, opmath_t>> metas;
-    std::vector<int64_t> numels;
-    for (size_t i = 0; i < params.size(); ++i) {
-      metas.push_back({params[i].mutable_data_ptr<scalar_t>(), grads[i].const_data_ptr<scalar_t>(),
-                       bufs.empty() ? nullptr : bufs[i].mutable_data_ptr<scalar_t>(),
-                       C[i].numel() == 0 ? nullptr : K[i].const_data_ptr<opmath_t>() + k_offsets[i],
-                       C[i].numel() == 0 ? nullptr : C[i].const_data_ptr<opmath_t>(),
-                       C[i].numel() == 0 ? params[i].numel() : params[i].numel() / C[i].numel()});
-      numels.push_back(params[i].numel());
+    const typename SingdDiagOnDevice<scalar_t, false>::Args args{
+        lr.const_data_ptr<opmath_t>(), momentum.const_data_ptr<opmath_t>(),
+        weight_decay.const_data_ptr<opmath_t>(),
+        grad_scale.has_value() ? grad_scale->const_data_ptr<opmath_t>() : nullptr};
+    if (bufs.empty()) {
+      diag_bucket<SingdDiagOnDevice<scalar_t, false>>(params, grads, bufs, K, C, k_offsets, args, stream);
+    } else {
+      const typename SingdDiagOnDevice<scalar_t, true>::Args with_momentum{args.lr, args.momentum,
+                                                                          args.weight_decay, args.grad_scale};
+      diag_bucket<SingdDiagOnDevice<scalar_t, true>>(params, grads, bufs, K, C, k_offsets, with_momentum,
+                                                     stream);
     }
-    const DiagArgs<opmath_t> args{lr.const_data_ptr<opmath_t>(), momentum.const_data_ptr<opmath_t>(),
-                                  weight_decay.const_data_ptr<opmath_t>(),
-                                  grad_scale.has_value() ? grad_scale->const_data_ptr<opmath_t>() : nullptr};
-    multi_tensor_apply<DiagMeta<scalar_t, opmath_t>, kMaxDiagTensors>(
-        metas, numels, [&](const DiagTable<scalar_t, opmath_t>& table, int blocks) {
-          if (bufs.empty()) {
-            singd_diag_kernel<false><<<blocks, kBlockSize, 0, stream>>>(table, args);
-          } else {
-            singd_diag_kernel<true><<<blocks, kBlockSize, 0, stream>>>(table, args);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
   });
 }
 
@@ -112,7 +95,9 @@ struct MomentumMeta {
   const opmath_t* c_h;
   const opmath_t* c_damp;
   const bool* go;
-  opmath_t pi, scale, alpha1;
+  const opmath_t* scale;
+  const opmath_t* alpha1;
+  opmath_t pi;
   int64_t eye, rows, cols;
 };
 
@@ -131,21 +116,20 @@ __global__ void __launch_bounds__(kBlockSize)
   if (!*t.go) return;  // decided on the device: no host sync, capturable
   const int64_t begin = static_cast<int64_t>(table.block_to_chunk[blockIdx.x]) * kChunkSize;
   const int64_t end = min(table.numel[slot], begin + kChunkSize);
-  const opmath_t ch = *t.c_h, cd = *t.c_damp;
-  const bool with_old = t.alpha1 != opmath_t(0);
+  const opmath_t ch = *t.c_h, cd = *t.c_damp, scale = *t.scale, alpha1 = *t.alpha1;
+  const bool with_old = alpha1 != opmath_t(0);
   for (int64_t i = begin + threadIdx.x; i < end; i += kBlockSize) {
     const opmath_t old = with_old ? static_cast<opmath_t>(t.m[i]) : opmath_t(0);
     t.m[i] = static_cast<scalar_t>(singd_momentum_element<opmath_t>(
         static_cast<opmath_t>(t.H[i]), static_cast<opmath_t>(__ldg(t.KtK + i)), old,
-        singd_is_eye(t.eye, i, t.rows, t.cols), ch, cd, t.pi, t.scale, t.alpha1, with_old));
+        singd_is_eye(t.eye, i, t.rows, t.cols), ch, cd, t.pi, scale, alpha1, with_old));
     t.H[i] = scalar_t(0);
   }
 }
 
 void singd_momentum_cuda(at::TensorList m, at::TensorList H, at::TensorList KtK, at::TensorList c_h,
                          at::TensorList c_damp, at::TensorList go, at::IntArrayRef eye,
-                         c10::ArrayRef<double> pi, c10::ArrayRef<double> scale,
-                         c10::ArrayRef<double> alpha1) {
+                         at::IntArrayRef pi, at::TensorList scale, at::TensorList alpha1) {
   check_singd_momentum(m, H, KtK, c_h, c_damp, go, eye, pi, scale, alpha1);
   if (m.empty()) return;
   const c10::cuda::CUDAGuard guard(m[0].device());
@@ -158,8 +142,8 @@ void singd_momentum_cuda(at::TensorList m, at::TensorList H, at::TensorList KtK,
       metas.push_back({m[i].mutable_data_ptr<scalar_t>(), H[i].mutable_data_ptr<scalar_t>(),
                        KtK[i].const_data_ptr<scalar_t>(), c_h[i].const_data_ptr<opmath_t>(),
                        c_damp[i].const_data_ptr<opmath_t>(), go[i].const_data_ptr<bool>(),
-                       static_cast<opmath_t>(pi[i]), static_cast<opmath_t>(scale[i]),
-                       static_cast<opmath_t>(alpha1[i]), eye[i],
+                       scale[i].const_data_ptr<opmath_t>(), alpha1[i].const_data_ptr<opmath_t>(),
+                       static_cast<opmath_t>(pi[i]), eye[i],
                        m[i].dim() >= 2 ? m[i].size(-2) : 1, m[i].dim() >= 1 ? m[i].size(-1) : 1});
       numels.push_back(m[i].numel());
     }
