@@ -504,7 +504,7 @@ def test_op_argument_errors():
     with pytest.raises(ValueError, match="shape"):
         torch.ops.cafin.dykaf_split_normalize_(x["Ks"], x["Ms"], x["Rs"], x["Ls"], x["sig"])
     with pytest.raises(ValueError, match="entries"):  # the kernel checks too, before writing
-        torch.ops.cafin.dykaf_precondition_(x["mps"], x["ls"][:1], x["rs"], 0.0)
+        torch.ops.cafin.dykaf_precondition_(x["mps"], x["ls"][:1], x["rs"], x["guard"])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -127,6 +127,9 @@ class DyKAF(CoreOptimizer):
         beta = shampoo_beta if shampoo_beta >= 0 else float(group["betas"][1])
         state["step"] = 0
         state["device_step"] = torch.zeros((), dtype=torch.float64, device=p.device)
+        # the base of the ops' float64 scalars (guard, eps, weight decay), made here, eagerly: a
+        # compiled step that made it would recompile on the next
+        self._one(p.device, torch.float64)
         state["precondition_frequency"] = group["precondition_frequency"]
         state["shampoo_beta"] = beta
         state["exp_avg"] = torch.zeros_like(p, dtype=work, memory_format=torch.contiguous_format)
