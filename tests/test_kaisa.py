@@ -44,6 +44,11 @@ CASES = {
     "mem-memory-cap": dict(grad_worker_fraction="mem", assignment_strategy="memory",
                            allreduce_bucket_cap_mb=0.02),
 }
+# An Embedding (its A diagonal, no basis) beside a Linear: the second-order data it shares.
+EMBEDDING_CASES = {"embedding-comm-eigen": dict(), "embedding-mem-eigen": dict(grad_worker_fraction="mem"),
+                   "embedding-comm-inverse-symmetric": dict(compute_method="inverse", symmetry_aware=True),
+                   "embedding-comm-split-factors": dict(colocate_factors=False,
+                                                        compute_eigenvalue_outer_product=False)}
 FOUR_RANK_CASES = {"hybrid-eigen": dict(grad_worker_fraction=0.5),
                    "hybrid-inverse-symmetric": dict(grad_worker_fraction=0.5, compute_method="inverse",
                                                     symmetry_aware=True),
@@ -60,6 +65,20 @@ def make_model() -> nn.Sequential:
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(BATCH, 2, 4, 4, generator=g, dtype=torch.float64), torch.randint(0, 4, (BATCH,), generator=g)
+
+
+def make_embedding_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(11, 6), nn.Flatten(), nn.Linear(18, 4)).double()
+
+
+def token_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    return torch.randint(0, 11, (BATCH, 3), generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+
+
+def model_and_batch(name: str):
+    return (make_embedding_model, token_batch) if name.startswith("embedding") else (make_model, batch)
 
 
 def options(case: dict, world: int) -> dict:
@@ -175,11 +194,12 @@ def _worker(outdir: str, cases: str) -> None:
         setattr(kfac_maths, fname, counted)
     two_ranks.count_collectives(("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor",
                                  "all_reduce_coalesced", "reduce_scatter", "all_to_all"))
-    table = CASES if cases == "two" else FOUR_RANK_CASES
+    table = {**CASES, **EMBEDDING_CASES} if cases == "two" else FOUR_RANK_CASES
     for name, case in table.items():
         out: dict = {"error": None}
+        build, batch_of = model_and_batch(name)
         try:
-            model = make_model()
+            model = build()
             pre = cafin.KFACPreconditioner(model, **options(case, world))
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             out["assignment"] = {layer.name: {f: pre.assignment.inv_worker(layer.name, f) for f in "AG"}
@@ -187,7 +207,7 @@ def _worker(outdir: str, cases: str) -> None:
             out["grad_worker"] = {layer.name: pre.assignment.is_grad_worker(layer.name) for layer in pre.layers}
             out["calls"], out["decomposed"] = [], []
             for step in range(STEPS):
-                x, y = batch(step)
+                x, y = batch_of(step)
                 opt.zero_grad()
                 F.cross_entropy(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
                 two_ranks.COUNTING[0] = False
@@ -232,15 +252,16 @@ def results(world: int, name: str, tmp_path_factory) -> list[dict]:
     return out
 
 
-def one_process(case: dict, world: int) -> torch.Tensor:
+def one_process(case: dict, world: int, name: str = "") -> torch.Tensor:
     """The whole batch in one process: the ranks' shares as accumulated passes, the mean gradient."""
-    model = make_model()
+    build, batch_of = model_and_batch(name)
+    model = build()
     kw = options(case, 1)
     kw["grad_worker_fraction"] = 1.0
     pre = cafin.KFACPreconditioner(model, accumulation_steps=world, **kw)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(STEPS):
-        x, y = batch(step)
+        x, y = batch_of(step)
         opt.zero_grad()
         for xs, ys in zip(x.chunk(world), y.chunk(world)):
             F.cross_entropy(model(xs), ys).backward()  # unscaled: G is each rank's
@@ -251,14 +272,19 @@ def one_process(case: dict, world: int) -> torch.Tensor:
     return flat(model)
 
 
-def check_case(world, name, case, tmp_path_factory):
+def equal_to_one_process(world, name, case, tmp_path_factory) -> list[dict]:
     ranks = results(world, name, tmp_path_factory)
-    start = flat(make_model())
+    start = flat(model_and_batch(name)[0]())
     for r in ranks[1:]:
         assert torch.equal(r["params"], ranks[0]["params"])  # every rank steps the same
-    want = one_process(case, world)
+    want = one_process(case, world, name)
     err = ((ranks[0]["params"] - want).abs().max() / (want - start).abs().max()).item()
     assert err <= 1e-10, err
+    return ranks
+
+
+def check_case(world, name, case, tmp_path_factory):
+    ranks = equal_to_one_process(world, name, case, tmp_path_factory)
 
     # each rank decomposes its share on inverse steps (0, 2, 4), nothing otherwise
     sizes = {name: (cafin.factors.factor_sizes(m)[1:]) for name, m in make_model().named_modules()
@@ -391,3 +417,9 @@ def test_factor_allreduce_sends_a_diagonal_factor_whole(symmetric, monkeypatch):
     calls = allreduce_factors([square, diagonal], None, 2, cap_bytes=25e6, symmetric=symmetric)
     assert calls == 1 and sent == [(10 if symmetric else 16) + 7]
     assert torch.equal(square, before[0]) and torch.equal(diagonal, before[1])
+
+
+@pytest.mark.parametrize("name", list(EMBEDDING_CASES))
+def test_an_embedding_shares_its_diagonal_factor(name, tmp_path_factory):
+    """Two ranks equal one process with an Embedding, whose A is a diagonal without a basis."""
+    equal_to_one_process(2, name, EMBEDDING_CASES[name], tmp_path_factory)

@@ -535,13 +535,16 @@ class KFACPreconditioner(Preconditioner):
         for (st, _), ok in zip(flags, done):
             st.decomposed = ok == 1.0
 
-    def _second_order_keys(self, side: str) -> list[str]:
-        """The second-order tensors the inverse worker of a layer's `side` factor computes."""
+    def _second_order_keys(self, st: _LayerState, side: str) -> list[str]:
+        """The second-order tensors the inverse worker of a layer's `side` factor computes (a
+        diagonal A, an Embedding's, has no basis)."""
         if self.compute_method is not ComputeMethod.EIGEN:
             return [f"{side}_inv"]
         if self.compute_eigenvalue_outer_product:  # colocated: the G side carries the product
-            return ["qa"] if side == "a" else ["qg", "dgda"]
-        return ["q" + side, "d" + side]
+            keys = ["qa"] if side == "a" else ["qg", "dgda"]
+        else:
+            keys = ["q" + side, "d" + side]
+        return [k for k in keys if k in st.second]
 
     def _share_second_order(self) -> None:
         """Within this rank's column (the gradient workers of its layers), every inverse
@@ -560,7 +563,7 @@ class KFACPreconditioner(Preconditioner):
             flag = torch.full((2,), float(st.decomposed), dtype=self.inv_dtype, device=st.A.device)
             for i, side in enumerate("ag"):
                 member = column.index(a.inv_worker(layer.name, side.upper()))
-                held[st.A.device][member] += [st.second[k] for k in self._second_order_keys(side)]
+                held[st.A.device][member] += [st.second[k] for k in self._second_order_keys(st, side)]
                 held[st.A.device][member].append(flag[i:i + 1])
             flags.append((st, flag))
         for lists in held.values():
