@@ -102,6 +102,11 @@ def test_hsdp_factors_equal_ddp(member, dtype, tmp_path_factory):
             assert rel(h, d) <= TOL[dtype], f"rank {rank}, factor {i}: {rel(h, d):.3g}"
 
 
+# K-FAC's KAISA groups on 4 ranks: COMM_OPT shares over the world, grad_worker_fraction 0.5
+# (HYBRID_OPT) within groups of 2; K-FAC decomposes every 2 steps.
+KAISA_GROUP = {"KFAC": 4, "KFAC-mem": 2}
+
+
 @pytest.mark.parametrize("member, dtype", CASES)
 def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
     """The factor average over the whole world (4 ranks); the gradient gather within the shard
@@ -109,7 +114,18 @@ def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
     tcov = TCOV.get(member, W.TCOV)
     for r in load(tmp_path_factory, f"{member}-{dtype}-hsdp", 4):
         assert len(r["calls"]) == W.STEPS
+        shared_by_step = []
         for k, calls in enumerate(r["calls"]):
+            # K-FAC's KAISA exchanges (second-order data on inverse steps; HYBRID_OPT also the
+            # preconditioned gradients on every step) go over its own groups
+            shared = sorted(c for c in calls if c[0] in ("broadcast", "all_gather"))
+            calls = [c for c in calls if c[0] not in ("broadcast", "all_gather")]
+            if member in KAISA_GROUP:
+                assert all(c[3] == KAISA_GROUP[member] for c in shared), f"step {k}: {shared}"
+                assert bool(shared) == (k % 2 == 0 or member == "KFAC-mem"), f"step {k}: {shared}"
+            else:
+                assert not shared, f"step {k}: {shared}"
+            shared_by_step.append(shared)
             expected = []
             if member in FACTORS and k % tcov == 0:
                 expected.append(("all_reduce", FACTORS[member], dtype, 4))
@@ -120,6 +136,9 @@ def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype, 2))
             assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
+        # the same exchanges on every inverse step, and on every other step
+        assert shared_by_step[0::2] == [shared_by_step[0]] * len(shared_by_step[0::2])
+        assert shared_by_step[1::2] == [shared_by_step[1]] * len(shared_by_step[1::2])
 
 
 # ------------------------------------------------------------------------------ resharding
