@@ -81,10 +81,10 @@ def captured_statistics(ctx: Context, backend: str, kw: dict) -> Callable[[], ob
     pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=NEVER,
                                    backend=backend, **kw)
     calls = []
-    take_input, take_grad = pre._input_statistics, pre._grad_statistics
-    pre._input_statistics = lambda layer, x, step: calls.append(
+    take_input, take_grad = pre.take_input_statistics, pre.take_grad_statistics
+    pre.take_input_statistics = lambda layer, x, step: calls.append(
         (take_input, layer, x.detach().clone(), step))
-    pre._grad_statistics = lambda layer, g, step: calls.append(
+    pre.take_grad_statistics = lambda layer, g, step: calls.append(
         (take_grad, layer, g.detach().clone(), step))
     loss_for(ctx.run.model, model(ctx.x), ctx.y).backward()
     pre.remove_hooks()

@@ -50,7 +50,7 @@ BASELINES = ("adamw-foreach", "adamw-fused")
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
 OPT_IN_PHASES = ("structures",)
-STEP_VARIANTS = VARIANTS + BASELINES  # kept for readers of the old name
+STEP_VARIANTS = VARIANTS + BASELINES  # what --variants may name
 FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
              "norm_grad_stats_", "fisher_average_")
 # Kineto (torch.profiler's backend, used here to count allocations) prints "profiler_start" and

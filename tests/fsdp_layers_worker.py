@@ -16,23 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import two_ranks
+from stand_ins import Conv1D
 
 STEPS = 5  # curvature steps at k = 0, 2, 4
 TCOV = 2
-
-
-class Conv1D(nn.Module):
-    """transformers' Conv1D contract: weight [nx, nf], x @ weight + bias."""
-
-    def __init__(self, nf: int, nx: int):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        size_out = x.size()[:-1] + (self.nf,)
-        return torch.addmm(self.bias, x.reshape(-1, x.size(-1)), self.weight).view(size_out)
 
 
 class Net(nn.Module):

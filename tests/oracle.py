@@ -248,7 +248,7 @@ class Oracle:
             return (S[:, None] * H[None, :cols] + damping).view(p.shape)
         return S * H[-1] + damping
 
-    def _fold(self, m: nn.Module, key: str, z: torch.Tensor) -> None:
+    def _fold_statistic(self, m: nn.Module, key: str, z: torch.Tensor) -> None:
         if torch.isnan(z).any():
             self.skipped += 1
             return
@@ -300,9 +300,9 @@ class Oracle:
             g = out_grads.get(id(out))
             h, s = raw_statistics(m, x, None if g is None else g.detach(), out.detach())
             self.last_raw[m] = (h, s)
-            self._fold(m, "H", h)
+            self._fold_statistic(m, "H", h)
             if s is not None:
-                self._fold(m, "S", s)
+                self._fold_statistic(m, "S", s)
         with torch.no_grad():
             for group in self.groups:
                 lr, beta, wd = group["lr"], group["beta"], group["weight_decay"]

@@ -21,6 +21,7 @@ from torch import nn
 import cafin
 from cafin import AdaFisher, AdaFisherW
 from devices import CUDA, CUDA_SKIP
+from stand_ins import Conv1D as _Conv1D
 
 BACKENDS = ["fused", "reference"]
 RTOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -49,19 +50,8 @@ def noncontiguous(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-class Conv1D(nn.Module):
-    """transformers.pytorch_utils.Conv1D's contract (weight [nx, nf], x @ weight + bias), written
-    here so that these tests run without transformers."""
-
-    def __init__(self, nf: int, nx: int):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.2)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        size_out = x.size()[:-1] + (self.nf,)
-        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+def Conv1D(nf: int, nx: int):
+    return _Conv1D(nf, nx, weight_scale=0.2)
 
 
 # ------------------------------------------------------------------------------------ oracles
@@ -303,13 +293,13 @@ def test_transposed_linear_recognised_by_its_contract():
     generated subclass; not torch's Conv1d, nor a Conv1D of another shape contract."""
     from cafin.core.modules import is_transposed_linear
 
-    class Sub(Conv1D):
+    class Sub(_Conv1D):
         pass
 
-    class FSDPConv1D(Conv1D):  # fully_shard's generated class is named so
+    class FSDPConv1D(_Conv1D):  # fully_shard's generated class is named so
         pass
 
-    assert all(is_transposed_linear(m) for m in (Conv1D(3, 4), Sub(3, 4), FSDPConv1D(3, 4)))
+    assert all(is_transposed_linear(m) for m in (_Conv1D(3, 4), Sub(3, 4), FSDPConv1D(3, 4)))
     odd = Conv1D(3, 4)
     odd.nx = 5
     assert not is_transposed_linear(odd)

@@ -440,7 +440,7 @@ def test_bench_imports_are_acyclic():
 
 
 def test_bench_import_graph_sees_cycles(tmp_path, monkeypatch):
-    """The graph above finds imports inside functions (the way the cycles used to hide)."""
+    """The graph above finds imports inside functions too (where a cycle could hide)."""
     package = tmp_path / "bench"
     (package / "members").mkdir(parents=True)
     (package / "__init__.py").write_text("")

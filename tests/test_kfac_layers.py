@@ -17,25 +17,12 @@ from torch import nn
 
 import cafin
 from cafin import factors
+from stand_ins import Conv1D
 
 D = torch.float64
 
 
 # ------------------------------------------------------------------------------ oracles
-class Conv1D(nn.Module):
-    """transformers.pytorch_utils.Conv1D's contract (weight [nx, nf], x @ weight + bias), written
-    here so these tests run without transformers."""
-
-    def __init__(self, nf: int, nx: int) -> None:
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
-
-    def forward(self, x):
-        return torch.addmm(self.bias, x.reshape(-1, self.nx), self.weight).view(*x.shape[:-1], self.nf)
-
-
 def explicit_pads(conv) -> list[tuple[int, int]]:
     """(before, after) zero padding per spatial dim, torch's 'same' rule spelled out."""
     if conv.padding == "same":

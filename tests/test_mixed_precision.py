@@ -539,8 +539,8 @@ def test_average_op_takes_grad_scale_and_found_inf_tensors(impl, device):
 class _NoUnscale(AdaFisher):
     """Control: folds the gradient statistics without dividing by grad_scale^2."""
 
-    def _fold(self, factors, stats, grad_side, grad_scale, found_inf):
-        super()._fold(factors, stats, grad_side, None, found_inf)
+    def _fold_statistics(self, factors, stats, grad_side, grad_scale, found_inf):
+        super()._fold_statistics(factors, stats, grad_side, None, found_inf)
 
 
 def _scaler_run(backend, *, scaled, statistics="per_step", cls=AdaFisher, clip=None,

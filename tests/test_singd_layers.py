@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cafin
+from stand_ins import Conv1D
 
 STEPS = 4
 SETTINGS = dict(lr=0.05, lr_cov=0.1, T=1, damping=1e-3, momentum=0.9)
@@ -27,23 +28,6 @@ SUMMED = dict(lr=1e-3, lr_cov=1e-3)  # a summed loss (loss_average None): larger
 
 
 # ------------------------------------------------------------------------------ helpers
-class Conv1D(nn.Module):
-    """transformers' `Conv1D` (GPT-2's projections) as it computes: weight [nx, nf], x @ W + b.
-    cafin recognises it by its class name and shape contract."""
-
-    def __init__(self, nf: int, nx: int, bias: bool = True):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
-        self.bias = nn.Parameter(torch.randn(nf) * 0.1) if bias else None
-
-    def forward(self, x):
-        shape = x.shape[:-1] + (self.nf,)
-        flat = x.reshape(-1, x.shape[-1])
-        out = flat @ self.weight if self.bias is None else torch.addmm(self.bias, flat, self.weight)
-        return out.reshape(shape)
-
-
 class Transposed(nn.Module):
     """Runs a module on channels-last input: [B, C, L] -> module([B, L, C]) -> [B, O, L]."""
 

@@ -13,6 +13,7 @@ from torch import nn
 import cafin
 
 import two_ranks
+import stand_ins
 
 DAMP, ALPHA = 1e-2, 0.9
 C1 = 1.0 / (1.0 + 1e-8)  # the published ones vector after its inf-norm normalisation
@@ -365,15 +366,9 @@ def test_arguments():
 
 
 # ------------------------------------------------------------------ transformers' Conv1D, GPT-2
-class Conv1D(nn.Module):
-    """transformers.pytorch_utils.Conv1D's contract (weight [nx, nf], x @ weight + bias), written
-    here so that these tests run without transformers."""
-
+class Conv1D(stand_ins.Conv1D):
     def __init__(self, nf, nx, bias=True):
-        super().__init__()
-        self.nf, self.nx = nf, nx
-        self.weight = nn.Parameter(torch.randn(nx, nf))
-        self.bias = nn.Parameter(torch.randn(nf)) if bias else None
+        super().__init__(nf, nx, bias, weight_scale=1.0, bias_scale=1.0)
 
     def forward(self, x):
         # x @ weight + bias, rounded exactly as the Linear it is compared with rounds it (the

@@ -3,7 +3,7 @@ concern.
 
 - `runtime.py`: `unwrap` (the model behind DDP/DataParallel/torch.compile wrappers: hooks go on
   the model itself, and checkpoints name its layers the same way with or without a wrapper),
-  `capturing` (a CUDA graph is being captured), `on` (a tensor on a device).
+  `capturing` (a CUDA graph is being captured), `to_device` (a tensor on a device).
 - `discovery.py`: `Layer` and `discover`, the layers of a model that a member accepts and that
   hold optimised parameters (their weight and bias), matched by identity (the first accepted
   module that holds a parameter owns it; tied parameters once). AdaFisher's registry of layer
@@ -34,11 +34,11 @@ from .failures import DropCounts, EigendecompositionWarning
 from .hooks import Hooks
 from .optimizer import CoreOptimizer, CurvatureOptimizer
 from .preconditioner import Preconditioner
-from .runtime import capturing, on, unwrap
+from .runtime import capturing, to_device, unwrap
 from .steps import StepCounter, run_closure
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
            "Flag", "Hooks", "Int", "Layer", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
            "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
-           "check_range", "discover", "distributed", "hyperparameter_tensor", "on", "real_number",
-           "run_closure", "unwrap"]
+           "check_range", "discover", "distributed", "hyperparameter_tensor", "real_number",
+           "run_closure", "to_device", "unwrap"]

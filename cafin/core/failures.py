@@ -19,7 +19,8 @@ class DropCounts:
     def __init__(self) -> None:
         self.counts: dict[torch.device, torch.Tensor] = {}
 
-    def on(self, device: torch.device) -> torch.Tensor:
+    def counter(self, device: torch.device) -> torch.Tensor:
+        """The count of `device`, created (and marked static) on first use."""
         if device not in self.counts:
             self.counts[device] = torch.zeros((), device=device)
             torch._dynamo.mark_static_address(self.counts[device], guard=False)

@@ -50,7 +50,7 @@ class _ForwardHook:
         launch, step = owner._statistics_gate(self.layer, x.device)
         if not launch:
             return None
-        owner._input_statistics(self.layer, x, step)
+        owner.take_input_statistics(self.layer, x, step)
         if not (isinstance(output, torch.Tensor) and output.requires_grad):
             return None
         # A tensor hook, not a module backward hook: it sees the gradient of the module's own
@@ -103,14 +103,14 @@ class _GradHook:
     def __call__(self, grad: torch.Tensor) -> None:
         owner = self.forward.owner()
         if owner is not None:
-            owner._grad_statistics(self.forward.layer, grad.reshape(self.shape), self.step)
+            owner.take_grad_statistics(self.forward.layer, grad.reshape(self.shape), self.step)
 
 
 class Hooks:
     """The statistics hooks of one owner on its layers.
 
     The owner provides `_statistics_gate(layer, device) -> (launch, step)`,
-    `_input_statistics(layer, x, step)` and `_grad_statistics(layer, g, step)`; the hooks call
+    `take_input_statistics(layer, x, step)` and `take_grad_statistics(layer, g, step)`; the hooks call
     them on forward passes with grad enabled and on the matching backward. The hooks are removed
     when the owner is collected or `remove()` is called."""
 

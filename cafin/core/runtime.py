@@ -19,5 +19,6 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def on(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+def to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    """`t` on `device` (itself when it is there already, or None)."""
     return t if t is None or t.device == device else t.to(device)

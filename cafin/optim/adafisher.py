@@ -24,7 +24,7 @@ from torch import nn
 from .. import ops, reference
 from ..core import (
     CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int, check_range,
-    distributed, on, run_closure,
+    distributed, run_closure, to_device,
 )
 from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
@@ -146,7 +146,7 @@ class AdaFisher(CurvatureOptimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 self._steps.tensor(p.device)
-                self._skipped.on(p.device)
+                self._skipped.counter(p.device)
                 self._one(p.device, state_dtype(p.dtype))
                 self._one(p.device, torch.float64)
                 state = self.state[p]
@@ -187,10 +187,12 @@ class AdaFisher(CurvatureOptimizer):
     def _statistics_gate(self, layer: Layer, device: torch.device):
         return self._steps.due(self.TCov, device)
 
-    def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+    def take_input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+        """Take the statistics of `layer` from its input; its hook calls this."""
         self._statistics(layer, x, step, layer.kind.input_stats, "H", grad_side=False)
 
-    def _grad_statistics(self, layer: Layer, grad: torch.Tensor, step) -> None:
+    def take_grad_statistics(self, layer: Layer, grad: torch.Tensor, step) -> None:
+        """Take the statistics of `layer` from its output gradient; its hook calls this."""
         self._statistics(layer, grad, step, layer.kind.grad_stats, "S", grad_side=True)
 
     def _statistics(self, layer: Layer, t: torch.Tensor, step, op, side: str, grad_side: bool) -> None:
@@ -201,7 +203,7 @@ class AdaFisher(CurvatureOptimizer):
             t = t.to(stat.dtype)
         op(self._impl, stat, layer.module, t, step, self.TCov)
         if self.statistics == "per_pass":
-            self._fold([state["fisher_" + side]], [stat], [grad_side], None, None)
+            self._fold_statistics([state["fisher_" + side]], [stat], [grad_side], None, None)
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
@@ -274,18 +276,18 @@ class AdaFisher(CurvatureOptimizer):
             self._no_curvature[key] = torch.empty(0, dtype=key[1], device=key[0])
         return self._no_curvature[key]
 
-    def _fold(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
+    def _fold_statistics(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
         """Fold the raw statistics into the factors (one op call for the device); a NaN one is
         dropped and counted."""
         device = factors[0].device
-        skipped = self._skipped.on(device)
+        skipped = self._skipped.counter(device)
         # NaN statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
         watch = device.type == "cpu" and not torch.compiler.is_compiling()
         before = float(skipped) if watch else 0.0
         gamma = self._as_tensor(self.gamma, device, torch.float64)
         self._impl.fisher_average_(factors, stats, skipped, gamma, grad_side,
-                                   on(grad_scale, device), on(found_inf, device))
+                                   to_device(grad_scale, device), to_device(found_inf, device))
         if watch and float(skipped) > before:
             warnings.warn(f"{type(self).__name__}: {int(float(skipped) - before)} curvature "
                           "statistic(s) held NaN and were dropped; their factors keep their "
@@ -318,7 +320,7 @@ class AdaFisher(CurvatureOptimizer):
                         "gradients, cannot be unscaled: pass grad_scaler=scaler to the optimizer")
                 grad_scale = self.grad_scaler._get_scale_async()
             for factors, stats, grad_side in by_device.values():
-                self._fold(factors, stats, grad_side, grad_scale, found_inf)
+                self._fold_statistics(factors, stats, grad_side, grad_scale, found_inf)
         if distributed():
             for factors, _, _ in by_device.values():
                 average_over_ranks(factors, self.process_group)
@@ -372,9 +374,9 @@ class AdaFisher(CurvatureOptimizer):
                 self._impl.adafisher_step_(
                     pick(params), pick(grads), pick(exp_avgs), pick(steps), pick(fisher_S),
                     pick(fisher_H), pick(h_offsets), lr, beta, weight_decay, damping,
-                    self.decoupled_weight_decay, on(grad_scale, device), on(found_inf, device))
+                    self.decoupled_weight_decay, to_device(grad_scale, device), to_device(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
-                torch._foreach_sub_(steps, [on(found_inf, s.device) for s in steps])
+                torch._foreach_sub_(steps, [to_device(found_inf, s.device) for s in steps])
         self._steps.advance()
         return loss
 

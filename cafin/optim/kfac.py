@@ -282,7 +282,7 @@ class KFACPreconditioner(Preconditioner):
             for dtype in (layer.module.weight.dtype, self._state[layer.name].A.dtype, self.inv_dtype):
                 self._impls[(device, dtype)] = _implementation(self.backend, device, dtype)
         for layer in self._layers:  # device state created now: a compiled step cannot create it
-            self._skipped.on(layer.module.weight.device)
+            self._skipped.counter(layer.module.weight.device)
 
     def _stack_second_order(self) -> None:
         """Layers whose second-order data have equal shapes share one stacked tensor per kind
@@ -374,7 +374,8 @@ class KFACPreconditioner(Preconditioner):
         """Whether the hooks fold on the host's count (eager, update_factors_in_hook)."""
         return self._update_factors_in_hook and not self._steps.device_gated
 
-    def _input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+    def take_input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
+        """Take the statistics of `layer` from its input; its hook calls this."""
         st = self._state[layer.name]
         factors.kfac_input_factor(layer.module, x, self.kfac_approx, out=st.stat_A, accumulate=True)
         st.count_A.add_(1)
@@ -383,7 +384,8 @@ class KFACPreconditioner(Preconditioner):
         if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
             self._fold_statistics([st.A], [st.stat_A], [st.count_A], st.A.device)
 
-    def _grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
+    def take_grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
+        """Take the statistics of `layer` from its output gradient; its hook calls this."""
         st = self._state[layer.name]
         if self.grad_scaler is not None:
             scale = self.grad_scaler
@@ -412,7 +414,7 @@ class KFACPreconditioner(Preconditioner):
         dropped = torch.stack([(c > 0) & ~torch.isfinite(s).all() for s, c in zip(ss, cs)]).sum()
         if step is not None:  # device gated: only a due step would have folded them
             dropped = dropped * (torch.remainder(step, interval) == 0)
-        self._skipped.on(device).add_(dropped)
+        self._skipped.counter(device).add_(dropped)
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         decay = self._settings_on(device)["factor_decay"]
         for f, s, c in zip(fs, ss, cs):

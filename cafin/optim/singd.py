@@ -296,7 +296,7 @@ class SINGD(CurvatureOptimizer):
             state = self.state[layer.anchor]
             if "K.0" not in state:
                 state.update(self._new_factors(layer))
-            self._skipped.on(layer.anchor.device)
+            self._skipped.counter(layer.anchor.device)
             for dtype in self._dtypes(layer):
                 self._one(layer.anchor.device, _work_dtype(dtype))
         for group in self.param_groups:
@@ -405,12 +405,14 @@ class SINGD(CurvatureOptimizer):
             self._check_settings(group, index)
             self._check_built(group, index)
 
-    def _input_statistics(self, layer: Layer, x: Tensor, step) -> None:
+    def take_input_statistics(self, layer: Layer, x: Tensor, step) -> None:
+        """Take the statistics of `layer` from its input; its hook calls this."""
         # H_K is formed in the backward pass, from the input of the call whose output gradient
         # arrives (as singd does: a forward pass whose backward never runs adds nothing).
         self._pending[id(layer)].append(x)
 
-    def _grad_statistics(self, layer: Layer, grad: Tensor, step) -> None:
+    def take_grad_statistics(self, layer: Layer, grad: Tensor, step) -> None:
+        """Take the statistics of `layer` from its output gradient; its hook calls this."""
         pending = self._pending[id(layer)]
         if not pending:
             return
@@ -485,7 +487,7 @@ class SINGD(CurvatureOptimizer):
         return due, due & ((total - total) == 0)
 
     def _count_dropped(self, layer: Layer, due: Tensor, commit: Tensor) -> None:
-        self._skipped.on(layer.anchor.device).add_(due ^ commit)  # commit implies due
+        self._skipped.counter(layer.anchor.device).add_(due ^ commit)  # commit implies due
 
     def _update_preconditioners(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
         """Every due layer's preconditioner update, by the backend; while the CPU counts the
@@ -514,51 +516,60 @@ class SINGD(CurvatureOptimizer):
         if not items:
             return
         momentum: dict[tuple, tuple[list, ...]] = {}
-        steps: dict[tuple, tuple[list, ...]] = {}
-        pending = []
-        for layer, due_host in items:
-            group = self._group(layer)
-            state = self.state[layer.anchor]
-            (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
-            d_k, d_c = self.dims(layer.module)
-            device = layer.anchor.device
-            K, C = self._parts(layer, "K"), self._parts(layer, "C")
-            H_K, H_C = self._parts(layer, "H_K"), self._parts(layer, "H_C")
-            alpha1 = group["alpha1"]
-            if alpha1 != 0.0:
-                m_K, m_C = self._parts(layer, "m_K"), self._parts(layer, "m_C")
-            else:  # m is not kept: the op writes the new one into scratch
-                m_K = tuple(torch.empty_like(h) for h in H_K)
-                m_C = tuple(torch.empty_like(h) for h in H_C)
-            scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
-            (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
-            wk, wc = _work_dtype(dk), _work_dtype(dc)
-            scale_k, scale_c = self._as_tensor(scale, device, wk), self._as_tensor(scale, device, wc)
-            alpha1_k, alpha1_c = self._as_tensor(alpha1, device, wk), self._as_tensor(alpha1, device, wc)
-            damping_k = self._hyperparameter(group, "damping", device, wk)
-            damping_c = self._hyperparameter(group, "damping", device, wc)
-            if group["kfac_like"]:
-                ck, dmp_k = self._one(device, wk), damping_k
-                cc, dmp_c = self._one(device, wc) * c_g, damping_c
-            else:  # (the diagonal-carrying parts of Pi(K^T K) are unfolded: pi = 1 there)
-                ck = (c_g * sc.average_trace(H_C)).to(wk)
-                dmp_k = damping_k * sc.average_trace(C_tC)
-                cc = (c_g * sk.average_trace(H_K)).to(wc)
-                dmp_c = damping_c * sk.average_trace(K_tK)
-            due, commit = self._due_and_commit(layer, due_host, H_K + H_C)
-            for kind, d, dtype, m, h, ktk, pi, c_h, c_d, s, a1 in (
-                    (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk), scale_k, alpha1_k),
-                    (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc), scale_c, alpha1_c)):
-                lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
-                n = len(m)
-                for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [commit] * n,
-                                               kind.eye_kinds(d), [int(p) for p in pi], [s] * n,
-                                               [a1] * n)):
-                    lst.extend(values)
-            pending.append(_PendingUpdate(layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, commit,
-                                        device, H_K, H_C, due, due_host))
+        pending = [self._queue_momentum(layer, due_host, c_g, momentum) for layer, due_host in items]
         for lists in momentum.values():
             ops.singd_momentum_(*lists)
+        for lists in self._factor_steps(pending).values():
+            ops.singd_factor_step_(*lists)
+        self._finish_updates(pending)
+
+    def _queue_momentum(self, layer: Layer, due_host: bool | None, c_g, momentum: dict) -> "_PendingUpdate":
+        """Add a layer's factors to the momentum op's (device, dtype) buckets; returns what the
+        factor step needs of the layer."""
+        group = self._group(layer)
+        state = self.state[layer.anchor]
+        (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
+        d_k, d_c = self.dims(layer.module)
+        device = layer.anchor.device
+        K, C = self._parts(layer, "K"), self._parts(layer, "C")
+        H_K, H_C = self._parts(layer, "H_K"), self._parts(layer, "H_C")
+        alpha1 = group["alpha1"]
+        if alpha1 != 0.0:
+            m_K, m_C = self._parts(layer, "m_K"), self._parts(layer, "m_C")
+        else:  # m is not kept: the op writes the new one into scratch
+            m_K = tuple(torch.empty_like(h) for h in H_K)
+            m_C = tuple(torch.empty_like(h) for h in H_C)
+        scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
+        (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
+        wk, wc = _work_dtype(dk), _work_dtype(dc)
+        scale_k, scale_c = self._as_tensor(scale, device, wk), self._as_tensor(scale, device, wc)
+        alpha1_k, alpha1_c = self._as_tensor(alpha1, device, wk), self._as_tensor(alpha1, device, wc)
+        damping_k = self._hyperparameter(group, "damping", device, wk)
+        damping_c = self._hyperparameter(group, "damping", device, wc)
+        if group["kfac_like"]:
+            ck, dmp_k = self._one(device, wk), damping_k
+            cc, dmp_c = self._one(device, wc) * c_g, damping_c
+        else:  # (the diagonal-carrying parts of Pi(K^T K) are unfolded: pi = 1 there)
+            ck = (c_g * sc.average_trace(H_C)).to(wk)
+            dmp_k = damping_k * sc.average_trace(C_tC)
+            cc = (c_g * sk.average_trace(H_K)).to(wc)
+            dmp_c = damping_c * sk.average_trace(K_tK)
+        due, commit = self._due_and_commit(layer, due_host, H_K + H_C)
+        for kind, d, dtype, m, h, ktk, pi, c_h, c_d, s, a1 in (
+                (sk, d_k, dk, m_K, H_K, K_tK, pi_k, ck, dmp_k.to(wk), scale_k, alpha1_k),
+                (sc, d_c, dc, m_C, H_C, C_tC, pi_c, cc, dmp_c.to(wc), scale_c, alpha1_c)):
+            lists = momentum.setdefault((device, dtype), ([], [], [], [], [], [], [], [], [], []))
+            n = len(m)
+            for lst, values in zip(lists, (m, h, ktk, [c_h] * n, [c_d] * n, [commit] * n,
+                                           kind.eye_kinds(d), [int(p) for p in pi], [s] * n,
+                                           [a1] * n)):
+                lst.extend(values)
+        return _PendingUpdate(layer, group, state, sk, sc, wk, wc, K, C, m_K, m_C, commit,
+                              device, H_K, H_C, due, due_host)
+
+    def _factor_steps(self, pending: list["_PendingUpdate"]) -> dict[tuple, tuple[list, ...]]:
+        """The factor step op's arguments per (device, dtype) bucket, after the momentum op."""
+        steps: dict[tuple, tuple[list, ...]] = {}
         for u in pending:
             beta_k, beta_c = self._lr_cov(u.group, u.device, u.wk), self._lr_cov(u.group, u.device, u.wc)
             if u.group["normalize_lr_cov"]:
@@ -570,11 +581,12 @@ class SINGD(CurvatureOptimizer):
                 n = len(parts)
                 for lst, values in zip(lists, (parts, km, [beta] * n, [u.commit] * n, elementwise)):
                     lst.extend(values)
-        for lists in steps.values():
-            ops.singd_factor_step_(*lists)
-        # The op reset the accumulators of the committed updates; those of the dropped ones are
-        # reset too (while the host gates, every layer here is due or has empty accumulators:
-        # all of them in one op).
+        return steps
+
+    def _finish_updates(self, pending: list["_PendingUpdate"]) -> None:
+        """The op reset the accumulators of the committed updates; those of the dropped ones are
+        reset too (while the host gates, every layer here is due or has empty accumulators: all
+        of them in one op). Then the drop counts and the cached products."""
         resets = []
         for u in pending:
             accumulators = u.H_K + u.H_C + (u.state["H_count"],)

@@ -265,10 +265,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         pending["calls"].append(call)
         return True, call
 
-    def _input_statistics(self, layer, x, call) -> None:
+    def take_input_statistics(self, layer, x, call) -> None:
+        """Take the statistics of `layer` from its input; its hook calls this."""
         call["x"] = x.detach()
 
-    def _grad_statistics(self, layer, g, call) -> None:
+    def take_grad_statistics(self, layer, g, call) -> None:
+        """Take the statistics of `layer` from its output gradient; its hook calls this."""
         pending = self._pending.get(id(layer))
         if pending is None or not any(c is call for c in pending["calls"]):
             return  # a call from before the last step: its statistics were used or dropped
