@@ -56,7 +56,7 @@ def test_batches_are_seeded_windows():
     data = torch.arange(1000) % 256
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     (x1, y1), (x2, y2) = text_task.random_batch(data, 16, 4, g1), text_task.random_batch(data, 16, 4, g2)
-    assert torch.equal(x1, x2) and x1.shape == (4, 16)
+    assert torch.equal(x1, x2) and torch.equal(y1, y2) and x1.shape == (4, 16)
     assert torch.equal(y1[:, :-1], x1[:, 1:])  # targets are the next bytes
     x, y = text_task.eval_windows(data, 16, count=5)
     assert x.shape == (5, 16) and x[0, 0] == 0 and y[-1, -1] == data[-1]
