@@ -14,23 +14,40 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from unittest import mock
 
 import torch
 
 from .models import resnet18
 
 
-class _NoKernel:
-    """cafin.ops with adafisher_step_ doing nothing: the step's Python side alone."""
+def _without_kernel(step):
+    """`step` with cafin's adafisher_step_ doing nothing: the step's Python side alone."""
+    import cafin.ops
 
-    def __init__(self, ops):
-        self._ops = ops
+    def run():
+        with mock.patch.object(cafin.ops, "adafisher_step_", lambda *args, **kwargs: None):
+            step()
+    return run
 
-    def __getattr__(self, name):
-        return getattr(self._ops, name)
 
-    def adafisher_step_(self, *args, **kwargs) -> None:
-        return None
+def _op_arguments(model: torch.nn.Module, opt) -> tuple[list, ...]:
+    """The lists AdaFisher's step hands its op, from its public state: per parameter its
+    gradient, moment, step count, and its layer's S and H (empty outside the layers) with its
+    offset into H."""
+    import cafin
+    params = list(model.parameters())
+    owner = {}
+    for layer in cafin.layers.discover(model, params):
+        offsets = layer.kind.h_offsets(layer.module)
+        for name, p in layer.params.items():
+            owner[p] = (layer.anchor, offsets[name])
+    state, empty = opt.state, torch.empty(0)
+    return (params, [p.grad for p in params], [state[p]["exp_avg"] for p in params],
+            [state[p]["step"] for p in params],
+            [state[owner[p][0]]["fisher_S"] if p in owner else empty for p in params],
+            [state[owner[p][0]]["fisher_H"] if p in owner else empty for p in params],
+            [owner[p][1] if p in owner else 0 for p in params])
 
 
 def _with_gradients(model: torch.nn.Module) -> torch.nn.Module:
@@ -45,19 +62,15 @@ def measure(reps: int) -> dict[str, float]:
     torch.manual_seed(0)
     model = _with_gradients(resnet18())
     opt = cafin.AdaFisher(model, lr=1e-3, TCov=10**9)
-    for layer in opt._curvature:  # updated factors: every entry >= 0
+    for layer in cafin.layers.discover(model, list(model.parameters())):  # updated factors: >= 0
         opt.state[layer.anchor]["fisher_S"].uniform_(0.5, 1.5)
         opt.state[layer.anchor]["fisher_H"].uniform_(0.5, 1.5)
     opt.step()
-    lists: tuple[list, ...] = ([], [], [], [], [], [], [])
-    group = opt.param_groups[0]
-    opt._init_group(group, *lists)
-    params, grads, exp_avgs, steps, fisher_S, fisher_H, offsets = lists
-    scalars = [opt._hyperparameter(group, name, params[0].device, torch.float32)
-               for name in ("lr", "beta", "weight_decay", "Lambda")]
+    params, grads, exp_avgs, steps, fisher_S, fisher_H, offsets = _op_arguments(model, opt)
+    group = opt.param_groups[0]  # the settings as the op reads them: 0-dim tensors
+    scalars = [group[name] for name in ("lr", "beta", "weight_decay", "Lambda")]
     no_factors = [torch.empty(0)] * len(params)
     python_only = cafin.AdaFisher(_with_gradients(resnet18()), lr=1e-3, TCov=10**9)
-    python_only._impl = _NoKernel(python_only._impl)
     adamw = torch.optim.AdamW(_with_gradients(resnet18()).parameters(), lr=1e-3, fused=True)
     rows = {
         "adamw": adamw.step,
@@ -66,7 +79,7 @@ def measure(reps: int) -> dict[str, float]:
         "op_F1": lambda: torch.ops.cafin.adafisher_step_(params, grads, exp_avgs, steps, no_factors,
                                                          no_factors, offsets, *scalars, False, None, None),
         "step": opt.step,
-        "python": python_only.step,
+        "python": _without_kernel(python_only.step),
     }
     times: dict[str, list[float]] = {name: [] for name in rows}
     for _ in range(3):

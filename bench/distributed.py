@@ -25,6 +25,7 @@ are the same work for every strategy.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -67,6 +68,31 @@ def _count_bytes(counter: list) -> None:
         setattr(dist, name, wrapper)
 
 
+@contextlib.contextmanager
+def _timed_decompositions(spent: list):
+    """Add the time of every factor decomposition K-FAC makes (cafin.maths.kfac's eigen
+    decomposition and damped inverse) and the matrices decomposed into `spent`."""
+    import cafin.maths.kfac as kfac_maths
+    originals = {name: getattr(kfac_maths, name) for name in ("eigen_decompose", "damped_inverse")}
+
+    def timed(fn):
+        def run(factor, *args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = fn(factor, *args, **kwargs)
+            spent[0] += time.perf_counter() - start
+            spent[1] += time.thread_time() - cpu
+            spent[2] += factor.shape[0] if factor.dim() == 3 else 1
+            return out
+        return run
+    for name, fn in originals.items():
+        setattr(kfac_maths, name, timed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(kfac_maths, name, fn)
+
+
 def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
     import torch.distributed as dist
     import cafin
@@ -85,16 +111,8 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
             pre = cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, **kw)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             decompose_times: list[tuple[float, float]] = []
-            matrices = [0]
-            inner = pre._decompose
-
-            def timed(*args, **kwargs):
-                sides = args[1] if len(args) > 1 else kwargs.get("sides")
-                matrices[0] = len(sides) if sides is not None else 2 * len(pre.layers)
-                start, cpu = time.perf_counter(), time.thread_time()
-                inner(*args, **kwargs)
-                decompose_times.append((time.perf_counter() - start, time.thread_time() - cpu))
-            pre._decompose = timed
+            spent = [0.0, 0.0, 0]  # this step's decompositions: seconds, CPU seconds, matrices
+            matrices = 0
             gen = torch.Generator().manual_seed(1)
             step_times, kfac_bytes = [], []
             for step in range(steps + 1):  # the first step is a warm-up
@@ -111,8 +129,13 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                     flat.div_(world)
                     torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
                 counter[0], counter[1] = 0, True
-                pre.step()
+                spent[:] = [0.0, 0.0, 0]
+                with _timed_decompositions(spent):
+                    pre.step()
                 counter[1] = False
+                if spent[2]:
+                    decompose_times.append((spent[0], spent[1]))
+                    matrices = spent[2]
                 kfac_bytes.append(counter[0])
                 opt.step()
                 step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
@@ -121,8 +144,9 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                              decompose_cpu_s=statistics.median(t[1] for t in decompose_times[1:]),
                              step_s=statistics.median(t[0] for t in step_times[1:]),
                              step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
-                             kfac_bytes=kfac_bytes[-1], matrices=matrices[0],
-                             factors=2 * len(pre.layers)))
+                             kfac_bytes=kfac_bytes[-1], matrices=matrices,
+                             factors=sum(1 if cafin.factors.diagonal_input(layer.module) else 2
+                                         for layer in pre.layers)))
     torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
