@@ -985,3 +985,21 @@ def test_a_loaded_checkpoint_is_stepped_from_its_own_state():
         assert torch.equal(p, q)
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(opt.state[p]["exp_avg"], twin_opt.state[q]["exp_avg"])
+
+
+def test_an_eager_fused_step_allocates_nothing():
+    """After the first steps (state built, step tensors kept), an eager fused AdaFisher step
+    writes in place: no tensor is allocated (the bench's "0 B" row, here on a small model)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 4 * 4, 5))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = AdaFisher(model, lr=1e-3, TCov=10**9)
+    opt.step()
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    allocated = [(e.name, e.cpu_memory_usage) for e in prof.events()
+                 if e.name.startswith("aten::empty") and e.cpu_memory_usage > 0]
+    assert not allocated, allocated

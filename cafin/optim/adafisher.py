@@ -358,8 +358,9 @@ class AdaFisher(CurvatureOptimizer):
             if not params:
                 continue
             devices = [] if torch.compiler.is_compiling() else self._steps.devices()
-            if len(devices) == 1:  # eager: one add of one tensor, no list of it per parameter
-                torch._foreach_add_(steps, self._steps.one(devices[0]))
+            if len(devices) == 1:  # eager, one device: the list of one tensor, made at once
+                # (the overload taking a single tensor copies it for every entry on the CPU)
+                torch._foreach_add_(steps, [self._steps.one(devices[0])] * len(steps))
             else:
                 torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
             buckets: dict[tuple, list[int]] = {}
