@@ -52,11 +52,6 @@ def train(net, opt, rank):
         opt.step()
 
 
-def full_params(model) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
-
-
 def main() -> None:
     import cafin
     from torch.distributed.fsdp import fully_shard
@@ -67,14 +62,14 @@ def main() -> None:
     model = make_model()
     net = DDP(model)
     train(net, cafin.AdaFisher(net, lr=1e-3, TCov=TCOV, weight_decay=1e-2), rank)
-    result["ddp"] = full_params(model)
+    result["ddp"] = two_ranks.full_params(model)
     model = make_model()
     for module in (model.emb, model.proj, model.conv):
         fully_shard(module)
     fully_shard(model)
     train(model, cafin.AdaFisher(model, lr=1e-3, TCov=TCOV, weight_decay=1e-2), rank)
-    result["fsdp"] = full_params(model)
-    result["initial"] = full_params(make_model())
+    result["fsdp"] = two_ranks.full_params(model)
+    result["initial"] = two_ranks.full_params(make_model())
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     two_ranks.leave()
 

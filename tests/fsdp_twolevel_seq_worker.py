@@ -59,27 +59,22 @@ def train(net, model, rank, coarse_space):
         opt.step()
 
 
-def full_params(model) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
-
-
 def main() -> None:
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
     outdir = sys.argv[1]
     rank, _ = two_ranks.join(outdir)
-    result = {"initial": full_params(make_model())}
+    result = {"initial": two_ranks.full_params(make_model())}
     for coarse_space in ("nicolaides", "residual"):
         model = make_model()
         train(DDP(model), model, rank, coarse_space)
-        result[f"ddp-{coarse_space}"] = full_params(model)
+        result[f"ddp-{coarse_space}"] = two_ranks.full_params(model)
         model = make_model()
         for module in (model.inp, model.proj, model.head):
             fully_shard(module)
         fully_shard(model)
         train(model, model, rank, coarse_space)
-        result[f"fsdp-{coarse_space}"] = full_params(model)
+        result[f"fsdp-{coarse_space}"] = two_ranks.full_params(model)
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     two_ranks.leave()
 

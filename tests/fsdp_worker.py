@@ -197,11 +197,6 @@ def train(net, objs, steps, rank, dtype, record=None):
             record.append(list(CALLS))
 
 
-def full_params(model) -> list[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
-
-
 def local_params(model) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
     return [(p.to_local() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
@@ -253,7 +248,7 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     net = DDP(model)
     objs = member.make(model, net)
     train(net, objs, range(STEPS), rank, dtype)
-    result["ddp"] = full_params(model)
+    result["ddp"] = two_ranks.full_params(model)
     result["ddp_factors"] = factors(objs)
     # FSDP2 from the start to the end, counting the collectives of every step.
     model = shard(make_model(dtype))
@@ -265,7 +260,7 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     dist.broadcast_object_list(box, src=0, group=group)
     dcp_save(model, objs, member, box[0])
     train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls)
-    result["fsdp"] = full_params(model)
+    result["fsdp"] = two_ranks.full_params(model)
     result["fsdp_factors"] = factors(objs)
     result["fsdp_local"] = local_params(model)
     result["calls"] = calls

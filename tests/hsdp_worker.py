@@ -109,13 +109,13 @@ def hsdp_case(member, dtype, rank, outdir, world) -> dict:
     net.register_comm_hook(None, hsdp_order(mesh))
     objs = member.make(model, net)
     train(net, objs, range(F.STEPS), rank, dtype)
-    result = {"ddp": F.full_params(model), "ddp_factors": F.factors(objs)}
+    result = {"ddp": two_ranks.full_params(model), "ddp_factors": F.factors(objs)}
     if dtype == torch.float64:  # and DDP's own reduction order
         model = F.make_model(dtype)
         net = DDP(model)
         objs = member.make(model, net)
         train(net, objs, range(F.STEPS), rank, dtype)
-        result["ddp_plain"] = F.full_params(model)
+        result["ddp_plain"] = two_ranks.full_params(model)
     model = hsdp_shard(F.make_model(dtype), mesh)
     objs = member.make(model, model)
     calls: list = []
@@ -123,7 +123,7 @@ def hsdp_case(member, dtype, rank, outdir, world) -> dict:
     if dtype == DTYPE:  # the checkpoint that a launch of another world size loads
         save(model, objs, member, outdir, str(world), rank, world)
     train(model, objs, range(CKPT_AT, F.STEPS), rank, dtype, calls)
-    result.update(hsdp=F.full_params(model), hsdp_factors=F.factors(objs), calls=calls,
+    result.update(hsdp=two_ranks.full_params(model), hsdp_factors=F.factors(objs), calls=calls,
                   placements=[str(tuple(p.placements)) for p in model.parameters()])
     return result
 
@@ -165,7 +165,7 @@ def full_state(model, objs, member) -> tuple[dict, dict]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     from cafin.optim.twolevel_dcp import twolevel_checkpoint
     shared: dict = {}
-    for (name, _), p in zip(model.named_parameters(), F.full_params(model)):
+    for (name, _), p in zip(model.named_parameters(), two_ranks.full_params(model)):
         shared[f"param.{name}"] = p
     opt = objs[member.optimizer_index]
     if member.lazy_state:  # full-size state, the same on every rank
@@ -207,13 +207,13 @@ def reshard_case(member, rank, world, outdir, load, save_tag) -> None:
     F.dcp_load(model, objs, member, path)
     shared, own = full_state(model, objs, member)
     train(model, objs, [CKPT_AT], rank, DTYPE)
-    result = {"loaded": shared, "loaded_own": own, "stepped": F.full_params(model)}
+    result = {"loaded": shared, "loaded_own": own, "stepped": two_ranks.full_params(model)}
     ref = F.make_model(DTYPE, seed=5)
     net = DDP(ref)
     ref_objs = member.make(ref, net)
     F.dcp_load(ref, ref_objs, member, path)
     train(net, ref_objs, [CKPT_AT], rank, DTYPE)
-    result["reference"] = F.full_params(ref)
+    result["reference"] = two_ranks.full_params(ref)
     torch.save(result, os.path.join(outdir, f"{member.name}-load{load}to{world}_rank{rank}.pt"))
     if save_tag:
         save(model, objs, member, outdir, save_tag, rank, world)

@@ -111,3 +111,9 @@ def count_collectives(names) -> None:
             return __original(*args, **kwargs)
 
         setattr(dist, name, wrapper)
+
+
+def full_params(model) -> list:
+    """Copies of the model's whole parameters (an FSDP2 shard's DTensor gathered)."""
+    from torch.distributed.tensor import DTensor
+    return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
