@@ -29,6 +29,7 @@ from ..maths import dykaf as dykaf_maths
 from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
 from ._docs import _backend_doc, _params_doc, _published_bugs_doc
+from .dykaf_owners import refresh_owners
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _KINDS = ("kron2d", "kron4d", "ema")
@@ -71,11 +72,12 @@ class DyKAF(CoreOptimizer):
                  normalize_grads: bool = False, data_format: str = "channels_first",
                  correct_bias: bool = True, init: str = "kron", adam_rank_one: bool = True, *,
                  backend: str = "fused", rank_one_eps: float = 0.0, seed: int = 0,
-                 published_bugs: bool = False):
+                 published_bugs: bool = False, process_group=None):
         given = dict(backend=backend, data_format=data_format, adam_rank_one=adam_rank_one,
                      rank_one_eps=rank_one_eps, seed=seed, published_bugs=published_bugs)
         for name, rule in _SETTINGS.items():
             rule.check(given[name], name)
+        owners = refresh_owners(process_group)
         defaults = dict(lr=lr, betas=betas, shampoo_beta=shampoo_beta, eps=eps,
                         weight_decay=weight_decay, precondition_frequency=precondition_frequency,
                         max_precond_dim=max_precond_dim, merge_dims=merge_dims,
@@ -88,6 +90,8 @@ class DyKAF(CoreOptimizer):
         self.seed = seed
         self.published_bugs = published_bugs
         self._impl = _BACKENDS[backend]
+        self.process_group = process_group
+        self._owners = owners  # None: every rank refreshes every parameter
         super().__init__(params, defaults)
         self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
                                       "DyKAF") is not None
@@ -225,6 +229,8 @@ class DyKAF(CoreOptimizer):
         return loss
 
     def _step(self) -> None:
+        if self._owners is not None:
+            self._owners.pending.clear()  # what a step that raised left behind
         for group in self.param_groups:
             active = []
             for p in group["params"]:
@@ -245,6 +251,8 @@ class DyKAF(CoreOptimizer):
                 by_device.setdefault(p.device, []).append(p)
             for params in by_device.values():
                 self._update(group, params)
+        if self._owners is not None:  # the step's refreshes, by their owners, then shared
+            self._owners.flush(self._install_refresh)
 
     def _update(self, group, params: list[torch.Tensor]) -> None:
         """One step of the parameters of one device: rotate the gradients into the eigenbases,
@@ -448,20 +456,33 @@ class DyKAF(CoreOptimizer):
     def _refresh(self, p, state, group, due: torch.Tensor | None = None) -> None:
         """The eigenbasis refresh (one power step and QR, float32), with the second moment's
         entries permuted along with the basis columns; with `due` (a device bool) the old basis
-        and order are kept where it is false."""
+        and order are kept where it is false. With a process_group an eager refresh waits for
+        the end of the step, where its owner rank makes it and shares it (cafin.optim.dykaf_owners)."""
+        if due is None and self._owners is not None:
+            self._owners.defer(p, state, group)
+            return
+        new: list = []
+        for factor, basis in zip(state["factors"], state["bases"]):
+            if factor is None:
+                new.append(None)
+            elif due is None:
+                new.append(dykaf_maths.refresh_basis(factor, basis))
+            else:  # the QR runs only on due steps, the branch taken on the device
+                new.append(torch.cond(due, dykaf_maths.refresh_basis, _keep_basis, (factor, basis)))
+        self._install_refresh(p, state, group, new)
+
+    def _install_refresh(self, p, state, group, new: list) -> None:
+        """Write a refresh into the state: new[k] = (basis, order) for each mode with a basis
+        (None for the others); the second moment follows each new order."""
         bases = list(state["bases"])
         merged = self._merged_shape(p, group)
         v = state.get("exp_avg_sq")
         if v is not None and merged is not None:
             v = self._to_merged(v, merged)
-        for k, (factor, basis) in enumerate(zip(state["factors"], bases)):
-            if factor is None:
+        for k, refreshed in enumerate(new):
+            if refreshed is None:
                 continue
-            if due is None:
-                bases[k], order = dykaf_maths.refresh_basis(factor, basis)
-            else:  # the QR runs only on due steps, the branch taken on the device
-                bases[k], order = torch.cond(due, dykaf_maths.refresh_basis, _keep_basis,
-                                             (factor, basis))
+            bases[k], order = refreshed
             if "l" in state:
                 key = "l" if k == 0 else "r"
                 state[key] = state[key].index_select(0, order.to(state[key].device))
@@ -616,9 +637,16 @@ DyKAF.__doc__ = (
             small CNN within 13 steps) and whose start is NaN for a negative s; and the
             published limit: only mode 0 of a 4-D weight is compared with max_precond_dim, the
             factor split then preconditioning every mode whatever its size.
+        process_group (ProcessGroup, optional): share the eigenbasis refreshes over the ranks
+            of this group (e.g. ``torch.distributed.group.WORLD``; every rank of it steps the
+            same parameters with the same gradients, as under DDP or FSDP2): each parameter
+            due for a refresh is refreshed by one owner rank, balanced by cost, and the bases
+            are shared in one collective per (device, dtype). The numbers do not change. A
+            ValueError when torch.distributed is not initialised or the group lacks this
+            rank (default: None: every rank refreshes every parameter)
 
-    All but backend, data_format, adam_rank_one, rank_one_eps, seed and published_bugs may
-    differ per param group. lr and betas are kept as 0-dim float64 tensors on the parameters'
+    All but backend, data_format, adam_rank_one, rank_one_eps, seed, published_bugs and
+    process_group may differ per param group. lr and betas are kept as 0-dim float64 tensors on the parameters'
     device, so schedulers change them in place (for betas: ``group["betas"][i].fill_(x)``) and
     a compiled step does not recompile; a number assigned instead works too. Every setting is
     checked at construction, at each step (before anything is written) and in
