@@ -35,6 +35,9 @@ def refresh_owners(process_group) -> "RefreshOwners | None":
         raise ValueError("DyKAF: process_group given but torch.distributed is not initialised "
                          "(call torch.distributed.init_process_group first, or pass None)")
     import torch.distributed as dist
+    if process_group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a rank outside it
+        raise ValueError("DyKAF: process_group does not hold this rank; every rank that steps "
+                         "the optimizer must be in it")
     if not isinstance(process_group, dist.ProcessGroup):
         raise TypeError(f"DyKAF: process_group must be a torch.distributed.ProcessGroup (e.g. "
                         f"torch.distributed.group.WORLD) or None, got {type(process_group).__name__}")
