@@ -4,8 +4,8 @@ every case) against one process that refreshes everything itself:
   (float64) and the two ranks' are bit-identical, for matrices (both sides, and one side kept
   under max_precond_dim), 1-D tensors with and without a factor, a conv kernel (4-mode split)
   and a merged one (merge_dims), the rank-one and the full second moment, fused and reference;
-- each rank refreshes its share, the parameter's every mode on one rank, the owners those of the
-  greedy rule by cost (sum of d^3), the two shares every factor once;
+- each rank refreshes its share of the bases, the owners those of the greedy rule by cost (d^3
+  per basis), the two shares every basis once;
 - one all_gather per (device, dtype) on a refresh step (its elements: the larger share's bases
   and orders), none on the other steps;
 - state_dict is the same on both ranks and one process's; loaded into a fresh optimizer with
@@ -199,6 +199,12 @@ def one_process(case: dict):
     return _ONE[key]
 
 
+def owners(dims, modes) -> dict[tuple[int, int], int]:
+    """(parameter index, mode) -> its owner: the greedy rule, each basis weighed d^3."""
+    work = {(i, k): {"refresh": float(d ** 3)} for i in dims for k, d in zip(modes[i], dims[i])}
+    return {m: a["refresh"] for m, a in greedy_assignment(work, [[0, 1]], 2, colocate=False).items()}
+
+
 def close(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300)).item()
 
@@ -223,9 +229,10 @@ def test_each_rank_refreshes_its_share(name, tmp_path_factory):
     ranks = results(name, tmp_path_factory)
     _, _, dims, modes = one_process(CASES[name])
     every = sorted((i, k) for i, ks in modes.items() for k in ks)
-    work = {str(i): {"refresh": float(sum(d ** 3 for d in ds))} for i, ds in dims.items()}
-    owner = {int(i): a["refresh"] for i, a in greedy_assignment(work, [[0, 1]], 2, colocate=False).items()}
+    owner = owners(dims, modes)
     assert set(owner.values()) == {0, 1}
+    # the most expensive basis (the merged conv kernel's 12 x 12) alone on rank 0, the rest on 1
+    assert [m for m, r in owner.items() if r == 0] == [(4, 0)]
     for step in range(STEPS + MORE):
         due = step >= 1 and step % FREQ == 0
         shares = [r["refreshed"][step] for r in ranks]
@@ -234,20 +241,19 @@ def test_each_rank_refreshes_its_share(name, tmp_path_factory):
             continue
         assert sorted(shares[0] + shares[1]) == every  # every factor once
         for rank, share in enumerate(shares):
-            assert share == sorted((i, k) for i, k in every if owner[i] == rank), (step, rank)
+            assert share == sorted(m for m in every if owner[m] == rank), (step, rank)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_one_exchange_per_dtype_on_refresh_steps(name, tmp_path_factory):
     ranks = results(name, tmp_path_factory)
-    _, _, dims, _ = one_process(CASES[name])
+    _, _, dims, modes = one_process(CASES[name])
     case = CASES[name]
-    work = {str(i): {"refresh": float(sum(d ** 3 for d in ds))} for i, ds in dims.items()}
-    owner = {int(i): a["refresh"] for i, a in greedy_assignment(work, [[0, 1]], 2, colocate=False).items()}
+    owner = owners(dims, modes)
     expected = []  # per dtype, the larger share's elements: each basis d^2, its order d
     for dtype in dict.fromkeys(dtype_of(case, i) for i in sorted(dims) if dims[i]):
-        shares = [sum(d * d + d for i, ds in dims.items() if owner[i] == r and dtype_of(case, i) == dtype
-                      for d in ds)
+        shares = [sum(d * d + d for i in dims for k, d in zip(modes[i], dims[i])
+                      if owner[i, k] == r and dtype_of(case, i) == dtype)
                   for r in range(2)]
         expected.append(("all_gather", max(shares), str(dtype).replace("torch.", "")))
     for r in ranks:

@@ -639,9 +639,9 @@ DyKAF.__doc__ = (
             factor split then preconditioning every mode whatever its size.
         process_group (ProcessGroup, optional): share the eigenbasis refreshes over the ranks
             of this group (e.g. ``torch.distributed.group.WORLD``; every rank of it steps the
-            same parameters with the same gradients, as under DDP or FSDP2): each parameter
-            due for a refresh is refreshed by one owner rank, balanced by cost, and the bases
-            are shared in one collective per (device, dtype). The numbers do not change. A
+            same parameters with the same gradients, as under DDP or FSDP2): each basis due
+            for a refresh is refreshed by one owner rank, balanced by cost, and the bases are
+            shared in one collective per (device, dtype). The numbers do not change. A
             ValueError when torch.distributed is not initialised or the group lacks this
             rank (default: None: every rank refreshes every parameter)
 
