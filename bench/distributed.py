@@ -1,4 +1,5 @@
-"""`python -m bench distributed`: K-FAC's KAISA strategies on 1 and 2 CPU/gloo ranks.
+"""`python -m bench distributed`: K-FAC's KAISA strategies and DyKAF's refresh owners on 1 and 2
+CPU/gloo ranks.
 
 Each world size is one torch.multiprocessing launch (one thread per rank; the ranks meet through a
 file). Every rank trains the bench's models (bench/models.py: the GPT; the MLP at its default
@@ -21,6 +22,14 @@ Strategies at 2 ranks: COMM_OPT (grad_worker_fraction 1, factors of a layer toge
 with colocate_factors=False (each factor placed alone; needs compute_eigenvalue_outer_product
 False), MEM_OPT (grad_worker_fraction 1/2). One rank runs the default options: its decompositions
 are the same work for every strategy.
+
+DyKAF (member "dykaf") trains the same models with its eigenbases refreshed at every step
+(precondition_frequency=1): one rank without process_group, two ranks with process_group=WORLD
+(each basis refreshed by its owner rank, then shared). Its rows hold refresh_cpu_s / refresh_s
+(`cafin.maths.dykaf.refresh_basis`, this rank's refreshes of one step, medians after a warm-up
+step), step_cpu_s / step_s, opt_cpu_s (DyKAF's whole step), bytes (what the step hands to
+collectives on this rank), matrices (the bases this rank refreshes per step) and factors (the
+bases of the model).
 """
 from __future__ import annotations
 
@@ -93,7 +102,85 @@ def _timed_decompositions(spent: list):
             setattr(kfac_maths, name, fn)
 
 
-def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
+@contextlib.contextmanager
+def _timed_refreshes(spent: list):
+    """Add the time of every DyKAF basis refresh (cafin.maths.dykaf.refresh_basis) and the bases
+    refreshed into `spent`."""
+    import cafin.maths.dykaf as dykaf_maths
+    original = dykaf_maths.refresh_basis
+
+    def run(factor, basis):
+        start, cpu = time.perf_counter(), time.thread_time()
+        out = original(factor, basis)
+        spent[0] += time.perf_counter() - start
+        spent[1] += time.thread_time() - cpu
+        spent[2] += 1
+        return out
+    dykaf_maths.refresh_basis = run
+    try:
+        yield
+    finally:
+        dykaf_maths.refresh_basis = original
+
+
+def _average_gradients(model, world: int) -> None:
+    """DDP's average, in one flat all_reduce."""
+    import torch.distributed as dist
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if world > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+
+
+def _dykaf_rows(rank: int, world: int, models: dict, steps: int, counter: list) -> list[dict]:
+    """DyKAF with a refresh at every step on every model: one row per model for this rank."""
+    import torch.distributed as dist
+    import cafin
+    rows = []
+    for model_name, (make, global_batch) in models.items():
+        torch.manual_seed(0)
+        model = make()
+        opt = cafin.DyKAF(model.parameters(), lr=1e-3, precondition_frequency=1,
+                          process_group=dist.group.WORLD if world > 1 else None)
+        gen = torch.Generator().manual_seed(1)
+        refresh_times, step_times, opt_times, sent = [], [], [], []
+        spent = [0.0, 0.0, 0]
+        matrices = 0
+        for step in range(steps + 2):  # the first step builds the state, the second is a warm-up
+            x, y = batch_for(model_name.split("-")[0], model, global_batch, generator=gen)
+            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+            dist.barrier()
+            start, cpu = time.perf_counter(), time.thread_time()
+            opt.zero_grad()
+            loss_for(model_name.split("-")[0], model(x), y).backward()
+            _average_gradients(model, world)
+            counter[0], counter[1] = 0, True
+            spent[:] = [0.0, 0.0, 0]
+            opt_cpu = time.thread_time()
+            with _timed_refreshes(spent):
+                opt.step()
+            opt_times.append(time.thread_time() - opt_cpu)
+            counter[1] = False
+            step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
+            if step >= 2:
+                refresh_times.append((spent[0], spent[1]))
+                sent.append(counter[0])
+                matrices = spent[2]
+        bases = sum(1 for st in opt.state.values() for f in st.get("factors", []) if f is not None)
+        rows.append(dict(member="dykaf", model=model_name, strategy="owners" if world > 1 else "one_rank",
+                         world=world, rank=rank,
+                         refresh_s=statistics.median(t[0] for t in refresh_times),
+                         refresh_cpu_s=statistics.median(t[1] for t in refresh_times),
+                         step_s=statistics.median(t[0] for t in step_times[2:]),
+                         step_cpu_s=statistics.median(t[1] for t in step_times[2:]),
+                         opt_cpu_s=statistics.median(opt_times[2:]),
+                         bytes=sent[-1], matrices=matrices, factors=bases))
+    return rows
+
+
+def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int, members: tuple = ("kfac", "dykaf")) -> None:
     import torch.distributed as dist
     import cafin
     torch.set_num_threads(1)
@@ -102,7 +189,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
     counter = [0, False]
     _count_bytes(counter)
     models = TINY_MODELS if tiny else FULL_MODELS
-    strategies = STRATEGIES if world > 1 else {"one_rank": {}}
+    strategies = {} if "kfac" not in members else STRATEGIES if world > 1 else {"one_rank": {}}
     rows = []
     for model_name, (make, global_batch) in models.items():
         for strategy, kw in strategies.items():
@@ -122,12 +209,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                 start, cpu = time.perf_counter(), time.thread_time()
                 opt.zero_grad()
                 loss_for(model_name.split("-")[0], model(x), y).backward()
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                if world > 1:  # DDP's average, in one flat all_reduce
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    dist.all_reduce(flat)
-                    flat.div_(world)
-                    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+                _average_gradients(model, world)
                 counter[0], counter[1] = 0, True
                 spent[:] = [0.0, 0.0, 0]
                 with _timed_decompositions(spent):
@@ -139,7 +221,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                 kfac_bytes.append(counter[0])
                 opt.step()
                 step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
-            rows.append(dict(model=model_name, strategy=strategy, world=world, rank=rank,
+            rows.append(dict(member="kfac", model=model_name, strategy=strategy, world=world, rank=rank,
                              decompose_s=statistics.median(t[0] for t in decompose_times[1:]),
                              decompose_cpu_s=statistics.median(t[1] for t in decompose_times[1:]),
                              step_s=statistics.median(t[0] for t in step_times[1:]),
@@ -147,24 +229,28 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                              kfac_bytes=kfac_bytes[-1], matrices=matrices,
                              factors=sum(1 if cafin.factors.diagonal_input(layer.module) else 2
                                          for layer in pre.layers)))
+    if "dykaf" in members:
+        rows += _dykaf_rows(rank, world, models, steps, counter)
     torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def launch(world: int, tiny: bool, steps: int) -> list[dict]:
+def launch(world: int, tiny: bool, steps: int, members: tuple = ("kfac", "dykaf")) -> list[dict]:
     """Run `world` ranks with torch.multiprocessing; every rank's rows."""
     import torch.multiprocessing as mp
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_rank, args=(world, outdir, tiny, steps), nprocs=world, join=True)
+        mp.spawn(_rank, args=(world, outdir, tiny, steps, members), nprocs=world, join=True)
         return [row for r in range(world) for row in torch.load(os.path.join(outdir, f"rows_rank{r}.pt"))]
 
 
 def summarise(one: list[dict], two: list[dict]) -> list[dict]:
     """Per model and strategy at two ranks, against one rank: the slowest rank's decomposition
     time and step time, and the bytes per step of the rank that sends most."""
+    one = [r for r in one if r["member"] == "kfac"]
+    two = [r for r in two if r["member"] == "kfac"]
     base = {r["model"]: r for r in one}
     out = []
     for model in dict.fromkeys(r["model"] for r in two):
@@ -182,6 +268,44 @@ def summarise(one: list[dict], two: list[dict]) -> list[dict]:
                             kfac_bytes_1rank=b["kfac_bytes"], kfac_bytes=max(r["kfac_bytes"] for r in rows),
                             matrices=[r["matrices"] for r in rows], factors=b["factors"]))
     return out
+
+
+def summarise_dykaf(one: list[dict], two: list[dict]) -> list[dict]:
+    """Per model, DyKAF at two ranks (owners) against one rank: each rank's refresh CPU time, the
+    slowest rank's ratio, the step's, the bytes of the rank that sends most."""
+    base = {r["model"]: r for r in one if r["member"] == "dykaf"}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in two if r["member"] == "dykaf"):
+        rows = [r for r in two if r["member"] == "dykaf" and r["model"] == model]
+        b = base[model]
+        out.append(dict(model=model, strategy="owners",
+                        refresh_1rank_cpu_s=b["refresh_cpu_s"],
+                        refresh_per_rank_cpu_s=[r["refresh_cpu_s"] for r in rows],
+                        refresh_ratio=max(r["refresh_cpu_s"] for r in rows) / b["refresh_cpu_s"],
+                        refresh_wall_ratio=max(r["refresh_s"] for r in rows) / b["refresh_s"],
+                        opt_1rank_cpu_s=b["opt_cpu_s"], opt_cpu_s=max(r["opt_cpu_s"] for r in rows),
+                        step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
+                        step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
+                        step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
+                        bytes_1rank=b["bytes"], bytes=max(r["bytes"] for r in rows),
+                        matrices=[r["matrices"] for r in rows], factors=b["factors"]))
+    return out
+
+
+def render_dykaf(summary: list[dict]) -> str:
+    head = (f"{'model':9} {'refresh 1 rank':>14} {'refresh/rank @2':>16} {'ratio':>6} {'(wall)':>6} "
+            f"{'opt 1':>7} {'opt @2':>7} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} "
+            f"{'MB/step':>8} {'bases/rank':>12}")
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["refresh_per_rank_cpu_s"])
+        lines.append(f"{s['model']:9} {s['refresh_1rank_cpu_s'] * 1e3:11.0f} ms {per_rank:>13} ms "
+                     f"{s['refresh_ratio']:6.2f} {s['refresh_wall_ratio']:6.2f} "
+                     f"{s['opt_1rank_cpu_s'] * 1e3:5.0f}ms {s['opt_cpu_s'] * 1e3:5.0f}ms "
+                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
+                     f"{s['step_wall_ratio']:6.2f} {s['bytes'] / 1e6:8.3f} "
+                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['factors']):>12}")
+    return "\n".join(lines)
 
 
 def render(summary: list[dict]) -> str:
@@ -204,6 +328,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed inverse steps after one warm-up")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a test of the phase)")
     parser.add_argument("--json", default=None, help="write the rows and the summary here")
+    parser.add_argument("--member", choices=("all", "kfac", "dykaf"), default="all",
+                        help="K-FAC's strategies, DyKAF's refresh owners, or both")
     parser.add_argument("--predict", action="store_true",
                         help="print the cost model's predictions for ResNet-50 and GPT-2 small at 8, 64 "
                              "and 512 ranks (bench/kaisa_model.py) instead")
@@ -215,17 +341,26 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     start = time.monotonic()
-    one = launch(1, args.tiny, args.steps)
-    two = launch(2, args.tiny, args.steps)
-    summary = summarise(one, two)
-    print(f"K-FAC KAISA, CPU gloo, one thread per rank, inv_update_steps=1, {args.steps} timed steps "
-          f"(medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
-          f"against one rank's, CPU time, then wall time)")
-    print(render(summary))
+    members = ("kfac", "dykaf") if args.member == "all" else (args.member,)
+    one = launch(1, args.tiny, args.steps, members)
+    two = launch(2, args.tiny, args.steps, members)
+    summary = summarise(one, two) if "kfac" in members else []
+    dykaf = summarise_dykaf(one, two) if "dykaf" in members else []
+    if summary:
+        print(f"K-FAC KAISA, CPU gloo, one thread per rank, inv_update_steps=1, {args.steps} timed steps "
+              f"(medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
+              f"against one rank's, CPU time, then wall time)")
+        print(render(summary))
+    if dykaf:
+        print(f"DyKAF refresh owners (process_group=WORLD at 2 ranks), CPU gloo, one thread per rank, "
+              f"precondition_frequency=1, {args.steps} timed steps (medians of CPU time, ms; 'refresh/rank' "
+              f"per rank at 2 ranks; ratio: the slowest rank's against one rank's, CPU time, then wall "
+              f"time; opt: DyKAF's step)")
+        print(render_dykaf(dykaf))
     print(f"[{time.monotonic() - start:.0f} s]")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": one + two, "summary": summary}, f, indent=1)
+            json.dump({"rows": one + two, "summary": summary, "dykaf": dykaf}, f, indent=1)
     return 0
 
 

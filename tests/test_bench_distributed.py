@@ -1,5 +1,6 @@
 """`python -m bench distributed` runs on tiny models: 1 and 2 gloo ranks started by
-torch.multiprocessing, a row per model and strategy, each rank decomposing a share."""
+torch.multiprocessing, a row per model and strategy (K-FAC) and per model (DyKAF's refresh
+owners), each rank decomposing or refreshing a share."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,15 @@ def test_distributed_phase_runs_on_tiny_models(tmp_path, capsys):
         assert s["kfac_bytes_1rank"] == 0 < s["kfac_bytes"]  # one rank sends nothing
         assert math.isfinite(s["decompose_ratio"]) and s["decompose_ratio"] > 0
         assert len(s["decompose_per_rank_cpu_s"]) == 2
+    assert {s["model"] for s in out["dykaf"]} == {"gpt", "mlp"}
+    for s in out["dykaf"]:
+        assert s["model"] in printed
+        assert sum(s["matrices"]) == s["factors"] and min(s["matrices"]) > 0  # every basis once
+        assert s["bytes_1rank"] == 0 < s["bytes"]
+        assert math.isfinite(s["refresh_ratio"]) and s["refresh_ratio"] > 0
+        assert len(s["refresh_per_rank_cpu_s"]) == 2
     ones = [r for r in out["rows"] if r["world"] == 1]
+    assert {r["member"] for r in ones} == {"kfac", "dykaf"}
     assert all(r["matrices"] == r["factors"] for r in ones)
 
 
