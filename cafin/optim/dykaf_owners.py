@@ -79,11 +79,11 @@ class RefreshOwners:
         """Refresh this rank's share of the pending parameters, share the results, and hand every
         pending parameter's new bases to `install(p, state, group, new)`, new[k] = (basis,
         order) or None for a mode without a basis. Returns the collectives made."""
+        self.collectives = 0
+        if not self.pending:  # not a refresh step (or a compiled one: its refreshes stay local)
+            return 0
         pending, owners = self.pending, self.owners()
         self.pending = []
-        self.collectives = 0
-        if not pending:
-            return 0
         held: dict[tuple, list[list[torch.Tensor]]] = {}
         results = []
         for (_, state, _), mode_owners in zip(pending, owners):
