@@ -207,6 +207,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--predict", action="store_true",
                         help="print the cost model's predictions for ResNet-50 and GPT-2 small at 8, 64 "
                              "and 512 ranks (bench/kaisa_model.py) instead")
+    parser.add_argument("--member", choices=("kfac", "twolevel"), default="kfac",
+                        help="kfac: KAISA's strategies; twolevel: two-level K-FAC's owner ranks "
+                             "(bench/distributed_twolevel.py)")
     args = parser.parse_args(argv)
     if args.predict:
         from .kaisa_model import measure_c, render as render_model
@@ -215,6 +218,15 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     start = time.monotonic()
+    if args.member == "twolevel":
+        from .distributed_twolevel import run
+        rows, summary, table = run(args.tiny, args.steps)
+        print(table)
+        print(f"[{time.monotonic() - start:.0f} s]")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"rows": rows, "summary": summary}, f, indent=1)
+        return 0
     one = launch(1, args.tiny, args.steps)
     two = launch(2, args.tiny, args.steps)
     summary = summarise(one, two)

@@ -49,3 +49,21 @@ def test_predict_prints_every_model_and_world(capsys):
     for model in ("resnet50", "gpt2-small"):
         for world in (8, 64, 512):
             assert any(line.startswith(model) and f" {world} " in line for line in out.splitlines())
+
+
+def test_twolevel_phase_runs_on_tiny_models(tmp_path, capsys):
+    path = tmp_path / "twolevel.json"
+    assert main(["distributed", "--member", "twolevel", "--tiny", "--steps", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    out = json.loads(path.read_text())
+    summary = {(s["model"], s["strategy"]): s for s in out["summary"]}
+    assert set(summary) == {(m, s) for m in ("gpt", "mlp") for s in ("owners", "every_rank")}
+    for (model, strategy), s in summary.items():
+        assert model in printed and strategy in printed
+        assert s["bytes_1rank"] == 0 < s["bytes"]  # one rank sends nothing
+        assert math.isfinite(s["decompose_ratio"]) and s["decompose_ratio"] > 0
+        if strategy == "owners":  # shares: every factor and the coarse matrix once
+            assert sum(s["matrices"]) == s["total_matrices"] and min(s["matrices"]) > 0
+        else:
+            assert s["matrices"] == [s["total_matrices"]] * 2
+    assert all(r["matrices"] == r["total_matrices"] for r in out["rows"] if r["world"] == 1)

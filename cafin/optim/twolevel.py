@@ -1169,7 +1169,25 @@ TwoLevelKFAC.__doc__ = (
         {_published_bugs_doc}
             Here: the four bugs docs/twolevel.md lists and says why each is one.
         {_process_group_doc}
-            The statistics are averaged over it.
+            The statistics are averaged over it, and the decompositions are shared out over
+            its ranks.
+        distribute_decompositions (bool, optional): under torch.distributed (more than one
+            rank), each decomposition (every factor's eigendecomposition on inverse steps,
+            the coarse matrix's inverse on T_cov steps) is made by one owner rank and the
+            results are shared: one collective per (device, dtype) on inverse steps, the
+            coarse inverse inside it where F_c is known before the decompositions
+            (nicolaides and tpselepedis without Krylov vectors), else one of its own.
+            ``step()`` is then a collective (every rank calls it, as it already does for the
+            statistics). ``assignment`` maps each layer's name to the owners of its factors,
+            ``{{"A": rank, "G": rank}}``, and ``coarse_worker`` is the coarse inverse's owner
+            (both None in one process or when False). False: every rank makes every
+            decomposition (no exchange). The numbers do not depend on it (default: True)
+        assignment_strategy (str or AssignmentStrategy, optional): how owners are balanced,
+            as KFACPreconditioner's: "compute" costs a matrix of size n as n^3, "memory" as
+            n^2 (default: "compute")
+        colocate_factors (bool, optional): both factors of a layer on one owner; False places
+            each factor alone, which balances better (two-level decomposes A and G apart)
+            (default: False)
     """
 )
 
