@@ -60,10 +60,12 @@ def test_twolevel_phase_runs_on_tiny_models(tmp_path, capsys):
     assert set(summary) == {(m, s) for m in ("gpt", "mlp") for s in ("owners", "every_rank")}
     for (model, strategy), s in summary.items():
         assert model in printed and strategy in printed
-        assert s["bytes_1rank"] == 0 < s["bytes"]  # one rank sends nothing
         assert math.isfinite(s["decompose_ratio"]) and s["decompose_ratio"] > 0
+        # the statistics' all_reduce runs at every world size; the owners' exchange adds to it
         if strategy == "owners":  # shares: every factor and the coarse matrix once
             assert sum(s["matrices"]) == s["total_matrices"] and min(s["matrices"]) > 0
+            assert s["bytes"] > s["bytes_1rank"] > 0
         else:
             assert s["matrices"] == [s["total_matrices"]] * 2
+            assert s["bytes"] == s["bytes_1rank"] > 0
     assert all(r["matrices"] == r["total_matrices"] for r in out["rows"] if r["world"] == 1)
