@@ -188,7 +188,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             return
         self._rank, self._world = dist.get_rank(group), world
         strategy = self.assignment_strategy.name.lower()
-        # layers keyed by position (two layers' names cannot clash with the coarse entry's)
+        # layers keyed by position, the coarse inverse by the next one: no name can clash
         work: dict[Any, dict[str, float]] = factor_costs(
             {i: factor_sizes(layer.module) for i, layer in enumerate(self._layers)}, strategy)
         if self.coarse_space != "none":
