@@ -328,8 +328,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed inverse steps after one warm-up")
     parser.add_argument("--tiny", action="store_true", help="tiny models (a test of the phase)")
     parser.add_argument("--json", default=None, help="write the rows and the summary here")
-    parser.add_argument("--member", choices=("all", "kfac", "dykaf"), default="all",
-                        help="K-FAC's strategies, DyKAF's refresh owners, or both")
+    parser.add_argument("--member", choices=("all", "kfac", "dykaf", "twolevel"), default="all",
+                        help="K-FAC's strategies, DyKAF's refresh owners, two-level K-FAC's owner ranks "
+                             "(bench/distributed_twolevel.py), or all three")
     parser.add_argument("--predict", action="store_true",
                         help="print the cost model's predictions for ResNet-50 and GPT-2 small at 8, 64 "
                              "and 512 ranks (bench/kaisa_model.py) instead")
@@ -341,9 +342,10 @@ def main(argv: list[str]) -> int:
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     start = time.monotonic()
-    members = ("kfac", "dykaf") if args.member == "all" else (args.member,)
-    one = launch(1, args.tiny, args.steps, members)
-    two = launch(2, args.tiny, args.steps, members)
+    members = ("kfac", "dykaf", "twolevel") if args.member == "all" else (args.member,)
+    launched = tuple(m for m in members if m != "twolevel")
+    one = launch(1, args.tiny, args.steps, launched) if launched else []
+    two = launch(2, args.tiny, args.steps, launched) if launched else []
     summary = summarise(one, two) if "kfac" in members else []
     dykaf = summarise_dykaf(one, two) if "dykaf" in members else []
     if summary:
@@ -357,10 +359,16 @@ def main(argv: list[str]) -> int:
               f"per rank at 2 ranks; ratio: the slowest rank's against one rank's, CPU time, then wall "
               f"time; opt: DyKAF's step)")
         print(render_dykaf(dykaf))
+    twolevel = {}
+    if "twolevel" in members:
+        from .distributed_twolevel import run
+        rows, twolevel_summary, table = run(args.tiny, args.steps)
+        twolevel = {"rows": rows, "summary": twolevel_summary}
+        print(table)
     print(f"[{time.monotonic() - start:.0f} s]")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": one + two, "summary": summary, "dykaf": dykaf}, f, indent=1)
+            json.dump({"rows": one + two, "summary": summary, "dykaf": dykaf, "twolevel": twolevel}, f, indent=1)
     return 0
 
 

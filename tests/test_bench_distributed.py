@@ -58,3 +58,23 @@ def test_predict_prints_every_model_and_world(capsys):
     for model in ("resnet50", "gpt2-small"):
         for world in (8, 64, 512):
             assert any(line.startswith(model) and f" {world} " in line for line in out.splitlines())
+
+
+def test_twolevel_phase_runs_on_tiny_models(tmp_path, capsys):
+    path = tmp_path / "twolevel.json"
+    assert main(["distributed", "--member", "twolevel", "--tiny", "--steps", "1", "--json", str(path)]) == 0
+    printed = capsys.readouterr().out
+    out = json.loads(path.read_text())["twolevel"]
+    summary = {(s["model"], s["strategy"]): s for s in out["summary"]}
+    assert set(summary) == {(m, s) for m in ("gpt", "mlp") for s in ("owners", "every_rank")}
+    for (model, strategy), s in summary.items():
+        assert model in printed and strategy in printed
+        assert math.isfinite(s["decompose_ratio"]) and s["decompose_ratio"] > 0
+        # the statistics' all_reduce runs at every world size; the owners' exchange adds to it
+        if strategy == "owners":  # shares: every factor and the coarse matrix once
+            assert sum(s["matrices"]) == s["total_matrices"] and min(s["matrices"]) > 0
+            assert s["bytes"] > s["bytes_1rank"] > 0
+        else:
+            assert s["matrices"] == [s["total_matrices"]] * 2
+            assert s["bytes"] == s["bytes_1rank"] > 0
+    assert all(r["matrices"] == r["total_matrices"] for r in out["rows"] if r["world"] == 1)

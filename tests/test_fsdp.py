@@ -72,6 +72,11 @@ SECOND_ORDER = {"KFAC": (2, 49**2 + 7**2 + 7 * 49 + 2)}
 FACTORS["KFAC-mem"], GATHER["KFAC-mem"] = FACTORS["KFAC"], GATHER["KFAC"]
 TCOV["KFAC-mem"] = 1
 PRECONDITIONED = {"KFAC-mem": (2, 7 * 49, 3)}
+# TwoLevelKFAC: each factor's eigendecomposition and the coarse inverse on one owner rank (the
+# Linear(48, 7)'s A, 49^3, outweighs the rest: rank 0's alone); on its inverse steps (its curvature
+# steps) one all_gather padded to that share (eigenvalues, eigenvectors, a flag: 49 + 49^2 + 1),
+# the nicolaides coarse inverse inside it; the residual one is known after it only: a second.
+OWNED = {"TwoLevel-nicolaides": [49 + 49**2 + 1], "TwoLevel-residual": [49 + 49**2 + 1, 4 * 4]}
 
 
 _LAUNCH: dict = {}
@@ -144,6 +149,8 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
                 expected.append(("all_gather_single", GATHER[member], dtype))
             if member in SECOND_ORDER and k % SECOND_ORDER[member][0] == 0:
                 expected.append(("all_gather", SECOND_ORDER[member][1], dtype))
+            if member in OWNED and k % tcov == 0:
+                expected += [("all_gather", n, dtype) for n in OWNED[member]]
             if member in PRECONDITIONED:
                 every, grads, flags = PRECONDITIONED[member]
                 expected.append(("all_gather", grads, dtype))

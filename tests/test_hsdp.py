@@ -103,8 +103,9 @@ def test_hsdp_factors_equal_ddp(member, dtype, tmp_path_factory):
 
 
 # K-FAC's KAISA groups on 4 ranks: COMM_OPT shares over the world, grad_worker_fraction 0.5
-# (HYBRID_OPT) within groups of 2; K-FAC decomposes every 2 steps.
-KAISA_GROUP = {"KFAC": 4, "KFAC-mem": 2}
+# (HYBRID_OPT) within groups of 2; K-FAC decomposes every 2 steps. Two-level shares its owners'
+# decompositions over the 4 ranks on its inverse steps (every 2).
+KAISA_GROUP = {"KFAC": 4, "KFAC-mem": 2, "TwoLevel-nicolaides": 4, "TwoLevel-residual": 4}
 
 
 @pytest.mark.parametrize("member, dtype", CASES)

@@ -3,12 +3,15 @@ of Abdoulaye-Koroko/natural-gradients), in plain PyTorch: entry by entry, each o
 product, each Conv2d projection through an N' x N' matrix. It is no op's twin: the tests and the
 bench measure the optimizer's cheap assembly (`cafin.TwoLevelKFAC`, backend "fused") against it.
 The published Conv2d sample pairing is corrected (bug 1 in docs/twolevel.md).
+
+Also the two decompositions an eager step makes, one matrix per call, so that tests and the bench
+can count and time them: a damped factor's eigendecomposition and the coarse matrix's inverse.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["coarse_matrix_pairwise"]
+__all__ = ["coarse_matrix_pairwise", "factor_eigh", "coarse_inverse"]
 
 
 def coarse_matrix_pairwise(rows: list[torch.Tensor], grads: list[torch.Tensor], locations: list[int],
@@ -38,3 +41,18 @@ def coarse_matrix_pairwise(rows: list[torch.Tensor], grads: list[torch.Tensor], 
         f = f + f.t() - torch.diag(torch.diagonal(f))
     sizes = torch.tensor([float(v.numel()) for v in vectors], dtype=f.dtype, device=f.device)
     return f + torch.diag(damping * sizes)
+
+
+def factor_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The eigendecomposition (eigenvalues ascending, eigenvectors in column-major layout, as
+    LAPACK returns them) of one damped Kronecker factor [n, n], or None where it fails."""
+    try:
+        return torch.linalg.eigh(matrix)
+    except torch.linalg.LinAlgError:
+        return None
+
+
+def coarse_inverse(f_coarse: torch.Tensor) -> torch.Tensor:
+    """The inverse of the coarse matrix [n, n] (linalg.inv_ex: torch.inverse's numbers without
+    its error-check sync; column-major, as LAPACK returns it)."""
+    return torch.linalg.inv_ex(f_coarse)[0]

@@ -24,7 +24,10 @@ Intervals follow the core's StepCounter: decided on the host while steps run eag
 device once a step is compiled (torch.compile(step, fullgraph=True) after one eager step; eigh and
 the coarse assembly then sit in torch.cond branches). damping, alpha and clipping are 0-dim
 tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
-allow, the new coarse matrix are averaged in one collective (docs/twolevel.md, "Data parallel").
+allow, the new coarse matrix are averaged in one collective (docs/twolevel.md, "Data parallel"),
+and the decompositions are shared out: each factor's eigendecomposition, and the coarse matrix's
+inverse, is made by one owner rank (the greedy assignment of cafin.optim.kaisa, balanced by
+cost) and the results reach every rank in one exchange per (device, dtype).
 """
 from __future__ import annotations
 
@@ -42,8 +45,11 @@ from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
 from ..factors import factor_sizes, input_rows
 from ..maths import state_dtype
+from ..maths import twolevel as twolevel_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 from ._docs import _process_group_doc, _published_bugs_doc
+from .kaisa import exchange, factor_costs, greedy_assignment
+from .kfac_compat import AssignmentStrategy, as_enum
 
 __all__ = ["TwoLevelKFAC", "COARSE_SPACES", "NonFiniteStatisticsWarning", "EigendecompositionWarning"]
 
@@ -96,13 +102,16 @@ def _refuse_layers_without_curvature(model: nn.Module) -> None:
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
-                 krylov=False, *, backend="fused", published_bugs=False, process_group=None):
+                 krylov=False, *, backend="fused", published_bugs=False, process_group=None,
+                 distribute_decompositions=True, assignment_strategy="compute", colocate_factors=False):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
         self._init_settings({"damping": damping, "alpha": alpha, "clipping": clipping})
         self._check_arguments(pi=pi, T_cov=T_cov, T_inv=T_inv, constraint_norm=constraint_norm,
                               batch_size=batch_size, coarse_space=coarse_space, krylov=krylov,
-                              backend=backend, published_bugs=published_bugs, process_group=process_group)
+                              backend=backend, published_bugs=published_bugs, process_group=process_group,
+                              distribute_decompositions=distribute_decompositions,
+                              assignment_strategy=assignment_strategy, colocate_factors=colocate_factors)
         model = unwrap(net)
         # FSDP2: the statistics hooks see the unsharded call, so the factors and the coarse
         # matrix are DDP's once averaged over the parameters' mesh; the update gathers each
@@ -125,12 +134,14 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         # per layer: {"calls": one dict per forward call since the last step, "task": the
         # backward pass that delivered the latest output gradient}
         self._pending: dict[int, dict[str, Any]] = {}
+        self._assign_work()
         # k, the completed update steps: on the host while steps run eagerly, on the device (and
         # every interval decided there) once a step is compiled; the hooks
         self._start(self._layers)
 
     def _check_arguments(self, *, pi, T_cov, T_inv, constraint_norm, batch_size, coarse_space, krylov,
-                         backend, published_bugs, process_group) -> None:
+                         backend, published_bugs, process_group, distribute_decompositions,
+                         assignment_strategy, colocate_factors) -> None:
         self.pi = bool(pi)  # published: read by a branch that is never taken (no effect)
         self.T_cov = check_int(T_cov, "T_cov", 1)
         self.T_inv = check_int(T_inv, "T_inv", 1)
@@ -151,6 +162,43 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
         self.process_group = process_group
+        if not isinstance(distribute_decompositions, bool):
+            raise TypeError("distribute_decompositions must be a bool, got "
+                            f"{type(distribute_decompositions).__name__}")
+        if not isinstance(colocate_factors, bool):
+            raise TypeError(f"colocate_factors must be a bool, got {type(colocate_factors).__name__}")
+        self.distribute_decompositions = distribute_decompositions
+        self.assignment_strategy = as_enum(assignment_strategy, AssignmentStrategy, "assignment_strategy")
+        self.colocate_factors = colocate_factors
+
+    def _assign_work(self) -> None:
+        """Under torch.distributed (more than one rank, distribute_decompositions): the owner
+        rank of every decomposition, the same on every rank: each layer's two factors (A, the
+        input side's, and G) and the coarse matrix's inverse, greedily by cost (KAISA's rule,
+        one group of every rank). `assignment` maps layer names to {"A": rank, "G": rank};
+        `coarse_worker` is the rank that inverts F_c. Both None: every rank makes every one."""
+        self.assignment = self.coarse_worker = None
+        self._owners = None  # per layer, the owner ranks of (A, G)
+        if not (self.distribute_decompositions and distributed()):
+            return
+        import torch.distributed as dist
+        group = self.process_group
+        world = dist.get_world_size(group)
+        if world == 1:
+            return
+        self._rank, self._world = dist.get_rank(group), world
+        strategy = self.assignment_strategy.name.lower()
+        # layers keyed by position, the coarse inverse by the next one: no name can clash
+        work: dict[Any, dict[str, float]] = factor_costs(
+            {i: factor_sizes(layer.module) for i, layer in enumerate(self._layers)}, strategy)
+        if self.coarse_space != "none":
+            n = len(self._layers) * (2 if self.krylov else 1)
+            work[len(self._layers)] = {"F_c": float(n ** (3 if strategy == "compute" else 2))}
+        owners = greedy_assignment(work, [list(range(world))], world, self.colocate_factors)
+        self._owners = [(owners[i]["A"], owners[i]["G"]) for i in range(len(self._layers))]
+        self.assignment = {layer.name: {"A": a, "G": g} for layer, (a, g) in zip(self._layers, self._owners)}
+        if self.coarse_space != "none":
+            self.coarse_worker = owners[len(self._layers)]["F_c"]
 
     def _register_layers(self, model: nn.Module) -> list[dict[str, Any]]:
         """The layers two-level K-FAC preconditions, checked, as one param group each. A layer
@@ -425,11 +473,20 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             out += [lam * (lam > _EIG_FLOOR), vec]
         return tuple(out)
 
-    def _decompose(self, states, gate) -> None:
+    def _decompose(self, states, gate, coarse: bool = False) -> None:
+        """Every layer's eigendecompositions (eager: checked, see `_eigen_checked`; under
+        torch.distributed each rank makes its share and the results are shared, with the coarse
+        matrix's inverse when `coarse`), stored once all are made."""
         if gate is None:
-            new = self._eigen_checked(states)  # every layer's, before any is stored
-            for state, eig in zip(states, new):
-                state.update(zip(_EIGEN, eig))
+            if self._owners is None:
+                new = self._eigen_checked(states)  # every layer's, before any is stored
+                failed = next((r for pair in new for r in pair if isinstance(r, str)), None)
+                if failed is not None:
+                    raise RuntimeError(failed)
+            else:
+                new = self._shared_eigen(states, coarse)
+            for state, pair in zip(states, new):
+                state.update(zip(_EIGEN, (t for r in pair for t in r)))
             return
         # eigh only on T_inv steps: one branch for every layer (inductor reads a cond's
         # predicate on the host, so one cond is one sync, not one per layer)
@@ -439,50 +496,99 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             for key, t in zip(_EIGEN, new[4 * i:4 * i + 4]):
                 state[key].copy_(t)
 
-    def _eigen_checked(self, states) -> list[tuple[torch.Tensor, ...]]:
-        """Eager `_eigen` of every layer: an eigh that fails (or returns inf/NaN) is retried in
-        float64; if that fails too the layer keeps its previous basis, with a warning."""
-        damped, results = [], []
-        for state in states:
-            for f in ("xxt", "ggt"):
-                a = state[f]
-                m = a + self._hp("damping", a) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
-                damped.append(m)
-                results.append(self._eigh(m))
-        tried = [r for r in results if r is not None]
+    def _eigen_checked(self, states, mine=None) -> list[list]:
+        """Eager `_eigen` of every layer's factors, or of those in `mine` ((layer index, 0 for
+        A / 1 for G) pairs; the others' entries are None): per layer [A's, G's], each
+        (eigenvalues, eigenvectors). An eigh that fails (or returns inf/NaN) is retried in
+        float64; if that fails too the factor keeps its previous decomposition, with a warning,
+        and where there is none its entry is the error message (the caller raises it)."""
+        todo = [(i, j) for i in range(len(states)) for j in range(2) if mine is None or (i, j) in mine]
+        damped, results = {}, {}
+        for i, j in todo:
+            a = states[i][("xxt", "ggt")[j]]
+            m = a + self._hp("damping", a) * torch.eye(a.shape[0], dtype=a.dtype, device=a.device)
+            damped[i, j] = m
+            results[i, j] = twolevel_maths.factor_eigh(m)
+        tried = [r for r in results.values() if r is not None]
         finite = iter(torch.stack([torch.isfinite(t).all() for r in tried for t in r]).view(-1, 2).all(1).tolist()
                       if tried else [])
-        results = [r if r is not None and next(finite) else None for r in results]
-        out = []
-        for i, (layer, state) in enumerate(zip(self._layers, states)):
-            pair = []
-            for j, (f, lam_key, vec_key) in enumerate((("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g"))):
-                m, r = damped[2 * i + j], results[2 * i + j]
-                if r is None and m.dtype != torch.float64:
-                    r = self._eigh(m.double())
-                    r = r if r is not None and all(bool(torch.isfinite(t).all()) for t in r) else None
-                    r = None if r is None else tuple(t.to(m.dtype) for t in r)
-                if r is None:
-                    if vec_key not in state:
-                        raise RuntimeError(f"TwoLevelKFAC: the eigendecomposition of layer '{layer.name}''s "
-                                           f"{f} factor failed in {m.dtype} and in float64, and there is no "
-                                           "previous basis to keep")
-                    warnings.warn(f"TwoLevelKFAC: step {self._iteration_counter}: the eigendecomposition of "
-                                  f"layer '{layer.name}''s {f} factor failed in {m.dtype} and in float64; "
-                                  "the layer keeps its previous basis", EigendecompositionWarning, stacklevel=5)
-                    pair += [state[lam_key], state[vec_key]]
-                else:
-                    lam, vec = r
-                    pair += [lam * (lam > _EIG_FLOOR), vec]
-            out.append(tuple(pair))
+        results = {key: r if r is not None and next(finite) else None for key, r in results.items()}
+        out = [[None, None] for _ in states]
+        for i, j in todo:
+            layer, state = self._layers[i], states[i]
+            f, lam_key, vec_key = (("xxt", "L_x", "Q_x"), ("ggt", "L_g", "Q_g"))[j]
+            m, r = damped[i, j], results[i, j]
+            if r is None and m.dtype != torch.float64:
+                r = twolevel_maths.factor_eigh(m.double())
+                r = r if r is not None and all(bool(torch.isfinite(t).all()) for t in r) else None
+                r = None if r is None else tuple(t.to(m.dtype) for t in r)
+            if r is None:
+                if vec_key not in state:
+                    out[i][j] = (f"TwoLevelKFAC: the eigendecomposition of layer '{layer.name}''s {f} factor "
+                                 f"failed in {m.dtype} and in float64, and there is no previous basis to keep")
+                    continue
+                warnings.warn(f"TwoLevelKFAC: step {self._iteration_counter}: the eigendecomposition of "
+                              f"layer '{layer.name}''s {f} factor failed in {m.dtype} and in float64; "
+                              "the layer keeps its previous basis", EigendecompositionWarning, stacklevel=5)
+                out[i][j] = (state[lam_key], state[vec_key])
+            else:
+                lam, vec = r
+                out[i][j] = (lam * (lam > _EIG_FLOOR), vec)
         return out
 
-    @staticmethod
-    def _eigh(m: torch.Tensor):
-        try:
-            return torch.linalg.eigh(m)
-        except torch.linalg.LinAlgError:
-            return None
+    def _shared_eigen(self, states, coarse: bool) -> list[list]:
+        """torch.distributed: this rank's share of the eigendecompositions (and, `coarse`, the
+        coarse matrix's inverse if it owns it), then every owner's results on every rank, in
+        one `exchange` per (device, dtype) over the process group. Each factor travels with a
+        flag (1: decomposed or kept, 0: failed with no previous basis), so a failure raises on
+        every rank, not only on its owner."""
+        me = self._rank
+        mine = {(i, j) for i, pair in enumerate(self._owners) for j in range(2) if pair[j] == me}
+        own = self._eigen_checked(states, mine)
+        held: dict[tuple, list[list[torch.Tensor]]] = {}
+        out, flags = [[None, None] for _ in states], []
+        for i, state in enumerate(states):
+            for j, f in enumerate(("xxt", "ggt")):
+                a, owner = state[f], self._owners[i][j]
+                r = own[i][j]
+                if owner == me and not isinstance(r, str):
+                    lam, vec = r
+                    flag = torch.ones(1, dtype=a.dtype, device=a.device)
+                else:  # received (column-major, as eigh returns it: the products round alike)
+                    lam = torch.zeros(a.shape[0], dtype=a.dtype, device=a.device)
+                    vec = torch.zeros_like(a).t()
+                    flag = torch.zeros(1, dtype=a.dtype, device=a.device)
+                lists = held.setdefault((a.device, a.dtype), [[] for _ in range(self._world)])
+                lists[owner] += [lam, vec, flag]
+                out[i][j] = (lam, vec)
+                flags.append(((i, j), flag))
+        if coarse:
+            f = self.f_coarse
+            inv = twolevel_maths.coarse_inverse(f) if self.coarse_worker == me else torch.empty_like(f).t()
+            held.setdefault((f.device, f.dtype), [[] for _ in range(self._world)])[self.coarse_worker].append(inv)
+            self.f_coarse_inv = inv
+        for lists in held.values():
+            exchange(lists, me, self.process_group)
+        ok = torch.cat([flag.cpu() for _, flag in flags]).tolist()  # one host read: eager steps
+        for ((i, j), _), good in zip(flags, ok):
+            if good != 1.0:
+                raise RuntimeError(f"TwoLevelKFAC: the eigendecomposition of layer '{self._layers[i].name}''s "
+                                   f"{('xxt', 'ggt')[j]} factor failed on rank {self._owners[i][j]} (its owner) in "
+                                   f"{states[i]['xxt'].dtype} and in float64, and there is no previous basis to keep")
+        return out
+
+    def _solve_coarse(self) -> None:
+        """F_c's inverse: on its owner rank, shared in one `exchange` (torch.distributed), or here."""
+        f = self.f_coarse
+        if self._owners is None:
+            self.f_coarse_inv = twolevel_maths.coarse_inverse(f)
+            return
+        me = self._rank
+        inv = twolevel_maths.coarse_inverse(f) if self.coarse_worker == me else torch.empty_like(f).t()
+        held = [[] for _ in range(self._world)]
+        held[self.coarse_worker].append(inv)
+        exchange(held, me, self.process_group)
+        self.f_coarse_inv = inv
 
     @staticmethod
     def _kfac_inverse(state, v: torch.Tensor, extra: float = 0.0) -> torch.Tensor:
@@ -653,6 +759,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             self._pending = pending
             self.__dict__.update(values)
             self.__dict__.pop("_early_parts", None)
+            self.__dict__.pop("_coarse_folded", None)
             raise
 
     def _step(self, update_params: bool) -> None:
@@ -681,8 +788,13 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 return  # nothing to precondition with yet: the gradients are left as they are
         for state, new in zip(states, covs):
             self._covs(state, new, rho, gate_fold)
+        coarse = False
+        if decompose and self._owners is not None and "_early_parts" in self.__dict__:
+            # F_c does not depend on this step's decompositions (ones vectors): folded now, its
+            # inverse made by its owner travels with them
+            self._coarse_folded = coarse = self._fold_coarse(None)
         if decompose:
-            self._decompose(states, gate_inv)
+            self._decompose(states, gate_inv, coarse)
         if not update_params:
             return
         final = self._two_level(raws, self._kfac_directions(states, raws))
@@ -798,8 +910,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         early = raws is not None and not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
         if early:
             ones = [self._coarse_vectors(self.state[g["params"][0]], r, None) for g, r in zip(self.param_groups, raws)]
-            self._early_parts = self._coarse_parts(ones)
-            tensors += self._early_parts
+            self._early_parts = (self._coarse_parts(ones), ones)
+            tensors += self._early_parts[0]
         if tensors:  # in place: the covariances and parts now hold the averages
             average_over_ranks(tensors, self.process_group)
 
@@ -847,17 +959,13 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         k, rho, gate, _ = self._schedule()
         if gate is None:
             if k % self.T_cov == 0:
-                parts = self.__dict__.pop("_early_parts", None)
-                if parts is None:
-                    parts = self._coarse_parts(vectors)
-                    if distributed():
-                        average_over_ranks(parts, self.process_group)
-                f = self._combine(parts, vectors)
-                if not bool(torch.isfinite(f).all()):
-                    self._drop("the coarse matrix's new statistics")
+                folded = self.__dict__.pop("_coarse_folded", None)  # this step's, with the decompositions
+                if folded is None:
+                    folded = self._fold_coarse(vectors)
+                    if folded:
+                        self._solve_coarse()
+                if not folded:
                     return self.f_coarse is not None
-                self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
-                self.f_coarse_inv = torch.linalg.inv_ex(self.f_coarse)[0]
             return True
 
         def fresh():
@@ -868,6 +976,25 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         new = torch.cond(gate, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
         self.f_coarse.copy_(new[0])
         self.f_coarse_inv.copy_(new[1])
+        return True
+
+    def _fold_coarse(self, vectors) -> bool:
+        """Eager T_cov steps: the new F_c (from the parts averaged with the covariances, or
+        assembled and averaged now) folded into its EMA; False, and F_c kept, where it holds
+        inf/NaN (dropped, with a warning)."""
+        _, rho, _, _ = self._schedule()
+        early = self.__dict__.pop("_early_parts", None)
+        if early is not None:
+            parts, vectors = early
+        else:
+            parts = self._coarse_parts(vectors)
+            if distributed():
+                average_over_ranks(parts, self.process_group)
+        f = self._combine(parts, vectors)
+        if not bool(torch.isfinite(f).all()):
+            self._drop("the coarse matrix's new statistics")
+            return False
+        self.f_coarse = f if rho is None else rho * self.f_coarse + (1 - rho) * f
         return True
 
     @staticmethod
@@ -1042,7 +1169,25 @@ TwoLevelKFAC.__doc__ = (
         {_published_bugs_doc}
             Here: the four bugs docs/twolevel.md lists and says why each is one.
         {_process_group_doc}
-            The statistics are averaged over it.
+            The statistics are averaged over it, and the decompositions are shared out over
+            its ranks.
+        distribute_decompositions (bool, optional): under torch.distributed (more than one
+            rank), each decomposition (every factor's eigendecomposition on inverse steps,
+            the coarse matrix's inverse on T_cov steps) is made by one owner rank and the
+            results are shared: one collective per (device, dtype) on inverse steps, the
+            coarse inverse inside it where F_c is known before the decompositions
+            (nicolaides and tpselepedis without Krylov vectors), else one of its own.
+            ``step()`` is then a collective (every rank calls it, as it already does for the
+            statistics). ``assignment`` maps each layer's name to the owners of its factors,
+            ``{{"A": rank, "G": rank}}``, and ``coarse_worker`` is the coarse inverse's owner
+            (both None in one process or when False). False: every rank makes every
+            decomposition (no exchange). The numbers do not depend on it (default: True)
+        assignment_strategy (str or AssignmentStrategy, optional): how owners are balanced,
+            as KFACPreconditioner's: "compute" costs a matrix of size n as n^3, "memory" as
+            n^2 (default: "compute")
+        colocate_factors (bool, optional): both factors of a layer on one owner; False places
+            each factor alone, which balances better (two-level decomposes A and G apart)
+            (default: False)
     """
 )
 

@@ -1,0 +1,168 @@
+"""`python -m bench distributed --member twolevel`: two-level K-FAC's decompositions on owner ranks,
+1 and 2 CPU/gloo ranks.
+
+As the K-FAC phase (bench/distributed.py), one torch.multiprocessing launch per world size, one
+thread per rank, a fixed global batch split over the ranks, the gradients averaged as DDP does.
+TwoLevelKFAC (nicolaides, T_cov = T_inv = 1: every step is an inverse step) on the bench's GPT (its
+transformer blocks: two-level refuses the trained token embedding, tied to the head, which then
+takes its plain gradient), its MLP and a deeper MLP. Per model and strategy, per rank:
+
+- decompose_cpu_s, decompose_s: CPU (`time.thread_time`) and wall time of this rank's
+  decompositions in one step (cafin.maths.twolevel's factor_eigh and coarse_inverse), median
+  over the timed steps;
+- step_cpu_s, step_s: the whole training step;
+- bytes: what two-level's step hands to collectives (the statistics' all_reduce and the
+  shared decompositions; the gradient average is not its own);
+- matrices: the matrices this rank decomposes per step (of 2 per layer + the coarse matrix).
+
+Strategies at 2 ranks: "owners" (the default: each matrix on one owner rank, the results shared)
+and "every_rank" (distribute_decompositions=False: every rank makes every decomposition).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from .distributed import FULL_MODELS, TINY_MODELS, _count_bytes
+from .models import batch_for, loss_for
+
+STRATEGIES = {"owners": dict(), "every_rank": dict(distribute_decompositions=False)}
+
+
+@contextlib.contextmanager
+def _timed_decompositions(spent: list):
+    """Add the time of every decomposition two-level makes and the matrices to `spent`."""
+    import cafin.maths.twolevel as maths
+    originals = {name: getattr(maths, name) for name in ("factor_eigh", "coarse_inverse")}
+
+    def timed(fn):
+        def run(matrix):
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = fn(matrix)
+            spent[0] += time.perf_counter() - start
+            spent[1] += time.thread_time() - cpu
+            spent[2] += 1
+            return out
+        return run
+    for name, fn in originals.items():
+        setattr(maths, name, timed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(maths, name, fn)
+
+
+def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
+    import torch.distributed as dist
+    import cafin
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
+                            rank=rank, world_size=world)
+    counter = [0, False]
+    _count_bytes(counter)
+    rows = []
+    for model_name, (make, global_batch) in (TINY_MODELS if tiny else FULL_MODELS).items():
+        kind = model_name.split("-")[0]
+        for strategy, kw in (STRATEGIES if world > 1 else {"one_rank": {}}).items():
+            torch.manual_seed(0)
+            model = make()
+            pre = cafin.TwoLevelKFAC(model.blocks if kind == "gpt" else model, T_cov=1, T_inv=1, **kw)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            gen = torch.Generator().manual_seed(1)
+            spent = [0.0, 0.0, 0]
+            decompose, step_times, sent = [], [], []
+            for _ in range(steps + 1):  # the first step is a warm-up
+                x, y = batch_for(kind, model, global_batch, generator=gen)
+                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                dist.barrier()
+                start, cpu = time.perf_counter(), time.thread_time()
+                opt.zero_grad()
+                pre.update_stats = True
+                loss_for(kind, model(x), y).backward()
+                grads = [p.grad for p in model.parameters() if p.grad is not None]
+                if world > 1:  # DDP's average, in one flat all_reduce
+                    flat = torch.cat([g.reshape(-1) for g in grads])
+                    dist.all_reduce(flat)
+                    flat.div_(world)
+                    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+                counter[0], counter[1] = 0, True
+                spent[:] = [0.0, 0.0, 0]
+                with _timed_decompositions(spent):
+                    pre.step(update_params=True)
+                counter[1] = False
+                decompose.append(tuple(spent))
+                sent.append(counter[0])
+                opt.step()
+                step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
+            rows.append(dict(member="twolevel", model=model_name, strategy=strategy, world=world, rank=rank,
+                             decompose_s=statistics.median(t[0] for t in decompose[1:]),
+                             decompose_cpu_s=statistics.median(t[1] for t in decompose[1:]),
+                             step_s=statistics.median(t[0] for t in step_times[1:]),
+                             step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
+                             bytes=sent[-1], matrices=decompose[-1][2], total_matrices=2 * pre.num_layer + 1))
+    torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def launch(world: int, tiny: bool, steps: int) -> list[dict]:
+    """Run `world` ranks with torch.multiprocessing; every rank's rows."""
+    import torch.multiprocessing as mp
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_rank, args=(world, outdir, tiny, steps), nprocs=world, join=True)
+        return [row for r in range(world) for row in torch.load(os.path.join(outdir, f"rows_rank{r}.pt"))]
+
+
+def summarise(one: list[dict], two: list[dict]) -> list[dict]:
+    """Per model and strategy at two ranks, against one rank: the slowest rank's decomposition
+    and step times, and the bytes per step of the rank that sends most."""
+    base = {r["model"]: r for r in one}
+    out = []
+    for model, strategy in dict.fromkeys((r["model"], r["strategy"]) for r in two):
+        rows = [r for r in two if (r["model"], r["strategy"]) == (model, strategy)]
+        b = base[model]
+        out.append(dict(member="twolevel", model=model, strategy=strategy,
+                        decompose_1rank_cpu_s=b["decompose_cpu_s"],
+                        decompose_per_rank_cpu_s=[r["decompose_cpu_s"] for r in rows],
+                        decompose_ratio=max(r["decompose_cpu_s"] for r in rows) / b["decompose_cpu_s"],
+                        decompose_wall_ratio=max(r["decompose_s"] for r in rows) / b["decompose_s"],
+                        step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
+                        step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
+                        step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
+                        bytes_1rank=b["bytes"], bytes=max(r["bytes"] for r in rows),
+                        matrices=[r["matrices"] for r in rows], total_matrices=b["total_matrices"]))
+    return out
+
+
+def render(summary: list[dict]) -> str:
+    head = (f"{'model':9} {'strategy':11} {'decomp 1 rank':>13} {'decomp/rank @2':>15} {'ratio':>6} "
+            f"{'(wall)':>6} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} {'MB/step':>8} "
+            f"{'matrices/rank':>14}")
+    lines = [head, "-" * len(head)]
+    for s in summary:
+        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_cpu_s"])
+        lines.append(f"{s['model']:9} {s['strategy']:11} {s['decompose_1rank_cpu_s'] * 1e3:10.0f} ms "
+                     f"{per_rank:>12} ms {s['decompose_ratio']:6.2f} {s['decompose_wall_ratio']:6.2f} "
+                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
+                     f"{s['step_wall_ratio']:6.2f} {s['bytes'] / 1e6:8.3f} "
+                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['total_matrices']):>14}")
+    return "\n".join(lines)
+
+
+def run(tiny: bool, steps: int) -> tuple[list[dict], list[dict], str]:
+    """(rows, summary, the table) of one and two ranks."""
+    one = launch(1, tiny, steps)
+    two = launch(2, tiny, steps)
+    summary = summarise(one, two)
+    title = (f"two-level K-FAC's owner ranks, CPU gloo, one thread per rank, T_cov = T_inv = 1, {steps} timed "
+             "steps (medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
+             "against one rank's, CPU time, then wall time)")
+    return one + two, summary, title + "\n" + render(summary)
