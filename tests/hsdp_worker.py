@@ -44,7 +44,7 @@ def count_collectives() -> None:
 
         def wrapper(*args, __original=original, __name=name, **kwargs):
             if COUNTING[0]:
-                sent = args[1] if __name.startswith("all_gather") else args[0]
+                sent = args[1] if __name.startswith(("all_gather", "all_to_all_single")) else args[0]
                 group = kwargs.get("group")
                 CALLS.append((__name, sent.numel(), str(sent.dtype).replace("torch.", ""),
                               dist.get_world_size(group)))
