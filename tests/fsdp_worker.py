@@ -177,7 +177,7 @@ def gradient_owners(objs, model) -> dict[str, int] | None:
     o = objs[0]
     if isinstance(o, cafin.KFACPreconditioner):
         return dict(o._owners) if o._owners else None
-    if isinstance(o, cafin.SINGD) and o._owned_now is not None:
+    if isinstance(o, cafin.SINGD) and o._owned_now:  # some layer went to its owner
         return o._gradient_owners(model[0].weight)
     return None
 
