@@ -127,7 +127,7 @@ class KFACPreconditioner(Preconditioner):
             backend=backend, process_group=process_group)
 
         self.model = unwrap(model)
-        # FSDP2: factors are averaged over the parameters' mesh, gradients gathered per step.
+        # FSDP2: factors are averaged over the parameters' mesh; gradients go to their owners per step.
         mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
         if process_group is None:
             process_group = mesh_group

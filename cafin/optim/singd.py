@@ -182,7 +182,7 @@ class SINGD(CurvatureOptimizer):
             params = self._trainable(unwrap(model), warn_unsupported)
         super().__init__(model, params, defaults, process_group)
         # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
-        # DDP, and the natural gradient of a whole layer is taken from its gathered gradient.
+        # DDP, and the natural gradient of a whole layer is taken by its owner from its full gradient.
         if self._sharded:
             self._ddp = True
 
