@@ -32,7 +32,8 @@ TCOV = 2
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object",
-               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier")
+               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "barrier")
 
 
 def make_model(dtype: torch.dtype, seed: int = 0) -> nn.Sequential:

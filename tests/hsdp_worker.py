@@ -234,7 +234,8 @@ def main() -> None:
             for name, m in F.MEMBERS.items() if name in members for dname, d in F.DTYPES.items()] if hsdp else []
     jobs += [("submesh", lambda: submesh_case(rank))] if hsdp else []
     if hsdp and "KFAC-mem" in members:  # MEM_OPT, where no shard group holds an owner of every layer
-        jobs.append(("KFAC-memopt-float64-hsdp", lambda: hsdp_case(KFAC_MEMOPT, torch.float64, rank, outdir, world)))
+        jobs.append(("KFAC-memopt-float64-hsdp",
+                     lambda: hsdp_case(KFAC_MEMOPT, torch.float64, rank, outdir, world)))
     jobs += [(f"{name}-reshard{load}to{world}", lambda m=m: reshard_case(m, rank, world, outdir, load, save_tag))
              for name, m in F.MEMBERS.items() if name in members] if (load or save_tag) else []
     for case, job in jobs:

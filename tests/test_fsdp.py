@@ -175,7 +175,8 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype))
             if member in OWNERS:
-                expected += [("all_to_all_single", sent, dtype) for sent, _ in owner_exchange(OWNERS[member], rank)]
+                exchange = owner_exchange(OWNERS[member], rank)
+                expected += [("all_to_all_single", sent, dtype) for sent, _ in exchange]
             if member in OWNERS and member.startswith("KFAC"):  # the KL clip's sum over the owners
                 expected.append(("all_reduce", 1, dtype))
             if member in SECOND_ORDER and k % SECOND_ORDER[member][0] == 0:
@@ -219,3 +220,62 @@ def test_members_that_cannot_shard_refuse_at_construction(member, tmp_path_facto
         assert refused[member] is not None, f"{member} was constructed on a sharded model"
         kind, message = refused[member]
         assert kind == "ValueError" and ("FSDP2" in message or "1-D mesh" in message), refused[member]
+
+
+_SEQUENCE_WORKER = r'''
+import os, sys, torch
+import torch.nn.functional as F
+import cafin
+import two_ranks
+from torch.distributed.fsdp import fully_shard
+from test_singd_layers import sequence_model, sequence_batch
+rank, _ = two_ranks.join(sys.argv[1])
+results = {}
+for fraction in (1.0, 0.5):
+    for wrap in ("fsdp", "ddp"):
+        model = sequence_model()
+        if wrap == "fsdp":
+            for m in model:
+                if any(True for _ in m.parameters()):
+                    fully_shard(m)
+            fully_shard(model)
+            net = model
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        pre = cafin.KFACPreconditioner(net, damping=0.01, lr=0.1, kl_clip=0.01, inv_dtype=torch.float64,
+                                       decompose_dtype=torch.float64, grad_worker_fraction=fraction)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for k in range(3):
+            x, y = sequence_batch(k)
+            opt.zero_grad()
+            F.mse_loss(net(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            pre.step()
+            opt.step()
+        results[(fraction, wrap)] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                     for p in model.parameters()]
+        results[(fraction, wrap, "owners")] = pre._owners
+        del opt, pre, net, model
+if rank == 0:
+    torch.save(results, os.path.join(sys.argv[1], "out.pt"))
+two_ranks.leave()
+'''
+
+
+def test_kfac_owners_precondition_embedding_and_conv1d_rows_as_ddp(tmp_path):
+    """K-FAC's owner scheme on layers whose sharded rows are not the gradient matrix's rows: an
+    Embedding (7 rows, the input side) and a Conv1D (weight [input, output]) beside a Linear,
+    COMM_OPT and MEM_OPT, float64: FSDP2 equals DDP within 1e-10, and both ranks own layers."""
+    script = tmp_path / "worker.py"
+    script.write_text(_SEQUENCE_WORKER)
+    failure = two_ranks.launch(lambda rank: [script, tmp_path], tmp_path)
+    assert failure is None, failure
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    from test_singd_layers import sequence_model
+    initial = [p.detach() for p in sequence_model().parameters()]
+    for fraction in (1.0, 0.5):
+        assert all(rel(d, p0) > 1e-6 for d, p0 in zip(results[(fraction, "ddp")], initial))
+        owners = results[(fraction, "fsdp", "owners")]
+        assert sorted(owners) == ["0", "1", "3"] and set(owners.values()) == {0, 1}, owners
+        assert results[(fraction, "ddp", "owners")] is None
+        for i, (f, d) in enumerate(zip(results[(fraction, "fsdp")], results[(fraction, "ddp")])):
+            assert rel(f, d) <= 1e-10, (fraction, i, rel(f, d))

@@ -109,7 +109,8 @@ KAISA_GROUP = {"KFAC": 4, "KFAC-mem": 2}
 # each layer's inverse worker on 4 ranks (the Linear(48, 7) on rank 0, Conv2d on 1, Linear(7, 3)
 # on 2, Linear(3, 1) on 3; HYBRID_OPT's columns {0, 2} and {1, 3} meet every shard group there);
 # SINGD's by cost over the 2 shard ranks, as under FSDP.
-HSDP_OWNERS = {**OWNERS, "KFAC": {"4": 0, "0": 1, "7": 0, "9": 1}, "KFAC-mem": {"4": 0, "0": 1, "7": 1, "9": 1}}
+HSDP_OWNERS = {**OWNERS, "KFAC": {"4": 0, "0": 1, "7": 0, "9": 1},
+               "KFAC-mem": {"4": 0, "0": 1, "7": 1, "9": 1}}
 
 
 @pytest.mark.parametrize("member, dtype", CASES)

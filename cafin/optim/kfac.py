@@ -32,7 +32,7 @@ from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real,
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
 from ..sharding import (check_sharded, gather_rows, gather_to_owners, is_sharded, local, own_rows,
-                        scatter_from_owners, shard_dim, shard_groups, shard_group)
+                        scatter_from_owners, shard_dim, shard_group, shard_groups)
 from ._docs import _backend_doc, _process_group_doc
 from .kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
@@ -775,7 +775,8 @@ class KFACPreconditioner(Preconditioner):
             self._update_inverses()
         active = self._gather(self._active_layers())  # FSDP2 owner scheme: the layers this rank owns
         precond = self._precondition_grads(active)
-        self._share_preconditioned_grads([layer for layer in active if layer.name not in self._owned_now], precond)
+        shared = [layer for layer in active if layer.name not in self._owned_now]  # not sent back by owners
+        self._share_preconditioned_grads(shared, precond)
         self._update_grads(active, precond)
         self._keep_own_rows()
         self._advance()

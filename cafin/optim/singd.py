@@ -33,7 +33,7 @@ from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, 
 from ..maths import singd as singd_maths
 from .. import ops
 from .kaisa import greedy_assignment
-from ..sharding import (gather_rows, gather_to_owners, is_sharded, local, module_class, own_rows, rows,
+from ..sharding import (gather_to_owners, is_sharded, local, module_class, own_rows, rows,
                         scatter_from_owners, shard_dim)
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
