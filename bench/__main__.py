@@ -1,7 +1,8 @@
 """`python -m bench [options]` measures speed, memory and agreement (bench/speed.py);
 `python -m bench convergence [options]` trains on real data (bench/convergence.py);
 `python -m bench distributed [options]` runs K-FAC's KAISA strategies on 1 and 2 CPU ranks
-(bench/distributed.py)."""
+(bench/distributed.py); `python -m bench fsdp-bytes [options]` counts the gradient bytes K-FAC
+and SINGD move under FSDP2 (bench/fsdp_bytes.py)."""
 import sys
 
 
@@ -12,6 +13,9 @@ def main(argv: list[str]) -> int:
     if argv and argv[0] == "distributed":
         from .distributed import main as distributed_main
         return distributed_main(argv[1:])
+    if argv and argv[0] == "fsdp-bytes":
+        from .fsdp_bytes import main as fsdp_bytes_main
+        return fsdp_bytes_main(argv[1:])
     from .speed import main as speed_main
     return speed_main(argv)
 

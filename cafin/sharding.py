@@ -11,8 +11,14 @@ factors are the same as under DDP once averaged over every rank of the mesh (`ch
 group); only the update touches shards, within the shard dimension:
 
 - elementwise members read the rows of their row factor that the local shard owns (`rows`);
-- members that multiply the whole gradient matrix gather it (`gather_rows`, one all_gather per
-  dtype for all of a step's gradients), precondition it and keep their own rows (`own_rows`).
+- members that multiply the whole gradient matrix send each layer's gradient to one owner rank
+  of the shard group (`gather_to_owners`), which preconditions it and sends every rank its rows
+  back (`scatter_from_owners`): one all_to_all per dtype each way, and no rank holds a full
+  gradient it does not own;
+- where no owner can be chosen (the member needs every rank to hold every full gradient, or an
+  owner would lack the layer's second-order data), they gather it on every rank (`gather_rows`,
+  one all_gather per dtype for all of a step's gradients), precondition it and keep their own
+  rows (`own_rows`).
 """
 from __future__ import annotations
 
@@ -100,6 +106,11 @@ def shard_group(p):
     return p.device_mesh.get_group(shard_dim(p))
 
 
+def shard_groups(mesh) -> list[list[int]]:
+    """The global ranks of each shard group of `mesh` (every replica's; each in shard order)."""
+    return mesh.mesh.reshape(-1, mesh.size(mesh.ndim - 1)).tolist()
+
+
 def rows(p: torch.Tensor) -> tuple[int, int]:
     """[start, stop) of the dim-0 rows the local shard of `p` holds (all rows if not sharded)."""
     if not isinstance(p, DTensor):
@@ -111,6 +122,13 @@ def rows(p: torch.Tensor) -> tuple[int, int]:
     stop = min(start + chunk, n)
     assert stop - start == p.to_local().shape[0], "unexpected FSDP2 shard layout"
     return start, stop
+
+
+def shard_rows(n: int, shards: int, index: int) -> tuple[int, int]:
+    """[start, stop) of the rows of shard `index` of `n` rows split into `shards` (torch.chunk)."""
+    chunk = -(-n // shards)
+    start = min(index * chunk, n)
+    return start, min(start + chunk, n)
 
 
 def own_rows(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -150,6 +168,82 @@ def gather_rows(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             t = tensors[i]
             chunk = -(-t.shape[0] // world)
             out[i] = part.reshape(world * chunk, *t.shape[1:])[: t.shape[0]]
+    return out  # type: ignore[return-value]
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> list[list[int]]:
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return list(by_dtype.values())
+
+
+def _shard_layout(t) -> tuple[int, int, object]:
+    """(shard count, this rank's shard index, shard group) of a DTensor."""
+    dim = shard_dim(t)
+    return t.device_mesh.size(dim), t.device_mesh.get_local_rank(dim), shard_group(t)
+
+
+def _row_numel(t: torch.Tensor, shards: int, index: int) -> int:
+    start, stop = shard_rows(t.shape[0], shards, index)
+    return (stop - start) * math.prod(t.shape[1:])
+
+
+def _flat(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    if not pieces:
+        return torch.empty(0, dtype=like.dtype, device=like.device)
+    return torch.cat([p.reshape(-1) for p in pieces])
+
+
+def gather_to_owners(tensors: list[torch.Tensor], owners: list[int]) -> list[torch.Tensor | None]:
+    """Each dim-0-sharded DTensor (of one mesh) whole on its owner only: `owners[i]` is the shard
+    index (rank within the shard group) that receives tensors[i] whole. Returns the full tensor
+    where this rank is the owner, None elsewhere. One all_to_all_single per dtype within the
+    shard group (under HSDP every replica does the same within its own): every rank sends its
+    rows of each tensor to that tensor's owner and receives, per tensor it owns, every other
+    rank's rows; no padding travels."""
+    import torch.distributed as dist
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in _by_dtype(tensors):
+        first = tensors[idx[0]]
+        shards, me, group = _shard_layout(first)
+        mine = [i for i in idx if owners[i] == me]
+        send = [[local(tensors[i]) for i in idx if owners[i] == dst] for dst in range(shards)]
+        send_sizes = [sum(p.numel() for p in ps) for ps in send]
+        recv_sizes = [sum(_row_numel(tensors[i], shards, src) for i in mine) for src in range(shards)]
+        received = torch.empty(sum(recv_sizes), dtype=first.dtype, device=first.device)
+        dist.all_to_all_single(received, _flat([p for ps in send for p in ps], first),
+                               recv_sizes, send_sizes, group=group)
+        # block src holds, for each tensor this rank owns in order, src's rows of it
+        parts = [block.split([_row_numel(tensors[i], shards, src) for i in mine])
+                 for src, block in enumerate(received.split(recv_sizes))]
+        for k, i in enumerate(mine):
+            out[i] = torch.cat([parts[src][k] for src in range(shards)]).view(tensors[i].shape)
+    return out
+
+
+def scatter_from_owners(fulls: list[torch.Tensor | None], tensors: list[torch.Tensor],
+                        owners: list[int]) -> list[torch.Tensor]:
+    """The inverse of `gather_to_owners`: `fulls[i]` is the full-size tensor on the owner of
+    tensors[i] (`owners[i]`; None elsewhere); returns every tensor's rows that the local shard
+    holds, shaped as the local shard. One all_to_all_single per dtype within the shard group."""
+    import torch.distributed as dist
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in _by_dtype(tensors):
+        first = tensors[idx[0]]
+        shards, me, group = _shard_layout(first)
+        mine = [i for i in idx if owners[i] == me]
+        send = [[fulls[i][slice(*shard_rows(tensors[i].shape[0], shards, dst))] for i in mine]
+                for dst in range(shards)]
+        send_sizes = [sum(p.numel() for p in ps) for ps in send]
+        recv_sizes = [sum(local(tensors[i]).numel() for i in idx if owners[i] == src) for src in range(shards)]
+        received = torch.empty(sum(recv_sizes), dtype=first.dtype, device=first.device)
+        dist.all_to_all_single(received, _flat([p for ps in send for p in ps], first),
+                               recv_sizes, send_sizes, group=group)
+        for src, block in enumerate(received.split(recv_sizes)):
+            theirs = [i for i in idx if owners[i] == src]
+            for i, piece in zip(theirs, block.split([local(tensors[i]).numel() for i in theirs])):
+                out[i] = piece.view(local(tensors[i]).shape)
     return out  # type: ignore[return-value]
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import two_ranks
-from two_ranks import CALLS, COUNTING
+from two_ranks import CALLS, COUNTING, RECEIVED
 
 WORLD = 2
 BATCH = 6  # per rank
@@ -32,7 +32,8 @@ TCOV = 2
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
                "all_gather_object",
-               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "barrier")
+               "broadcast", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+               "barrier")
 
 
 def make_model(dtype: torch.dtype, seed: int = 0) -> nn.Sequential:
@@ -170,6 +171,18 @@ def factors(objs) -> list[torch.Tensor]:
     return []
 
 
+def gradient_owners(objs, model) -> dict[str, int] | None:
+    """The rank (shard index) that owns each layer's gradient under FSDP2, for the members that
+    send gradients to owners (K-FAC, SINGD); None for the others."""
+    import cafin
+    o = objs[0]
+    if isinstance(o, cafin.KFACPreconditioner):
+        return dict(o._owners) if o._owners else None
+    if isinstance(o, cafin.SINGD) and o._owned_now:  # some layer went to its owner
+        return o._gradient_owners(model[0].weight)
+    return None
+
+
 # ------------------------------------------------------------------------------ training
 def shard(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
@@ -180,7 +193,7 @@ def shard(model: nn.Module) -> nn.Module:
     return model
 
 
-def train(net, objs, steps, rank, dtype, record=None):
+def train(net, objs, steps, rank, dtype, record=None, received=None):
     for k in steps:
         for o in objs:
             if hasattr(o, "zero_grad"):
@@ -190,11 +203,14 @@ def train(net, objs, steps, rank, dtype, record=None):
         F.mse_loss(net(x), y).backward()
         COUNTING[0] = record is not None
         CALLS.clear()
+        RECEIVED.clear()
         for o in objs:
             o.step()
         COUNTING[0] = False
         if record is not None:
             record.append(list(CALLS))
+        if received is not None:
+            received.append(list(RECEIVED))
 
 
 def local_params(model) -> list[torch.Tensor]:
@@ -254,16 +270,19 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     model = shard(make_model(dtype))
     objs = member.make(model, model)
     calls: list = []
-    train(model, objs, range(CKPT_AT), rank, dtype, calls)
+    received: list = []
+    train(model, objs, range(CKPT_AT), rank, dtype, calls, received)
     path = tempfile.mkdtemp(dir=outdir) if rank == 0 else None
     box = [path]
     dist.broadcast_object_list(box, src=0, group=group)
     dcp_save(model, objs, member, box[0])
-    train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls)
+    train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls, received)
     result["fsdp"] = two_ranks.full_params(model)
     result["fsdp_factors"] = factors(objs)
     result["fsdp_local"] = local_params(model)
     result["calls"] = calls
+    result["received"] = received
+    result["owners"] = gradient_owners(objs, model)
     # A fresh model and optimizer resume from the checkpoint.
     model = shard(make_model(dtype, seed=5))
     objs = member.make(model, model)

@@ -32,6 +32,9 @@ DTYPE = torch.float64  # of the resharding runs
 CKPT_AT = F.CKPT_AT  # steps before the first checkpoint
 CALLS: list = []
 COUNTING = [False]
+# K-FAC with MEM_OPT on 4 ranks: each layer's one gradient worker sits in one shard group only
+KFAC_MEMOPT = F.Member("KFAC-memopt", lambda model, net: F._kfac(model, net, grad_worker_fraction=0.25),
+                       optimizer_index=1)
 
 
 def count_collectives() -> None:
@@ -44,7 +47,7 @@ def count_collectives() -> None:
 
         def wrapper(*args, __original=original, __name=name, **kwargs):
             if COUNTING[0]:
-                sent = args[1] if __name.startswith("all_gather") else args[0]
+                sent = args[1] if __name.startswith(("all_gather", "all_to_all_single")) else args[0]
                 group = kwargs.get("group")
                 CALLS.append((__name, sent.numel(), str(sent.dtype).replace("torch.", ""),
                               dist.get_world_size(group)))
@@ -124,7 +127,8 @@ def hsdp_case(member, dtype, rank, outdir, world) -> dict:
         save(model, objs, member, outdir, str(world), rank, world)
     train(model, objs, range(CKPT_AT, F.STEPS), rank, dtype, calls)
     result.update(hsdp=two_ranks.full_params(model), hsdp_factors=F.factors(objs), calls=calls,
-                  placements=[str(tuple(p.placements)) for p in model.parameters()])
+                  placements=[str(tuple(p.placements)) for p in model.parameters()],
+                  owners=F.gradient_owners(objs, model))
     return result
 
 
@@ -229,6 +233,9 @@ def main() -> None:
     jobs = [(f"{name}-{dname}-hsdp", lambda m=m, d=d: hsdp_case(m, d, rank, outdir, world))
             for name, m in F.MEMBERS.items() if name in members for dname, d in F.DTYPES.items()] if hsdp else []
     jobs += [("submesh", lambda: submesh_case(rank))] if hsdp else []
+    if hsdp and "KFAC-mem" in members:  # MEM_OPT, where no shard group holds an owner of every layer
+        jobs.append(("KFAC-memopt-float64-hsdp",
+                     lambda: hsdp_case(KFAC_MEMOPT, torch.float64, rank, outdir, world)))
     jobs += [(f"{name}-reshard{load}to{world}", lambda m=m: reshard_case(m, rank, world, outdir, load, save_tag))
              for name, m in F.MEMBERS.items() if name in members] if (load or save_tag) else []
     for case, job in jobs:

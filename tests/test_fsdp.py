@@ -7,9 +7,12 @@ it wrote:
 - the FSDP2 run's full parameters equal the DDP run's on the same per-rank batches (float64 within
   1e-10 relative, float32 within 1e-5), after the parameters moved;
 - the collectives of each step() under FSDP2: exactly the member's documented ones (the factor
-  average, one all_reduce per curvature update; the gradient gather, one all_gather per step for
-  members that multiply whole gradient matrices; K-FAC's shared decompositions, one all_gather
+  average, one all_reduce per curvature update; for members that multiply whole gradient
+  matrices, the gradients to their owners and the rows back, one all_to_all each per step (K-FAC,
+  SINGD), or one all_gather per step (the others); K-FAC's shared decompositions, one all_gather
   per inverse step), with the element counts of docs/distributed.md;
+- under the owner scheme, the elements each rank receives: the other rank's rows of the layers it
+  owns, and its own rows of the others' (no rank receives a gradient it does not own);
 - a torch.distributed.checkpoint round trip (get/set_optimizer_state_dict, dcp.save/load) resumes
   bit-identically on each rank's shard.
 """
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import math
 
 import pytest
 import torch
@@ -39,18 +44,16 @@ GATHER = {}
 # K-FAC, factors A and G of conv (19^2, 3^2), Linear(48, 7) (49^2, 7^2), Linear(7, 3) (8^2, 3^2),
 # Linear(3, 1) (4^2, 1^2); padded gradient shards: 2*(18+1) + 4*(48+1) + 2*(7+1) + 1*(3+1).
 FACTORS["KFAC"] = 19**2 + 3**2 + 49**2 + 7**2 + 8**2 + 3**2 + 4**2 + 1
-GATHER["KFAC"] = 2 * 19 + 4 * 49 + 2 * 8 + 1 * 4
+ALL_GATHER = 2 * 19 + 4 * 49 + 2 * 8 + 1 * 4
 # DyKAF: no factor average (every rank computes the same factors from the same full gradients);
 # the gather holds every parameter's gradient, BatchNorm2d's and LayerNorm's too.
-GATHER["DyKAF"] = GATHER["KFAC"] + 2 * 2 + 2 * 4
+GATHER["DyKAF"] = ALL_GATHER + 2 * 2 + 2 * 4
 # SINGD: the H terms are averaged on its T steps (dense: d_K^2 + d_C^2 per layer, as K-FAC's
 # factors; diagonal and Toeplitz: d_K + d_C); the structures that multiply whole gradient
-# matrices gather them every step as K-FAC does, the diagonal one reads its own rows and gathers
-# nothing.
+# matrices send them to owners every step as K-FAC does, the diagonal one reads its own rows and
+# moves no gradient.
 FACTORS["SINGD-dense"] = FACTORS["KFAC"]
-GATHER["SINGD-dense"] = GATHER["KFAC"]
 FACTORS["SINGD-diagonal"] = FACTORS["SINGD-toeplitz"] = (19 + 3) + (49 + 7) + (8 + 3) + (4 + 1)
-GATHER["SINGD-toeplitz"] = GATHER["KFAC"]
 # TwoLevelKFAC: the factors as K-FAC's; the nicolaides coarse matrix (4 layers: 4 x 4) rides
 # in the factors' all_reduce (its coarse vectors are ones), the residual one needs the averaged
 # factors' inverse first, so it is a second all_reduce on curvature steps, and the residual
@@ -60,18 +63,46 @@ FACTORS["TwoLevel-nicolaides"] = FACTORS["KFAC"] + 4 * 4
 FACTORS["TwoLevel-residual"] = FACTORS["KFAC"]
 COARSE = {"TwoLevel-residual": 4 * 4}  # a second all_reduce on curvature steps
 EVERY = {"TwoLevel-residual": 3 * 19 + 7 * 49 + 3 * 8 + 1 * 4}  # an all_reduce every step
-GATHER["TwoLevel-nicolaides"] = GATHER["TwoLevel-residual"] = GATHER["KFAC"]
+GATHER["TwoLevel-nicolaides"] = GATHER["TwoLevel-residual"] = ALL_GATHER
 TCOV = {"KFAC": 1}  # factor updates every step; the others every W.TCOV steps
 # K-FAC (KAISA, COMM_OPT): on its inverse steps (every 2nd) each rank decomposes its share and one
 # all_gather shares the results (eigenbases, 1/(d_G d_A^T + damping), two flags per layer), padded
 # to the larger share: the Linear(48, 7) on rank 0 (49^2 + 7^2 + 7 * 49 + 2), the rest on rank 1.
 SECOND_ORDER = {"KFAC": (2, 49**2 + 7**2 + 7 * 49 + 2)}
-# MEM_OPT: the Linear(48, 7) on one rank, the other layers on the other; every step one all_gather
-# of the preconditioned gradients, padded to the larger share (7 x 49), and on inverse steps one
-# of the decomposed flags (float32, one per layer, padded to the larger share: 3).
-FACTORS["KFAC-mem"], GATHER["KFAC-mem"] = FACTORS["KFAC"], GATHER["KFAC"]
+# MEM_OPT: the Linear(48, 7) on one rank, the other layers on the other; every layer is sharded,
+# so its owner (its only gradient worker) sends the preconditioned rows back and no preconditioned
+# gradient is all-gathered; on inverse steps one all_gather of the decomposed flags (float32, one
+# per layer, padded to the larger share: 3).
+FACTORS["KFAC-mem"] = FACTORS["KFAC"]
 TCOV["KFAC-mem"] = 1
-PRECONDITIONED = {"KFAC-mem": (2, 7 * 49, 3)}
+FLAGS = {"KFAC-mem": (2, 3)}
+
+# The owner scheme (K-FAC, SINGD's non-diagonal structures): each layer's gradient goes to one
+# owner rank and the rows come back, one all_to_all each way per step. The owners: K-FAC's KAISA
+# inverse workers (by decomposition cost: the Linear(48, 7) alone on one rank), SINGD's by the
+# cost of the natural gradient (the same split).
+OWNERS = {"KFAC": {"4": 0, "0": 1, "7": 1, "9": 1}, "KFAC-mem": {"4": 1, "0": 0, "7": 0, "9": 0},
+          "SINGD-dense": {"4": 0, "0": 1, "7": 1, "9": 1}, "SINGD-toeplitz": {"4": 0, "0": 1, "7": 1, "9": 1}}
+# the gradient shapes of the layers (Sequential index) that the owner scheme moves
+SHAPES = {"0": [(3, 2, 3, 3), (3,)], "4": [(7, 48), (7,)], "7": [(3, 7), (3,)], "9": [(1, 3), (1,)]}
+
+
+def own_numel(shape, rank: int) -> int:
+    """Elements of a gradient of `shape` in the shard of `rank` (torch.chunk rows over W.WORLD)."""
+    from cafin.sharding import shard_rows
+    start, stop = shard_rows(shape[0], W.WORLD, rank)
+    return (stop - start) * math.prod(shape[1:])
+
+
+def owner_exchange(owners: dict[str, int], rank: int) -> list[tuple[int, int]]:
+    """(elements sent, elements received from the other rank) of `rank`'s two all_to_alls: its
+    rows of every gradient to their owners, then the owned gradients' rows back."""
+    shapes = [(s, owner) for name, owner in owners.items() for s in SHAPES[name]]
+    to_owners = (sum(own_numel(s, rank) for s, _ in shapes),
+                 sum(math.prod(s) - own_numel(s, rank) for s, owner in shapes if owner == rank))
+    back = (sum(math.prod(s) for s, owner in shapes if owner == rank),
+            sum(own_numel(s, rank) for s, owner in shapes if owner != rank))
+    return [to_owners, back]
 # TwoLevelKFAC: each factor's eigendecomposition and the coarse inverse on one owner rank (the
 # Linear(48, 7)'s A, 49^3, outweighs the rest: rank 0's alone); on its inverse steps (its curvature
 # steps) one all_gather padded to that share (eigenvalues, eigenvectors, a flag: 49 + 49^2 + 1),
@@ -132,10 +163,11 @@ def test_factors_equal_ddp(member, dtype, tmp_path_factory):
 
 @pytest.mark.parametrize("member, dtype", CASES)
 def test_communication_per_step(member, dtype, tmp_path_factory):
-    """Inside step(): the factor average on curvature steps, the gradient gather every step
-    (and the two-level coarse spaces' own all_reduces, as under DDP)."""
+    """Inside step(): the factor average on curvature steps, the gradients to their owners and
+    back (or the gradient gather) every step (and the two-level coarse spaces' own all_reduces,
+    as under DDP)."""
     tcov = TCOV.get(member, W.TCOV)
-    for r in results(member, dtype, tmp_path_factory):
+    for rank, r in enumerate(results(member, dtype, tmp_path_factory)):
         assert len(r["calls"]) == W.STEPS
         for k, calls in enumerate(r["calls"]):
             expected = []
@@ -147,16 +179,35 @@ def test_communication_per_step(member, dtype, tmp_path_factory):
                 expected.append(("all_reduce", EVERY[member], dtype))
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype))
+            if member in OWNERS:
+                exchange = owner_exchange(OWNERS[member], rank)
+                expected += [("all_to_all_single", sent, dtype) for sent, _ in exchange]
+            if member in OWNERS and member.startswith("KFAC"):  # the KL clip's sum over the owners
+                expected.append(("all_reduce", 1, dtype))
             if member in SECOND_ORDER and k % SECOND_ORDER[member][0] == 0:
                 expected.append(("all_gather", SECOND_ORDER[member][1], dtype))
             if member in OWNED and k % tcov == 0:
                 expected += [("all_gather", n, dtype) for n in OWNED[member]]
-            if member in PRECONDITIONED:
-                every, grads, flags = PRECONDITIONED[member]
-                expected.append(("all_gather", grads, dtype))
-                if k % every == 0:
-                    expected.append(("all_gather", flags, "float32"))
-            assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
+            if member in FLAGS and k % FLAGS[member][0] == 0:
+                expected.append(("all_gather", FLAGS[member][1], "float32"))
+            assert sorted(calls) == sorted(expected), f"rank {rank}, step {k}: {calls}"
+
+
+@pytest.mark.parametrize("member", list(OWNERS))
+def test_owners_receive_only_the_gradients_they_own(member, tmp_path_factory):
+    """Each layer has one owner, and both ranks own some; each step a rank receives the other
+    rank's rows of the gradients it owns and its own rows of the others', no full gradient of a
+    layer it does not own, and fewer elements than the all-gather of every padded shard."""
+    for rank, r in enumerate(results(member, "float64", tmp_path_factory)):
+        assert r["owners"] == OWNERS[member], f"rank {rank}"
+        assert set(r["owners"].values()) == set(range(W.WORLD))
+        exchange = owner_exchange(r["owners"], rank)
+        for k, received in enumerate(r["received"]):
+            moved = [n for name, n, _ in received if name == "all_to_all_single"]
+            assert moved == [got for _, got in exchange], f"rank {rank}, step {k}: {received}"
+            # the all_gathers left are KAISA's second-order data and flags, never a gradient
+            assert not [c for c in received if c[0] in ("all_gather_single", "all_gather_into_tensor")]
+            assert sum(moved) < (W.WORLD - 1) * ALL_GATHER, f"rank {rank}, step {k}"
 
 
 @pytest.mark.parametrize("member, dtype", CASES)
@@ -176,3 +227,62 @@ def test_members_that_cannot_shard_refuse_at_construction(member, tmp_path_facto
         assert refused[member] is not None, f"{member} was constructed on a sharded model"
         kind, message = refused[member]
         assert kind == "ValueError" and ("FSDP2" in message or "1-D mesh" in message), refused[member]
+
+
+_SEQUENCE_WORKER = r'''
+import os, sys, torch
+import torch.nn.functional as F
+import cafin
+import two_ranks
+from torch.distributed.fsdp import fully_shard
+from test_singd_layers import sequence_model, sequence_batch
+rank, _ = two_ranks.join(sys.argv[1])
+results = {}
+for fraction in (1.0, 0.5):
+    for wrap in ("fsdp", "ddp"):
+        model = sequence_model()
+        if wrap == "fsdp":
+            for m in model:
+                if any(True for _ in m.parameters()):
+                    fully_shard(m)
+            fully_shard(model)
+            net = model
+        else:
+            net = torch.nn.parallel.DistributedDataParallel(model)
+        pre = cafin.KFACPreconditioner(net, damping=0.01, lr=0.1, kl_clip=0.01, inv_dtype=torch.float64,
+                                       decompose_dtype=torch.float64, grad_worker_fraction=fraction)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for k in range(3):
+            x, y = sequence_batch(k)
+            opt.zero_grad()
+            F.mse_loss(net(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            pre.step()
+            opt.step()
+        results[(fraction, wrap)] = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                                     for p in model.parameters()]
+        results[(fraction, wrap, "owners")] = pre._owners
+        del opt, pre, net, model
+if rank == 0:
+    torch.save(results, os.path.join(sys.argv[1], "out.pt"))
+two_ranks.leave()
+'''
+
+
+def test_kfac_owners_precondition_embedding_and_conv1d_rows_as_ddp(tmp_path):
+    """K-FAC's owner scheme on layers whose sharded rows are not the gradient matrix's rows: an
+    Embedding (7 rows, the input side) and a Conv1D (weight [input, output]) beside a Linear,
+    COMM_OPT and MEM_OPT, float64: FSDP2 equals DDP within 1e-10, and both ranks own layers."""
+    script = tmp_path / "worker.py"
+    script.write_text(_SEQUENCE_WORKER)
+    failure = two_ranks.launch(lambda rank: [script, tmp_path], tmp_path)
+    assert failure is None, failure
+    results = torch.load(tmp_path / "out.pt", weights_only=False)
+    from test_singd_layers import sequence_model
+    initial = [p.detach() for p in sequence_model().parameters()]
+    for fraction in (1.0, 0.5):
+        assert all(rel(d, p0) > 1e-6 for d, p0 in zip(results[(fraction, "ddp")], initial))
+        owners = results[(fraction, "fsdp", "owners")]
+        assert sorted(owners) == ["0", "1", "3"] and set(owners.values()) == {0, 1}, owners
+        assert results[(fraction, "ddp", "owners")] is None
+        for i, (f, d) in enumerate(zip(results[(fraction, "fsdp")], results[(fraction, "ddp")])):
+            assert rel(f, d) <= 1e-10, (fraction, i, rel(f, d))

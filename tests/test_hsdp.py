@@ -25,7 +25,7 @@ import torch
 
 import fsdp_worker as W
 import two_ranks
-from test_fsdp import COARSE, EVERY, FACTORS, GATHER, TCOV, rel
+from test_fsdp import ALL_GATHER, COARSE, EVERY, FACTORS, GATHER, OWNERS, TCOV, owner_exchange, rel
 
 WORKER = Path(__file__).with_name("hsdp_worker.py")
 TOL = {"float64": 1e-10, "float32": 1e-5}
@@ -106,14 +106,22 @@ def test_hsdp_factors_equal_ddp(member, dtype, tmp_path_factory):
 # (HYBRID_OPT) within groups of 2; K-FAC decomposes every 2 steps. Two-level shares its owners'
 # decompositions over the 4 ranks on its inverse steps (every 2).
 KAISA_GROUP = {"KFAC": 4, "KFAC-mem": 2, "TwoLevel-nicolaides": 4, "TwoLevel-residual": 4}
+# The gradient owners within each shard group (shard index): K-FAC's at the shard coordinate of
+# each layer's inverse worker on 4 ranks (the Linear(48, 7) on rank 0, Conv2d on 1, Linear(7, 3)
+# on 2, Linear(3, 1) on 3; HYBRID_OPT's columns {0, 2} and {1, 3} meet every shard group there);
+# SINGD's by cost over the 2 shard ranks, as under FSDP.
+HSDP_OWNERS = {**OWNERS, "KFAC": {"4": 0, "0": 1, "7": 0, "9": 1},
+               "KFAC-mem": {"4": 0, "0": 1, "7": 1, "9": 1}}
 
 
 @pytest.mark.parametrize("member, dtype", CASES)
 def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
-    """The factor average over the whole world (4 ranks); the gradient gather within the shard
-    group (2 ranks: the same padded shards, so the same elements, as FSDP on 2 ranks)."""
+    """The factor average over the whole world (4 ranks); the gradients to their owners and back
+    (or the gradient gather) within the shard group (2 ranks: the same shards, so the same
+    elements, as FSDP on 2 ranks)."""
     tcov = TCOV.get(member, W.TCOV)
-    for r in load(tmp_path_factory, f"{member}-{dtype}-hsdp", 4):
+    for rank, r in enumerate(load(tmp_path_factory, f"{member}-{dtype}-hsdp", 4)):
+        assert r["owners"] == HSDP_OWNERS.get(member), f"rank {rank}"
         assert len(r["calls"]) == W.STEPS
         shared_by_step = []
         for k, calls in enumerate(r["calls"]):
@@ -123,7 +131,7 @@ def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
             calls = [c for c in calls if c[0] not in ("broadcast", "all_gather")]
             if member in KAISA_GROUP:
                 assert all(c[3] == KAISA_GROUP[member] for c in shared), f"step {k}: {shared}"
-                assert bool(shared) == (k % 2 == 0 or member == "KFAC-mem"), f"step {k}: {shared}"
+                assert bool(shared) == (k % 2 == 0), f"step {k}: {shared}"
             else:
                 assert not shared, f"step {k}: {shared}"
             shared_by_step.append(shared)
@@ -136,10 +144,28 @@ def test_hsdp_communication_per_step(member, dtype, tmp_path_factory):
                 expected.append(("all_reduce", EVERY[member], dtype, 4))
             if member in GATHER:
                 expected.append(("all_gather_single", GATHER[member], dtype, 2))
+            if member in HSDP_OWNERS:  # to the owners and back, within the shard group
+                expected += [("all_to_all_single", sent, dtype, 2)
+                             for sent, _ in owner_exchange(HSDP_OWNERS[member], rank % 2)]
+            if member in HSDP_OWNERS and member.startswith("KFAC"):  # the KL clip's sum
+                expected.append(("all_reduce", 1, dtype, 2))
             assert sorted(calls) == sorted(expected), f"step {k}: {calls}"
         # the same exchanges on every inverse step, and on every other step
         assert shared_by_step[0::2] == [shared_by_step[0]] * len(shared_by_step[0::2])
         assert shared_by_step[1::2] == [shared_by_step[1]] * len(shared_by_step[1::2])
+
+
+def test_hsdp_mem_opt_gathers_every_gradient(tmp_path_factory):
+    """K-FAC with MEM_OPT on the 2 x 2 mesh: each layer's only gradient worker is in one shard
+    group, so the other has no owner for it; every rank all-gathers the sharded gradients within
+    its shard group (as before the owner scheme) and trains as DDP."""
+    for rank, r in enumerate(load(tmp_path_factory, "KFAC-memopt-float64-hsdp", 4)):
+        assert r["owners"] is None
+        for i, (h, d) in enumerate(zip(r["hsdp"], r["ddp"])):
+            assert rel(h, d) <= TOL["float64"], f"rank {rank}, parameter {i}: {rel(h, d):.3g}"
+        for k, calls in enumerate(r["calls"]):
+            assert ("all_gather_single", ALL_GATHER, "float64", 2) in calls, f"step {k}"
+            assert not [c for c in calls if c[0] == "all_to_all_single"], f"step {k}: {calls}"
 
 
 # ------------------------------------------------------------------------------ resharding

@@ -87,6 +87,8 @@ def leave() -> None:
 
 # (collective, elements this rank sends, dtype) of every call while COUNTING[0]
 CALLS: list[tuple[str, int, str]] = []
+# (collective, elements this rank receives from the other ranks, dtype) of every gather-like call
+RECEIVED: list[tuple[str, int, str]] = []
 COUNTING = [True]
 
 
@@ -103,14 +105,31 @@ def count_collectives(names) -> None:
         def wrapper(*args, __original=original, __name=name, **kwargs):
             if COUNTING[0]:
                 # all_gather(out, in) and all_gather_into_tensor(out, in): count what is sent
-                sent = args[1:2] if __name in ("all_gather", "all_gather_into_tensor", "all_gather_single") \
-                    else args[:1]
+                sent = args[1:2] if __name in ("all_gather", "all_gather_into_tensor", "all_gather_single",
+                                               "all_to_all_single") else args[:1]
                 t = sent[0] if sent and isinstance(sent[0], torch.Tensor) else None
                 CALLS.append((__name, -1, "") if t is None
                              else (__name, t.numel(), str(t.dtype).replace("torch.", "")))
+                if __name.startswith(("all_gather", "all_to_all_single")) and t is not None:
+                    RECEIVED.append((__name, _received(__name, args, kwargs), CALLS[-1][2]))
             return __original(*args, **kwargs)
 
         setattr(dist, name, wrapper)
+
+
+def _received(name: str, args, kwargs) -> int:
+    """Elements a gather-like call brings this rank from the other ranks (its own part left out)."""
+    import torch.distributed as dist
+    out, sent = args[0], args[1]
+    if name == "all_gather":
+        return sum(t.numel() for t in out) - sent.numel()
+    if name != "all_to_all_single":
+        return out.numel() - sent.numel()
+    splits = args[2] if len(args) > 2 else kwargs.get("output_split_sizes")
+    group = kwargs.get("group")
+    if not splits:
+        return out.numel() - out.numel() // dist.get_world_size(group)
+    return out.numel() - splits[dist.get_rank(group)]
 
 
 def full_params(model) -> list:

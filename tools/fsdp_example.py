@@ -61,14 +61,15 @@ SENT = [0]
 
 def count_sent_bytes() -> None:
     """Wrap the collectives cafin calls, to report what a rank sends inside step()."""
-    for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor"):
+    for name in ("all_reduce", "all_gather_single", "all_gather_into_tensor", "all_to_all_single"):
         original = getattr(dist, name, None)
         if original is None:
             continue
 
         def wrapper(*args, __original=original, __name=name, **kwargs):
-            t = args[1] if __name.startswith("all_gather") else args[0]
-            SENT[0] += t.numel() * t.element_size()
+            t = args[1] if __name.startswith(("all_gather", "all_to_all")) else args[0]
+            own = args[3][dist.get_rank(kwargs.get("group"))] if __name == "all_to_all_single" else 0
+            SENT[0] += (t.numel() - own) * t.element_size()  # all_to_all: what goes to other ranks
             return __original(*args, **kwargs)
 
         setattr(dist, name, wrapper)

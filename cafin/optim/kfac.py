@@ -31,7 +31,8 @@ from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real,
                          capturing, check_gradient, check_int, discover, distributed, unwrap)
 from ..core.preconditioner import Preconditioner
 from ..maths import kfac as kfac_maths
-from ..sharding import check_sharded, gather_rows, is_sharded, local, own_rows
+from ..sharding import (check_sharded, gather_rows, gather_to_owners, is_sharded, local, own_rows,
+                        scatter_from_owners, shard_dim, shard_group, shard_groups)
 from ._docs import _backend_doc, _process_group_doc
 from .kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
 from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
@@ -126,7 +127,7 @@ class KFACPreconditioner(Preconditioner):
             backend=backend, process_group=process_group)
 
         self.model = unwrap(model)
-        # FSDP2: factors are averaged over the parameters' mesh, gradients gathered per step.
+        # FSDP2: factors are averaged over the parameters' mesh; gradients go to their owners per step.
         mesh_group = check_sharded(self.model.parameters(), "KFACPreconditioner")
         if process_group is None:
             process_group = mesh_group
@@ -222,6 +223,8 @@ class KFACPreconditioner(Preconditioner):
                 raise ValueError(f"KFACPreconditioner: layer '{layer.name}' is an {why}, which K-FAC's "
                                  "factors do not model; skip it with skip_layers")
         self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._owners: dict[str, int] | None = None  # FSDP2: each layer's owner (shard index)
+        self._owned_now: dict[str, int] = {}  # this step's sharded layers and their owners
         self._state: dict[str, _LayerState] = {}
         log = logging.getLogger(__name__)
         for layer in self._layers:
@@ -685,13 +688,17 @@ class KFACPreconditioner(Preconditioner):
     def _grad(self, layer: Layer) -> torch.Tensor:
         return factors.grad_matrix(layer.module, *self._grads(layer))
 
-    def _gather(self, active: list[Layer]) -> None:
-        """FSDP2: the full gradients of the sharded active layers, in one all_gather per dtype
-        (the preconditioner multiplies whole gradient matrices; each rank keeps its rows)."""
-        self._gathered = {}
+    def _gather(self, active: list[Layer]) -> list[Layer]:
+        """FSDP2: the full gradients this rank preconditions; returns the layers it rewrites.
+
+        Owner scheme (`_gradient_owners`): each sharded layer's gradient goes whole to its owner
+        only (one all_to_all per dtype), which preconditions it; the other ranks skip it and get
+        their rows back in `_keep_own_rows`. Otherwise every rank gathers every sharded
+        gradient (one all_gather per dtype), preconditions its share and keeps its rows."""
+        self._gathered, self._owned_now = {}, {}
         sharded = [layer for layer in active if is_sharded(layer.module.weight.grad)]
         if not sharded:
-            return
+            return active
         tensors = []
         for layer in sharded:
             bias = getattr(layer.module, "bias", None)
@@ -699,10 +706,48 @@ class KFACPreconditioner(Preconditioner):
                 raise RuntimeError(f"KFACPreconditioner: layer '{layer.name}' has a sharded weight "
                                    "but an unsharded bias; shard whole modules with fully_shard")
             tensors += [layer.module.weight.grad] + ([bias.grad] if bias is not None else [])
-        full = iter(gather_rows(tensors))  # over the mesh the gradients are sharded on
+        owners = self._gradient_owners(tensors[0])
+        if owners is None:
+            full = iter(gather_rows(tensors))  # over the mesh the gradients are sharded on
+        else:
+            self._owned_now = {layer.name: owners[layer.name] for layer in sharded}
+            per_tensor = [owners[layer.name] for layer in sharded
+                          for _ in range(1 + (getattr(layer.module, "bias", None) is not None))]
+            full = iter(gather_to_owners(tensors, per_tensor))
         for layer in sharded:
             self._gathered[layer.name] = (next(full), next(full) if getattr(layer.module, "bias", None)
                                           is not None else None)
+        if owners is None:
+            return active
+        me = tensors[0].device_mesh.get_local_rank(shard_dim(tensors[0]))
+        return [layer for layer in active if self._owned_now.get(layer.name, me) == me]
+
+    def _gradient_owners(self, p) -> dict[str, int] | None:
+        """FSDP2: per layer, the shard index of its gradient's owner, the member of each shard
+        group at the shard coordinate of the layer's KAISA inverse worker (of G): on a 1-D mesh
+        that worker itself, which holds the layer's second-order data for every strategy. None
+        (every rank gathers every gradient) where some shard group's owner would lack that data
+        (HSDP with MEM_OPT, or HYBRID_OPT columns that do not meet every shard group at the
+        worker's coordinate) or process_group is not the mesh's ranks. `p`: a sharded gradient."""
+        if self._owners is not None:
+            return self._owners or None
+        import torch.distributed as dist
+        a = self.assignment
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)  # global rank of each KAISA rank
+        groups = shard_groups(p.device_mesh)
+        owners: dict[str, int] = {}
+        if sorted(r for g in groups for r in g) == sorted(ranks):
+            coordinate = {r: s for g in groups for s, r in enumerate(g)}
+            for layer in self._layers:
+                s = coordinate[ranks[a.inv_worker(layer.name, "G")]]
+                column = a.columns[a.column(layer.name)]
+                if any(ranks.index(g[s]) not in column for g in groups):
+                    owners = {}
+                    break
+                owners[layer.name] = s
+        self._owners = owners
+        return owners or None
 
     def _precondition(self, grad: torch.Tensor, s: dict[str, torch.Tensor], device) -> torch.Tensor:
         """The preconditioned gradient [groups, d_g, d_a] (in grad's dtype) of one layer, or of a
@@ -728,10 +773,10 @@ class KFACPreconditioner(Preconditioner):
         self._update_factors()
         if self.decompose_in_step:
             self._update_inverses()
-        active = self._active_layers()
-        self._gather(active)
+        active = self._gather(self._active_layers())  # FSDP2 owner scheme: the layers this rank owns
         precond = self._precondition_grads(active)
-        self._share_preconditioned_grads(active, precond)
+        shared = [layer for layer in active if layer.name not in self._owned_now]  # not sent back by owners
+        self._share_preconditioned_grads(shared, precond)
         self._update_grads(active, precond)
         self._keep_own_rows()
         self._advance()
@@ -837,7 +882,9 @@ class KFACPreconditioner(Preconditioner):
         # A callable kl_clip returning None is a NaN tensor, which both backends read as "off".
         kl_off = self._values["kl_clip"] is None
         joint = None
-        if len(buckets) > 1 and not kl_off:
+        if self._owned_now and not kl_off:  # FSDP2 owner scheme: the owners' sums, all-reduced
+            joint = self._owner_kl_scale(active, precond)
+        elif len(buckets) > 1 and not kl_off:
             joint = self._joint_kl_scale(active, precond)
         for (device, dtype), (ws, bs, vs) in buckets.items():
             ts = self._settings_on(device)
@@ -855,13 +902,48 @@ class KFACPreconditioner(Preconditioner):
                 impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], kl)
 
     def _keep_own_rows(self) -> None:
-        """FSDP2: each rank keeps its own rows of the gathered gradients."""
-        for name, (w, b) in self._gathered.items():
-            m = self._module(name)
-            local(m.weight.grad).copy_(own_rows(w, m.weight.grad))
-            if b is not None:
-                local(m.bias.grad).copy_(own_rows(b, m.bias.grad))
-        self._gathered = {}
+        """FSDP2: each rank's rows of the rewritten full gradients into its shards: under the owner
+        scheme the owners send them (one all_to_all per dtype), else each rank keeps its own."""
+        if self._owned_now:
+            names = list(self._owned_now)
+            tensors, fulls, owners = [], [], []
+            for name in names:
+                m = self._module(name)
+                for p, full in zip((m.weight, getattr(m, "bias", None)), self._gathered[name]):
+                    if p is not None:
+                        tensors.append(p.grad)
+                        fulls.append(full)
+                        owners.append(self._owned_now[name])
+            for grad, rows in zip(tensors, scatter_from_owners(fulls, tensors, owners)):
+                local(grad).copy_(rows)
+        else:
+            for name, (w, b) in self._gathered.items():
+                m = self._module(name)
+                local(m.weight.grad).copy_(own_rows(w, m.weight.grad))
+                if b is not None:
+                    local(m.bias.grad).copy_(own_rows(b, m.bias.grad))
+        self._gathered, self._owned_now = {}, {}
+
+    def _owner_kl_scale(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The KL-clip factor under the FSDP2 owner scheme: each rank sums <V, grad> over the
+        sharded layers it owns, one all_reduce within the shard group adds them up, and the
+        unsharded layers (the same on every rank) are added once. Accumulated in float64 when any
+        sharded layer is (the same choice on every rank), else float32."""
+        import torch.distributed as dist
+        sharded = [self._module(name).weight for name in self._owned_now]
+        acc = torch.float64 if any(w.dtype == torch.float64 for w in sharded) else torch.float32
+        device = sharded[0].device
+        owned = torch.zeros((), dtype=acc, device=device)
+        rest = torch.zeros((), dtype=acc, device=device)
+        for layer in active:
+            term = (precond[layer.name].to(acc) * self._grad(layer).to(acc)).sum().to(device)
+            if layer.name in self._owned_now:
+                owned = owned + term
+            else:
+                rest = rest + term
+        dist.all_reduce(owned, group=shard_group(sharded[0]))
+        ts = self._settings_on(device)
+        return kfac_maths.kl_clip_scale((owned + rest) * ts["lr"].to(acc) ** 2, ts["kl_clip"])
 
     def _advance(self) -> None:
         self._mini_steps = defaultdict(int)

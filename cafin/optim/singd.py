@@ -32,7 +32,9 @@ from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, 
                          check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..maths import singd as singd_maths
 from .. import ops
-from ..sharding import gather_rows, is_sharded, local, module_class, own_rows, rows
+from .kaisa import greedy_assignment
+from ..sharding import (gather_to_owners, is_sharded, local, module_class, own_rows, rows,
+                        scatter_from_owners, shard_dim)
 from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
@@ -161,6 +163,7 @@ class SINGD(CurvatureOptimizer):
         self.backend = backend
         self._group_of: dict[Tensor, int] = {}
         self._pending: dict[int, list] = {}
+        self._owned_now: dict[int, int] = {}  # FSDP2: this step's owner of each gathered layer
         self._empty: dict[tuple, Tensor] = {}
         self._skipped = DropCounts()  # updates dropped for non-finite statistics
         self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
@@ -179,7 +182,7 @@ class SINGD(CurvatureOptimizer):
             params = self._trainable(unwrap(model), warn_unsupported)
         super().__init__(model, params, defaults, process_group)
         # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
-        # DDP, and the natural gradient of a whole layer is taken from its gathered gradient.
+        # DDP, and the natural gradient of a whole layer is taken by its owner from its full gradient.
         if self._sharded:
             self._ddp = True
 
@@ -760,6 +763,7 @@ class SINGD(CurvatureOptimizer):
             self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
         full = self._gather_sharded([layer for layer, _ in dues]) if self._sharded else {}
+        returned: list[tuple[Layer, str, Tensor | None]] = []  # FSDP2: (layer, param, owner's piece)
         per_group: dict[int, tuple[list, list, list]] = {}
         per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
         updating = [(layer, due) for layer, due in dues
@@ -777,7 +781,8 @@ class SINGD(CurvatureOptimizer):
                 self._queue_diagonal_step(layer, K, C, per_diag)
             else:
                 self._queue_natural_gradient(layer, grads, full.get(id(layer)), sk, sc, K, C,
-                                             grad_scale, per_group)
+                                             grad_scale, per_group, returned)
+        self._queue_returned(returned, per_group)
         self._apply_updates(per_group, per_diag, owned, grad_scale, divisor)
 
     def _queue_diagonal_step(self, layer: Layer, K, C, per_diag) -> None:
@@ -795,10 +800,17 @@ class SINGD(CurvatureOptimizer):
                 lst.append(v)
 
     def _queue_natural_gradient(self, layer: Layer, grads, full_grads, sk, sc, K, C, grad_scale,
-                                per_group) -> None:
+                                per_group, returned) -> None:
         """Form the layer's natural gradient and queue its pieces, one per parameter, for the
-        SGD update of its group (`full_grads`: the gathered gradients of a sharded layer)."""
+        SGD update of its group (`full_grads`: the gathered gradients of a sharded layer). A
+        sharded layer under the owner scheme goes to `returned` instead: its owner's full pieces
+        (None on the other ranks, which skip the layer), to come back as rows."""
         module = layer.module
+        if id(layer) in self._owned_now:
+            if full_grads is None:  # another rank owns it
+                returned += [(layer, n, None) for n, p in layer.params.items() if p.grad is not None]
+                return
+            grads = full_grads
         local_rows = self._sharded and self._elementwise_rows(layer)
         if local_rows:
             C = self._own_rows(layer, C, sc)
@@ -823,6 +835,9 @@ class SINGD(CurvatureOptimizer):
             if p.grad is None:
                 continue
             piece = pieces[pname]
+            if id(layer) in self._owned_now:  # the owner: every rank's rows go back together
+                returned.append((layer, pname, piece.reshape(p.shape)))
+                continue
             if self._sharded and not local_rows:  # each rank keeps its rows
                 piece = own_rows(piece, p)
             params.append(local(p))
@@ -854,10 +869,13 @@ class SINGD(CurvatureOptimizer):
                         torch.tensor(grad_scale, dtype=work, device=device)
                 ops.singd_diag_step_(ps, gs, bs, ks, cs, offs, lr, momentum, wd, scale)
 
-    def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor]]:
+    def _gather_sharded(self, layers: list[Layer]) -> dict[int, dict[str, Tensor | None]]:
         """FSDP2: the full gradients of the sharded layers whose structures multiply the whole
-        gradient matrix (not diagonal K and C: elementwise, they need only the local rows), in
-        one all_gather per dtype."""
+        gradient matrix (not diagonal K and C: elementwise, they need only the local rows). Each
+        goes whole to one owner rank of the shard group (`_gradient_owners`), in one all_to_all
+        per dtype; the values are None on the other ranks. The factors are replicated, so any
+        rank can own any layer (under HSDP too)."""
+        self._owned_now = {}
         wanted, tensors = [], []
         for layer in layers:
             grads = {n: getattr(layer.module, n).grad for n in ("weight", "bias")
@@ -867,8 +885,42 @@ class SINGD(CurvatureOptimizer):
                 continue
             wanted.append((layer, list(grads)))
             tensors += list(grads.values())
-        gathered = iter(gather_rows(tensors) if tensors else [])
-        return {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+        if not tensors:
+            return {}
+        owners = self._gradient_owners(tensors[0])
+        self._owned_now = {id(layer): owners[layer.name] for layer, _ in wanted}
+        per_tensor = [owners[layer.name] for layer, names in wanted for _ in names]
+        gathered = iter(gather_to_owners(tensors, per_tensor))
+        out = {id(layer): {n: next(gathered) for n in names} for layer, names in wanted}
+        me = tensors[0].device_mesh.get_local_rank(shard_dim(tensors[0]))
+        return {key: grads for key, grads in out.items() if self._owned_now[key] == me}
+
+    def _gradient_owners(self, p: Tensor) -> dict[str, int]:
+        """FSDP2: each layer's owner (shard index), by the cost of its natural gradient,
+        d_K d_C (d_K + d_C), greedily (kaisa.greedy_assignment: most expensive first, each to the
+        least loaded rank); the same on every rank. `p`: a sharded gradient."""
+        shards = p.device_mesh.size(shard_dim(p))
+        work = {}
+        for layer in self._curvature:
+            d_k, d_c = self.dims(layer.module)
+            work[layer.name] = {"natural_gradient": float(d_k * d_c * (d_k + d_c))}
+        assignment = greedy_assignment(work, [list(range(shards))], shards, colocate=True)
+        return {name: a["natural_gradient"] for name, a in assignment.items()}
+
+    def _queue_returned(self, returned: list[tuple[Layer, str, Tensor | None]], per_group) -> None:
+        """FSDP2 owner scheme: the owners' natural-gradient pieces, each rank's rows sent back in
+        one all_to_all per dtype, queued for the SGD update of their groups."""
+        if not returned:
+            return
+        grads = [layer.params[pname].grad for layer, pname, _ in returned]
+        owners = [self._owned_now[id(layer)] for layer, _, _ in returned]
+        pieces = scatter_from_owners([piece for _, _, piece in returned], grads, owners)
+        for (layer, pname, _), piece in zip(returned, pieces):
+            p = layer.params[pname]
+            params, updates, bufs = per_group.setdefault(self._group_of[layer.anchor], ([], [], []))
+            params.append(local(p))
+            updates.append(piece)
+            bufs.append(local(self.state[p]["momentum_buffer"]))
 
     def _elementwise_rows(self, layer: Layer) -> bool:
         """Whether a shard's natural gradient comes from its own rows alone: diagonal K and C on
