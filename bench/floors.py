@@ -57,6 +57,15 @@ class Floor:
                 "flop": self.flop, "bytes": self.bytes}
 
 
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` on the meta device: the members register their layers on it without
+    allocating their factors (ResNet-18's would take seconds and gigabytes). Tied parameters
+    stay tied (one meta parameter each)."""
+    memo = {id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+            for p in model.parameters()}
+    return copy.deepcopy(model, memo)
+
+
 def _trainable(model: nn.Module) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]  # tied parameters once
 
@@ -76,8 +85,7 @@ def kfac_layers(model: nn.Module) -> list[tuple[int, int, int, bool]]:
     """(groups, d_a, d_g, diagonal A) of each layer KFACPreconditioner registers on `model`."""
     import cafin
     from cafin import factors
-    pre = cafin.KFACPreconditioner(copy.deepcopy(model), backend="reference")
-    pre.remove_hooks()
+    pre = cafin.KFACPreconditioner(_meta_copy(model), backend="reference")
     return [(*factors.factor_sizes(layer.module), factors.diagonal_input(layer.module))
             for layer in pre.layers]
 
@@ -102,7 +110,7 @@ def singd(model: nn.Module, structure: str = "diagonal") -> Floor:
     element); diagonal factors read once per layer."""
     import cafin
     from cafin.structures import Diagonal, structure as structure_class
-    work = copy.deepcopy(model)
+    work = _meta_copy(model)
     opt = cafin.SINGD(work, structures=(structure, structure), warn_unsupported=False)
     flop = extra = 0
     seen = set()
@@ -156,7 +164,7 @@ def twolevel(model: nn.Module) -> Floor:
     TWOLEVEL_BYTES per gradient-matrix element; SGD and the gradient restore over every
     parameter."""
     import cafin
-    pre = cafin.TwoLevelKFAC(copy.deepcopy(model))
+    pre = cafin.TwoLevelKFAC(_meta_copy(model))
     flop = elements = 0
     for group in pre.param_groups:
         w = group["params"][0]

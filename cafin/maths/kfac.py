@@ -13,8 +13,8 @@ import torch
 
 __all__ = [
     "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
-    "eigen_precondition_into", "aligned_empty", "inverse_precondition", "kl_clip_scale", "diagonal_factor_ema_", "diagonal_eigenvalues",
-    "diagonal_damped_inverse",
+    "eigen_precondition_into", "aligned_empty", "inverse_precondition", "kl_clip_scale",
+    "diagonal_factor_ema_", "diagonal_eigenvalues", "diagonal_damped_inverse",
 ]
 
 
