@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from . import floors
 from .measure import Context, PreconditionedSGD, Skip, fmt_ms, fmt_ratio, measure
 from .models import loss_for
 from .peers import kfac_pytorch
@@ -99,20 +100,10 @@ def captured_statistics(ctx: Context, backend: str, kw: dict) -> Callable[[], ob
 
 def precondition_flops(base) -> int:
     """The floating-point operations of the eigenbasis products of one preconditioning step,
-    Q_G (Q_G^T V Q_A ⊘ (d_G d_A^T + λ)) Q_A^T, over the registered layers: four GEMMs, i.e.
-    4 d_g d_a (d_g + d_a) per group of each layer (4 d_g^2 d_a with a diagonal A). The fused
-    and reference backends run the same products (in torch); only the work around them
-    differs."""
-    import cafin
-    from cafin import factors
-    pre = cafin.KFACPreconditioner(copy.deepcopy(base), backend="reference")
-    pre.remove_hooks()
-    total = 0
-    for layer in pre.layers:
-        groups, d_a, d_g = factors.factor_sizes(layer.module)
-        # a diagonal A (an Embedding's) has no Q_A: two GEMMs with Q_G and a scaling
-        total += groups * 4 * d_g * d_a * (d_g if factors.diagonal_input(layer.module) else d_g + d_a)
-    return total
+    Q_G (Q_G^T V Q_A ⊘ (d_G d_A^T + λ)) Q_A^T, over the registered layers (bench/floors.py,
+    `eigenbasis_flops`). The fused and reference backends run the same products (in torch);
+    only the work around them differs."""
+    return sum(floors.eigenbasis_flops(*sizes) for sizes in floors.kfac_layers(base))
 
 
 def run_details(ctx: Context, kw: dict, sgd_kw: dict) -> None:

@@ -120,6 +120,17 @@ def copy_bandwidth(numel: int, device: torch.device, repeats: int = 15) -> float
     return 2 * src.numel() * src.element_size() / (timing.median_ms * 1e-3)
 
 
+def sgemm_rate(n: int, device: torch.device, repeats: int = 15) -> float:
+    """FLOP per second of `torch.mm(a, b, out=c)` on float32 [n, n] matrices (2 n^3 FLOPs); the
+    median over `repeats` products."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.rand(n, n, generator=gen).to(device) for _ in range(2))
+    c = torch.empty(n, n, device=device)
+    timing = time_calls(lambda: torch.mm(a, b, out=c), device, warmup=3, min_repeats=repeats,
+                        max_repeats=repeats, budget_s=0.0)
+    return 2 * n ** 3 / (timing.median_ms * 1e-3)
+
+
 # ------------------------------------------------------------------------------------ memory
 @dataclass
 class Allocations:

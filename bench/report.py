@@ -85,6 +85,33 @@ def _base_of(run: Run, phase: str, optimizer: str):
     return None
 
 
+def member_floor_ms(run: Run) -> dict[str, float]:
+    """Each member's own step floor (bench/floors.py), by optimizer name."""
+    return {f["optimizer"]: f["step_floor_ms"] for f in run.floor.get("members", [])}
+
+
+def _row_floor(run: Run, phase: str, optimizer: str, floor_ms: float | None) -> float | None:
+    """The floor a row is stated against: a member's own step floor on its step rows; the
+    phase's (20 B per parameter on the step) for AdaFisher and AdamW; none for other rows (a
+    peer, such as SOAP, or a member whose floor could not be counted)."""
+    if phase == "step":
+        own = member_floor_ms(run)
+        if optimizer in own:
+            return own[optimizer]
+        return floor_ms if optimizer in ("adafisher", "adamw") else None
+    return floor_ms
+
+
+def _floor_rows(run: Run, phase: str, names: dict[str, str]) -> list[tuple[str, float]]:
+    """(label, ms) of the members' own floors shown in the step table."""
+    if phase != "step":
+        return []
+    shown = {r.optimizer for r in run.results if r.phase == phase}
+    return [(f"floor: {names.get(f['optimizer'], f['optimizer'])} ({f['flop'] / 1e9:.2f} GFLOP, "
+             f"{fmt_bytes(f['bytes'])})", f["step_floor_ms"])
+            for f in run.floor.get("members", []) if f["optimizer"] in shown]
+
+
 def _phase_table(run: Run, phase: str, floor_ms: float | None, floor_label: str,
                  names: dict[str, str]) -> Table:
     table = Table(title=f"{phase}: {run.model}, batch {run.batch_size}, {run.device}",
@@ -104,12 +131,16 @@ def _phase_table(run: Run, phase: str, floor_ms: float | None, floor_label: str,
     if floor_ms is not None:
         table.add_row("", Text(floor_label, style="dim"), fmt_ms(floor_ms), "", "", "", "1.00x",
                       "", "", style="dim")
+    for text, ms in _floor_rows(run, phase, names):
+        table.add_row("", Text(text, style="dim"), fmt_ms(ms), "", "", "", "1.00x", "", "",
+                      style="dim")
     for r in run.results:
         if r.phase != phase:
             continue
         ref = _base_of(run, phase, r.optimizer)
         speedup = ref.median_ms / r.median_ms if ref else None
-        to_floor = r.median_ms / floor_ms if floor_ms else None
+        row_floor = _row_floor(run, phase, r.optimizer, floor_ms)
+        to_floor = r.median_ms / row_floor if row_floor else None
         iqr = f"{100 * r.spread:.0f}%" if math.isfinite(r.spread) else "-"
         style = "bold" if r.variant.startswith("fused") else None
         table.add_row(names.get(r.optimizer, r.optimizer), label(r.variant), fmt_ms(r.median_ms),
@@ -219,6 +250,15 @@ def targets(run: Run, members=()) -> list[dict]:
             add(f"SINGD {a['structure']} {label(a['variant'])} vs singd, per step amortised over "
                 f"T={a['T']}", f"{fmt_ratio(a['vs_singd'])} faster", ">= 3x faster",
                 a["vs_singd"] >= 3)
+    for f in run.floor.get("members", []):
+        r = run.result("step", "fused", f["optimizer"])
+        if r is None:
+            continue
+        name = next((m.label for m in members if m.name == f["optimizer"]), f["optimizer"])
+        ratio = r.median_ms / f["step_floor_ms"]
+        add(f"{name} fused step vs its floor ({f['flop'] / 1e9:.2f} GFLOP at "
+            f"{run.floor['sgemm_gflop_s']:.0f} GFLOP/s + {fmt_bytes(f['bytes'])})",
+            f"{fmt_ratio(ratio)} the floor", "<= 1.3x the floor", ratio <= 1.3)
     for member in members:
         if member.targets is not None:
             out += member.targets(run)
@@ -266,6 +306,10 @@ def print_all(console: Console, run: Run, env: dict, target_rows: list[dict],
         console.print(f"copy bandwidth {floor['copy_bandwidth_gb_s']:.1f} GB/s "
                       f"({fmt_bytes(floor['copy_buffer_bytes'])} buffers); step floor "
                       f"{fmt_bytes(floor['bytes_per_step'])} = 20 B x {floor['parameters']:,} parameters")
+    if floor.get("sgemm_gflop_s"):
+        console.print(f"float32 GEMM rate {floor['sgemm_gflop_s']:.1f} GFLOP/s ({floor['sgemm_n']}^3 "
+                      "products): with the copy bandwidth, each member's own step floor "
+                      "(its GEMMs' FLOPs + its elementwise bytes; bench/floors.py)")
     if any(r.phase == "step" for r in run.results):
         console.print(_phase_table(run, "step", floor.get("step_floor_ms"), "floor (20 B/param)",
                                    names))
@@ -365,11 +409,15 @@ def markdown(run: Run, env: dict, target_rows: list[dict], elapsed_s: float, mem
                 "|---|---|---|---|---|"]
         if floor.get(floor_key):
             out.append(f"| {floor_label} | {fmt_ms(floor[floor_key])} | | 1.00x | |")
+        for text, ms in _floor_rows(run, phase, names):
+            out.append(f"| {text} at {floor.get('sgemm_gflop_s', math.nan):.1f} GFLOP/s | "
+                       f"{fmt_ms(ms)} | | 1.00x | |")
         for r in rows:
             ref = _base_of(run, phase, r.optimizer)
+            row_floor = _row_floor(run, phase, r.optimizer, floor.get(floor_key))
             cells = [f"{names.get(r.optimizer, r.optimizer)} {label(r.variant)}",
                      fmt_ms(r.median_ms), fmt_ratio(ref.median_ms / r.median_ms) if ref else "",
-                     fmt_ratio(r.median_ms / floor[floor_key]) if floor.get(floor_key) else "",
+                     fmt_ratio(r.median_ms / row_floor) if row_floor else "",
                      fmt_bytes(r.allocated_bytes)]
             if r.variant.startswith("fused"):
                 cells = [f"**{c}**" if c else c for c in cells]

@@ -37,8 +37,9 @@ import torch
 from . import members as members_pkg
 from . import published as published_mod
 from . import report
+from .floors import member_floors
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
-                      copy_bandwidth, device_name, is_cuda, machine_threads, measure)
+                      copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
 from .members import VARIANTS, Member
 from .models import MODELS, batch_for, loss_for, relu_in_place
 from .whole_step import run_phase as whole_step_phase
@@ -47,6 +48,7 @@ LR = 1e-3
 TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, every timed step does not
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
 BASELINES = ("adamw-foreach", "adamw-fused")
+SGEMM_N = 512  # the GEMM rate of the members' floors: float32 [n, n] products
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
 OPT_IN_PHASES = ("structures",)
@@ -136,6 +138,21 @@ def _step_phase(ctx: Context) -> None:
         measure(run, progress, "step", "adamw", variant, lambda v=variant: adamw_variant(ctx, v))
 
 
+def _member_floors(ctx: Context, progress) -> None:
+    """The float32 GEMM rate of this device, and with it and the copy bandwidth each selected
+    member's step floor (bench/floors.py) in run.floor["members"]; a member whose floor cannot be
+    counted on this model (it refuses the model) gets a skip that says why."""
+    run = ctx.run
+    task = progress.add_task(f"floor      sgemm {SGEMM_N}^3", total=1)
+    rate = sgemm_rate(SGEMM_N, run.device)
+    progress.advance(task)
+    floors, failed = member_floors(ctx.base, [m.name for m in ctx.members])
+    run.floor.update(sgemm_gflop_s=rate / 1e9, sgemm_n=SGEMM_N,
+                     members=[f.to_json(rate, ctx.bandwidth) for f in floors])
+    for name, why in failed.items():
+        run.skipped.append(Skip(run.model, "floor", "-", f"no step floor: {why}", optimizer=name))
+
+
 def bench(run: Run, ctx_args: dict, console) -> None:
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                                TimeElapsedColumn)
@@ -162,6 +179,7 @@ def bench(run: Run, ctx_args: dict, console) -> None:
         run.floor = {"model": name, "copy_bandwidth_gb_s": ctx.bandwidth / 1e9,
                      "copy_buffer_bytes": 4 * numel, "parameters": params,
                      "bytes_per_step": step_bytes, "step_floor_ms": step_bytes / ctx.bandwidth * 1e3}
+        _member_floors(ctx, progress)
         if "step" in ctx.phases:
             _step_phase(ctx)
         for member in ctx.members:

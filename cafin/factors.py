@@ -415,6 +415,17 @@ def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
     return torch.cat([w, bias_grad.reshape(groups, d_g, 1)], dim=2)
 
 
+def grad_matrix_into(module: nn.Module, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None,
+                     out: torch.Tensor) -> torch.Tensor:
+    """`grad_matrix` copied into `out` [groups, d_g, d_a] (any strides and dtype), no allocation."""
+    groups, _, d_g = factor_sizes(module)
+    d_w = out.shape[2] - (bias_grad is not None)
+    out[:, :, :d_w].copy_(weight_grad_view(module, weight_grad).reshape(groups, d_g, d_w))
+    if bias_grad is not None:
+        out[:, :, d_w].copy_(bias_grad.reshape(groups, d_g))
+    return out
+
+
 def write_grad_matrix(module: nn.Module, matrix: torch.Tensor, weight_grad: torch.Tensor,
                       bias_grad: torch.Tensor | None) -> None:
     """Copy a [groups, d_g, d_a] matrix back into the weight (and bias) gradients in place."""

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import members, published  # noqa: E402
 from bench.kfac_phases import FACTORS, INVERSE, PRECONDITION  # noqa: E402
-from bench.measure import PreconditionedSGD  # noqa: E402
+from bench.measure import PreconditionedSGD, fmt_ms, fmt_ratio  # noqa: E402
 from bench.speed import main as bench_main, parse_args  # noqa: E402
 
 # A stand-in with the published AdaFisher's interface (AdaFisher(model, lr=..., TCov=..., ...),
@@ -95,6 +95,45 @@ def test_environment_and_floor(quick_run):
     assert floor["bytes_per_step"] == 20 * floor["parameters"]
     assert data["config"]["optimizers"] == [m.name for m in members.select(None, "mlp", "cpu")]
     assert data["config"]["tcov"] == 100 and data["config"]["published"] == {}
+
+
+def test_member_floors(quick_run):
+    """floor["members"]: each member's step floor, its GEMMs at the GEMM rate of this run plus
+    its bytes at the copy bandwidth; every member step row is stated against its own floor."""
+    data, stdout, _, md = quick_run
+    floor = data["floor"]
+    assert _finite(floor["sgemm_gflop_s"]) and floor["sgemm_gflop_s"] > 0
+    got = {f["optimizer"]: f for f in floor["members"]}
+    assert set(got) == {"kfac", "singd", "dykaf", "twolevel"}
+    for f in floor["members"]:
+        assert set(f) == {"optimizer", "step_floor_ms", "flop", "bytes"}
+        assert isinstance(f["flop"], int) and isinstance(f["bytes"], int) and f["bytes"] > 0
+        expected = (f["flop"] / (floor["sgemm_gflop_s"] * 1e9)
+                    + f["bytes"] / (floor["copy_bandwidth_gb_s"] * 1e9)) * 1e3
+        assert f["step_floor_ms"] == pytest.approx(expected)
+    # bench.models.mlp: Linear 784 -> 512 -> 256 -> 10 (d_a = fan_in + 1, d_g = fan_out)
+    gemms = sum(4 * g * a * (g + a) for a, g in ((785, 512), (513, 256), (257, 10)))
+    assert got["kfac"]["flop"] == gemms and got["twolevel"]["flop"] == gemms + 2 * 3 * 3
+    assert got["singd"]["flop"] == 0  # the step rows' diagonal structures: elementwise
+    assert "float32 GEMM rate" in stdout and "floor: K-FAC + SGD" in stdout
+    text = md.read_text()
+    names = {m.name: m.label for m in members.registry().values()}
+    rows = [r for r in data["results"] if r["phase"] == "step" and r["optimizer"] in got]
+    assert {r["optimizer"] for r in rows} >= {"kfac", "singd", "dykaf"}
+    for r in rows:
+        line = next(line for line in text.splitlines()
+                    if line.replace("*", "").startswith(f"| {names[r['optimizer']]} ")
+                    and line.replace("*", "").split(" | ")[1] == fmt_ms(r["median_ms"]))
+        ratio = fmt_ratio(r["median_ms"] / got[r["optimizer"]]["step_floor_ms"])
+        assert line.replace("*", "").split(" | ")[3] == ratio, line
+    verdicts = {t["target"].split(" fused step vs its floor")[0]: t for t in data["targets"]
+                if " fused step vs its floor" in t["target"]}
+    fused = {names[r["optimizer"]]: r for r in rows if r["variant"] == "fused"}
+    assert set(verdicts) == set(fused) >= {"K-FAC + SGD", "SINGD (diagonal)", "DyKAF"}
+    for label, t in verdicts.items():
+        r = fused[label]
+        ok = r["median_ms"] <= 1.3 * got[r["optimizer"]]["step_floor_ms"]
+        assert t["verdict"] == ("met" if ok else "missed")
 
 
 def test_results(quick_run):
@@ -336,8 +375,11 @@ def test_kfac_rows(tmp_path):
         4 * g * a * (g + a) for a, g in ((785, 512), (513, 256), (257, 10)))
     # A step that eigendecomposes every factor costs more than one that does not.
     assert rows[INVERSE, "reference"]["median_ms"] > rows["step", "reference"]["median_ms"]
-    targets = {t["target"]: t for t in data["targets"] if t["target"].startswith("K-FAC")}
+    targets = {t["target"]: t for t in data["targets"]
+               if t["target"].startswith("K-FAC") and "vs its floor" not in t["target"]}
     assert len(targets) == 2
+    assert [t for t in data["targets"] if t["target"].startswith("K-FAC + SGD fused step vs its floor")] \
+        or not fused
     if fused:
         vs_adamw, vs_ref = (targets[k] for k in sorted(targets, key=lambda k: "reference" in k))
         amortised = (9 * rows["step", "fused"]["median_ms"] + rows[INVERSE, "fused"]["median_ms"]) / 10

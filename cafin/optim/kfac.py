@@ -68,7 +68,10 @@ class _LayerState:
         inv = dict(dtype=inv_dtype, device=device)
         eye_inv = lambda n: torch.eye(n, **inv).expand(groups, n, n).clone()  # noqa: E731
         if eigen:
-            self.second = {"qg": eye_inv(d_g)} if diagonal else {"qa": eye_inv(d_a), "qg": eye_inv(d_g)}
+            # the eigenbases in row-aligned storage: the fused step's products run faster on it
+            basis = lambda n: kfac_maths.aligned_empty((groups, n, n), **inv).copy_(  # noqa: E731
+                torch.eye(n, **inv).expand(groups, n, n))
+            self.second = {"qg": basis(d_g)} if diagonal else {"qa": basis(d_a), "qg": basis(d_g)}
             if prediv:
                 self.second["dgda"] = torch.ones(groups, d_g, d_a, **inv)
             else:
@@ -158,6 +161,9 @@ class KFACPreconditioner(Preconditioner):
         self._register_layers(loglevel)
         self._assign_work(loglevel)
         self._stack_second_order()
+        # The eager fused step's product operands, per chain (a layer, or a stack of layers):
+        # made on first use, kept (see `_chain`).
+        self._chains: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._choose_backends()
         self._start(self._layers)
 
@@ -305,7 +311,11 @@ class KFACPreconditioner(Preconditioner):
             states = [self._state[layer.name] for layer in members]
             stacked = {}
             for key in states[0].second:
-                stacked[key] = torch.cat([st.second[key] for st in states])
+                joined = torch.cat([st.second[key] for st in states])
+                if key in ("qa", "qg"):  # eigenbases stay in row-aligned storage
+                    joined = kfac_maths.aligned_empty(joined.shape, dtype=joined.dtype,
+                                                      device=joined.device).copy_(joined)
+                stacked[key] = joined
                 torch._dynamo.mark_static_address(stacked[key], guard=False)
                 views = stacked[key].split([st.A.shape[0] for st in states])
                 for st, view in zip(states, views):
@@ -833,20 +843,59 @@ class KFACPreconditioner(Preconditioner):
         layers stacked by second-order shape in one product chain, the others one by one."""
         precond: dict[str, torch.Tensor] = {}
         names = {layer.name for layer in active if self.assignment.is_grad_worker(layer.name)}
+        chained = self._chained()
         for members, stacked in self._stacks:
             if not all(layer.name in names for layer in members):
                 continue
-            grads = [self._grad(layer) for layer in members]
-            if len({g.dtype for g in grads}) > 1:
+            if len({self._grads(layer)[0].dtype for layer in members}) > 1:
                 continue
-            v = self._precondition(torch.cat(grads), stacked, members[0].module.weight.device)
-            for layer, piece in zip(members, v.split([g.shape[0] for g in grads])):
+            if chained:
+                v = self._chain(members, stacked)
+            else:
+                v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
+                                       members[0].module.weight.device)
+            sizes = [self._state[layer.name].A.shape[0] for layer in members]
+            for layer, piece in zip(members, v.split(sizes)):
                 precond[layer.name] = piece
         for layer in active:
             if layer.name in names and layer.name not in precond:
-                precond[layer.name] = self._precondition(self._grad(layer), self._state[layer.name].second,
-                                                         layer.module.weight.device)
+                second = self._state[layer.name].second
+                precond[layer.name] = (self._chain([layer], second) if chained else self._precondition(
+                    self._grad(layer), second, layer.module.weight.device))
         return precond
+
+    def _chained(self) -> bool:
+        """Whether this step's products run through kept buffers (`_chain`): the fused backend's
+        eager steps with eigenbases and the eigenvalue outer product (the default). A compiled
+        or captured step keeps the plain products, whose memory the compiler or the graph's
+        pool plans."""
+        return (self.backend == "fused" and self.compute_method is ComputeMethod.EIGEN
+                and self.compute_eigenvalue_outer_product and not torch.compiler.is_compiling()
+                and not capturing())
+
+    def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The preconditioned gradients [groups, d_g, d_a] of `layers` (one, or a stack sharing
+        the second-order data `s`), in their gradients' dtype: the gradients copied once into a
+        row-aligned matrix (no concatenation), the products written into kept buffers
+        (`eigen_precondition_into`: the same products as `_precondition`, no allocation)."""
+        w = self._grads(layers[0])[0]
+        key = tuple(layer.name for layer in layers)
+        buffers = self._chains.get(key)
+        if buffers is None or buffers[2].dtype != w.dtype or buffers[2].device != w.device:
+            groups = sum(self._state[layer.name].A.shape[0] for layer in layers)
+            _, d_a, d_g = factors.factor_sizes(layers[0].module)
+            shape = (groups, d_g, d_a)
+            like = dict(dtype=self.inv_dtype, device=w.device)
+            buffers = (kfac_maths.aligned_empty(shape, **like), kfac_maths.aligned_empty(shape, **like),
+                       torch.empty(shape, dtype=w.dtype, device=w.device))
+            self._chains[key] = buffers
+        grad, work, out = buffers
+        offset = 0
+        for layer in layers:
+            n = self._state[layer.name].A.shape[0]
+            factors.grad_matrix_into(layer.module, *self._grads(layer), grad[offset:offset + n])
+            offset += n
+        return kfac_maths.eigen_precondition_into(grad, s.get("qa"), s["qg"], s["dgda"], work, out)
 
     def _share_preconditioned_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
         """MEM_OPT and HYBRID_OPT: within this rank's row (one rank of every column), each
