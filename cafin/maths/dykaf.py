@@ -138,10 +138,12 @@ def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
     return [x * root for x in L]
 
 
-def mode_products(g: torch.Tensor) -> list[torch.Tensor]:
-    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path."""
+def mode_products(g: torch.Tensor, modes: Sequence[int] | None = None) -> list[torch.Tensor | None]:
+    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path; with `modes`,
+    only those (None for the others)."""
     dims = list(range(g.dim()))
-    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2) for k in dims]
+    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2)
+            if modes is None or k in modes else None for k in dims]
 
 
 def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
@@ -187,20 +189,21 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: 
                        ops) -> tuple[torch.Tensor, torch.Tensor]:
     """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
     one batched GEMM per product, the elementwise work around them in two ops of `ops`
-    (cafin.ops or cafin.reference)."""
+    (cafin.ops or cafin.reference). Equal to `proj_split` up to rounding, with fewer passes over
+    the factors: sqrt(beta) L / |sqrt(beta) L| is L / |L| (beta enters sigma only), and the norm
+    that scales the weight's Gram-matrix term comes from inner products, never formed."""
     def fro(x):
         return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
 
     if beta != 1:
         g = g * (1 - beta) ** 0.5
-    L = L * beta ** 0.5
-    R = R * beta ** 0.5
     left_norm, right_norm = fro(L), fro(R)
-    sigma = (left_norm * right_norm).reshape(-1)
+    sigma = (left_norm * right_norm * beta).reshape(-1)
     L, R = L / left_norm, R / right_norm
     gt = g.mT
-    U = g @ R @ gt
-    V = gt @ L @ g
+    bmm = torch.bmm  # not @: matmul wraps each product in reshapes and views
+    U = bmm(bmm(g, R), gt)
+    V = bmm(bmm(gt, L), g)
     # The weight needs <U, g V g^T> only. With U = K / |K|, K = sigma L + g R g^T, and
     # V = M / |M|, M = sigma R + g^T L g, a Gram matrix of the thin side replaces a product
     # over the long one: g V g^T = (sigma g R g^T + W L W) / |M| with W = g g^T (m x m), and
@@ -212,19 +215,30 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: 
     s = sigma.reshape(-1, 1, 1)
     C, swapped = None, False
     if wide < min(direct, tall):
-        W = g @ gt
-        C = (s * U + W @ L @ W) / fro(s * R + V)
+        C = _gram_term(bmm(g, gt), L, U, s, R, V)
     elif tall < direct:
-        Z = gt @ g
-        C, swapped = (s * V + Z @ R @ Z) / fro(s * L + U), True
+        C, swapped = _gram_term(bmm(gt, g), R, V, s, L, U), True
     ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
     if C is None:
-        C = g @ V @ gt
+        C = bmm(bmm(g, V), gt)
     if swapped:  # the same weight, sides swapped
         ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])
     else:
         ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
     return U, V
+
+
+def _gram_term(W: torch.Tensor, F: torch.Tensor, X: torch.Tensor, s: torch.Tensor,
+               F_other: torch.Tensor, X_other: torch.Tensor) -> torch.Tensor:
+    """(s X + W F W) / |s F_other + X_other| (F_other of unit norm), written into the product's
+    own buffer. The norm from |s F_other + X_other|^2 = s^2 + 2 s <F_other, X_other> +
+    |X_other|^2 (both positive semi-definite: no cancellation), without forming the sum: the
+    sum would be a pass over the long side's factor."""
+    C = torch.bmm(torch.bmm(W, F), W)
+    C.addcmul_(s, X)
+    cross = torch.einsum("bij,bij->b", F_other, X_other).reshape(-1, 1, 1)
+    square = torch.linalg.vector_norm(X_other, dim=(-2, -1), keepdim=True).square()
+    return C.div_((s * s + 2 * s * cross + square).sqrt())
 
 
 def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:
