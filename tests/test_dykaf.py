@@ -174,6 +174,8 @@ def test_rotated_moment_cache_follows_the_projection(batched, float64_default, m
             assert st["exp_avg_rot_step"] == st["step"]
             QL, QR = st["bases"]
             assert rel(st["exp_avg_rot"], QL.T @ st["exp_avg"] @ QR) <= 1e-12
+            # a step after a refresh keeps the bases row-major (no copy before each product)
+            assert QL.is_contiguous() and QR.is_contiguous()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -589,21 +591,23 @@ def test_ddp_ranks_stay_identical_and_equal_one_process(tmp_path, float64_defaul
         assert rel(a, p.detach()) <= 1e-10
 
 
+@pytest.mark.parametrize("beta", [0.95, 0.5, 1.0])
 @pytest.mark.parametrize("shape", [(3, 9, 4), (2, 4, 9), (2, 6, 6), (1, 13, 7), (1, 5, 11)],
                          ids=["tall", "wide", "square", "tall-1", "wide-1"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_batched_split_equals_the_published_split(shape, backend, float64_default):
+def test_batched_split_equals_the_published_split(shape, backend, beta, float64_default):
     """proj_split_batched (the fused path's factor step: the weight's inner product through the
-    thin side's Gram matrix on tall and wide matrices) equals the published two-sided split of
+    thin side's Gram matrix on tall and wide matrices, the 1 - beta scaling of g carried as a
+    scalar; beta = 1 leaves g unscaled, as published) equals the published two-sided split of
     each matrix of the stack."""
     gen = torch.Generator().manual_seed(sum(shape))
     B, m, n = shape
     sym = lambda d: (lambda a: a @ a.mT + 0.1 * torch.eye(d))(torch.randn(B, d, d, generator=gen))
     L, R, g = sym(m), sym(n), torch.randn(B, m, n, generator=gen)
     ops = cafin.ops if backend == "fused" else cafin.reference
-    U, V = math.proj_split_batched(L, R, g, 0.95, ops)
+    U, V = math.proj_split_batched(L, R, g, beta, ops)
     for b in range(B):
-        u, v = math.proj_split(L[b], R[b], g[b], 0.95)
+        u, v = math.proj_split(L[b], R[b], g[b], beta)
         assert rel(U[b], u) <= 1e-13 and rel(V[b], v) <= 1e-13
 
 

@@ -138,10 +138,12 @@ def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
     return [x * root for x in L]
 
 
-def mode_products(g: torch.Tensor) -> list[torch.Tensor]:
-    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path."""
+def mode_products(g: torch.Tensor, modes: Sequence[int] | None = None) -> list[torch.Tensor | None]:
+    """SOAP's per-mode g g^T (contracting every other dimension), for the EMA path; with `modes`,
+    only those (None for the others)."""
     dims = list(range(g.dim()))
-    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2) for k in dims]
+    return [torch.tensordot(g, g, dims=[dims[:k] + dims[k + 1:]] * 2)
+            if modes is None or k in modes else None for k in dims]
 
 
 def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
@@ -187,44 +189,64 @@ def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: 
                        ops) -> tuple[torch.Tensor, torch.Tensor]:
     """`proj_split` over a stack of parameters of one shape ([B, m, m], [B, n, n], [B, m, n]):
     one batched GEMM per product, the elementwise work around them in two ops of `ops`
-    (cafin.ops or cafin.reference)."""
+    (cafin.ops or cafin.reference). Equal to `proj_split` up to rounding, with fewer passes over
+    the factors and none over g (below)."""
     def fro(x):
         return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
 
-    if beta != 1:
-        g = g * (1 - beta) ** 0.5
-    L = L * beta ** 0.5
-    R = R * beta ** 0.5
+    bmm = torch.bmm  # not @: matmul wraps each product in reshapes and views
     left_norm, right_norm = fro(L), fro(R)
-    sigma = (left_norm * right_norm).reshape(-1)
+    # sqrt(beta) L / |sqrt(beta) L| is L / |L|: beta enters sigma only.
+    sigma = (left_norm * right_norm * beta).reshape(-1)
     L, R = L / left_norm, R / right_norm
+    # The published step scales g by sqrt(1 - beta) (unless beta = 1): U = g R g^T and
+    # V = g^T L g (of the unscaled g here) then carry one factor 1 - beta, which the basis step's
+    # normalisation removes when sigma is divided by it, and which the weight's last term takes
+    # as a scalar.
+    shrink = 1 - beta if beta != 1 else 1.0
+    basis_sigma = sigma / shrink
     gt = g.mT
-    U = g @ R @ gt
-    V = gt @ L @ g
-    # The weight needs <U, g V g^T> only. With U = K / |K|, K = sigma L + g R g^T, and
-    # V = M / |M|, M = sigma R + g^T L g, a Gram matrix of the thin side replaces a product
-    # over the long one: g V g^T = (sigma g R g^T + W L W) / |M| with W = g g^T (m x m), and
-    # <U, g V g^T> = <V, g^T U g> with g^T U g = (sigma g^T L g + Z R Z) / |K|, Z = g^T g.
+    U = bmm(bmm(g, R), gt)
+    V = bmm(bmm(gt, L), g)
+    # The weight needs <U, g V g^T> only. With U = K / |K|, K = s L + g R g^T, and
+    # V = M / |M|, M = s R + g^T L g (s = basis_sigma), a Gram matrix of the thin side replaces a
+    # product over the long one: g V g^T = (s g R g^T + W L W) / |M| with W = g g^T (m x m), and
+    # <U, g V g^T> = <V, g^T U g> with g^T U g = (s g^T L g + Z R Z) / |K|, Z = g^T g.
     # Taken when it needs fewer multiply-adds (one side over sqrt(2) x the other); equal up to
     # rounding.
     m, n = g.shape[-2:]
     direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
-    s = sigma.reshape(-1, 1, 1)
+    s = basis_sigma.reshape(-1, 1, 1)
     C, swapped = None, False
     if wide < min(direct, tall):
-        W = g @ gt
-        C = (s * U + W @ L @ W) / fro(s * R + V)
+        C = _gram_term(bmm(g, gt), L, U, s, shrink)
     elif tall < direct:
-        Z = gt @ g
-        C, swapped = (s * V + Z @ R @ Z) / fro(s * L + U), True
-    ops.dykaf_split_normalize_([U], [V], [L], [R], [sigma])
+        C, swapped = _gram_term(bmm(gt, g), R, V, s, shrink), True
+    ops.dykaf_split_normalize_([U], [V], [L], [R], [basis_sigma])
     if C is None:
-        C = g @ V @ gt
+        C = bmm(bmm(g, V), gt)
+        if shrink != 1:
+            C.mul_(shrink)
     if swapped:  # the same weight, sides swapped
         ops.dykaf_split_scale_([V], [U], [R], [L], [C], [sigma])
     else:
         ops.dykaf_split_scale_([U], [V], [L], [R], [C], [sigma])
     return U, V
+
+
+def _gram_term(W: torch.Tensor, F: torch.Tensor, X: torch.Tensor, s: torch.Tensor,
+               shrink: float) -> torch.Tensor:
+    """shrink (s X + W F W) / |s F' + X'| on the thin side (written into the product's own
+    buffer), where X = g F' g^T and X' = g^T F g are the basis step's products of the two sides
+    (wide: W = g g^T, F = L, X = U, F' = R, X' = V; tall: transposed). The norm over the long side
+    comes from thin-side terms: |s F' + X'|^2 = s^2 |F'|^2 + 2 s <F', X'> + |X'|^2 with |F'| = 1,
+    <F', X'> = <X, F> and |X'|^2 = tr((W F)^2) (all symmetric positive semi-definite)."""
+    WF = torch.bmm(W, F)
+    square = (WF * WF.mT).sum(dim=(-2, -1), keepdim=True)
+    cross = torch.einsum("bij,bij->b", X, F).reshape(-1, 1, 1)
+    C = torch.bmm(WF, W)
+    C.addcmul_(s, X)
+    return C.div_((s * s + 2 * s * cross + square).sqrt() / shrink)
 
 
 def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,41 +12,56 @@ __all__ = ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
            "dykaf_split_normalize_", "dykaf_split_scale_"]
 
 
-def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
+def _check(cond: bool, msg, exc: type = ValueError) -> None:
+    """Raise exc(msg) unless cond; msg is a string or a function making it (formatted only on
+    failure: the checks run on every step, for every tensor)."""
     if not cond:
-        raise exc(msg)
+        raise exc(msg() if callable(msg) else msg)
 
 
 def _lengths(first: str, n: int, **lists) -> None:
     for name, values in lists.items():
-        _check(len(values) == n, f"{name} has {len(values)} entries but {first} has {n}")
+        _check(len(values) == n, lambda: f"{name} has {len(values)} entries but {first} has {n}")
 
 
-def _scalar(t, name: str, device: torch.device) -> None:
-    _check(isinstance(t, torch.Tensor), f"{name} must be a Tensor, got {type(t).__name__}", TypeError)
-    _check(t.dim() == 0, f"{name} must be a 0-dim tensor, got shape {tuple(t.shape)}")
-    _check(t.dtype == torch.float64, f"{name} has dtype {t.dtype}, expected torch.float64", TypeError)
-    _check(t.device == device, f"{name} is on {t.device}, expected {device}")
+def _text(name) -> str:
+    return name() if callable(name) else name
+
+
+def _scalar(t, name, device: torch.device) -> None:
+    _check(isinstance(t, torch.Tensor),
+           lambda: f"{_text(name)} must be a Tensor, got {type(t).__name__}", TypeError)
+    _check(t.dim() == 0, lambda: f"{_text(name)} must be a 0-dim tensor, got shape {tuple(t.shape)}")
+    _check(t.dtype == torch.float64,
+           lambda: f"{_text(name)} has dtype {t.dtype}, expected torch.float64", TypeError)
+    _check(t.device == device, lambda: f"{_text(name)} is on {t.device}, expected {device}")
 
 
 def _nonnegative(value, name: str, device: torch.device) -> torch.Tensor:
     """A 0-dim float64 tensor on `device` holding a value >= 0 (a number is checked and wrapped;
     a tensor's value is checked where that costs no sync: on the CPU)."""
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        _check(value >= 0, f"{name} must be >= 0, got {value}")
+        _check(value >= 0, lambda: f"{name} must be >= 0, got {value}")
         return torch.tensor(float(value), dtype=torch.float64, device=device)
     _scalar(value, name, device)
     if value.device.type == "cpu" and not torch.compiler.is_compiling():
-        _check(float(value) >= 0, f"{name} must be >= 0, got {float(value)}")
+        _check(float(value) >= 0, lambda: f"{name} must be >= 0, got {float(value)}")
     return value
 
 
-def _work(t, name: str, like: torch.Tensor) -> None:
-    _check(t.dtype in (torch.float32, torch.float64), f"{name} must be float32 or float64, got {t.dtype}",
-           TypeError)
-    _check(t.dtype == like.dtype, f"{name} has dtype {t.dtype}, expected {like.dtype}", TypeError)
-    _check(t.device == like.device, f"{name} is on {t.device}, expected {like.device}")
-    _check(t.is_contiguous(), f"{name} must be contiguous")
+_FLOATS = (torch.float32, torch.float64)
+
+
+def _work(t, name, like: torch.Tensor) -> None:
+    if t.dtype == like.dtype and t.dtype in _FLOATS and t.device == like.device \
+            and t.is_contiguous():
+        return  # the usual case, decided without the checks' messages
+    _check(t.dtype in (torch.float32, torch.float64),
+           lambda: f"{_text(name)} must be float32 or float64, got {t.dtype}", TypeError)
+    _check(t.dtype == like.dtype,
+           lambda: f"{_text(name)} has dtype {t.dtype}, expected {like.dtype}", TypeError)
+    _check(t.device == like.device, lambda: f"{_text(name)} is on {t.device}, expected {like.device}")
+    _check(t.is_contiguous(), lambda: f"{_text(name)} must be contiguous")
 
 
 def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Sequence[torch.Tensor],
@@ -58,12 +73,14 @@ def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Se
         return
     guard = _nonnegative(guard, "guard", gp[0].device)
     for i, (li, ri, g) in enumerate(zip(l, r, gp)):
-        _check(g.dim() == 2, f"gp[{i}] must be 2-D, got shape {tuple(g.shape)}")
-        _work(g, f"gp[{i}]", g)
-        _work(li, f"l[{i}]", g)
-        _work(ri, f"r[{i}]", g)
-        _check(li.numel() == g.shape[0], f"l[{i}] has {li.numel()} entries, expected {g.shape[0]}")
-        _check(ri.numel() == g.shape[1], f"r[{i}] has {ri.numel()} entries, expected {g.shape[1]}")
+        _check(g.dim() == 2, lambda: f"gp[{i}] must be 2-D, got shape {tuple(g.shape)}")
+        _work(g, lambda: f"gp[{i}]", g)
+        _work(li, lambda: f"l[{i}]", g)
+        _work(ri, lambda: f"r[{i}]", g)
+        _check(li.numel() == g.shape[0],
+               lambda: f"l[{i}] has {li.numel()} entries, expected {g.shape[0]}")
+        _check(ri.numel() == g.shape[1],
+               lambda: f"r[{i}] has {ri.numel()} entries, expected {g.shape[1]}")
         _scalar(beta2, "beta2", g.device)
     if l:
         torch.ops.cafin.dykaf_rank_one_(list(l), list(r), list(gp), beta2, guard)
@@ -78,12 +95,12 @@ def dykaf_precondition_(mp: Sequence[torch.Tensor], l: Sequence[torch.Tensor],
         return
     guard = _nonnegative(guard, "guard", mp[0].device)
     for i, (x, li, ri) in enumerate(zip(mp, l, r)):
-        _check(x.dim() == 2, f"mp[{i}] must be 2-D, got shape {tuple(x.shape)}")
-        _work(x, f"mp[{i}]", x)
-        _work(li, f"l[{i}]", x)
-        _work(ri, f"r[{i}]", x)
+        _check(x.dim() == 2, lambda: f"mp[{i}] must be 2-D, got shape {tuple(x.shape)}")
+        _work(x, lambda: f"mp[{i}]", x)
+        _work(li, lambda: f"l[{i}]", x)
+        _work(ri, lambda: f"r[{i}]", x)
         _check(li.numel() == x.shape[0] and ri.numel() == x.shape[1],
-               f"l[{i}] and r[{i}] must have {x.shape[0]} and {x.shape[1]} entries, "
+               lambda: f"l[{i}] and r[{i}] must have {x.shape[0]} and {x.shape[1]} entries, "
                f"got {li.numel()} and {ri.numel()}")
     if mp:
         torch.ops.cafin.dykaf_precondition_(list(mp), list(l), list(r), guard)
@@ -99,11 +116,11 @@ def dykaf_adam_precondition_(mp: Sequence[torch.Tensor], v: Sequence[torch.Tenso
         return
     eps = _nonnegative(eps, "eps", mp[0].device)
     for i, (x, vi, g) in enumerate(zip(mp, v, gp)):
-        _work(x, f"mp[{i}]", x)
-        _work(vi, f"v[{i}]", x)
-        _work(g, f"gp[{i}]", x)
+        _work(x, lambda: f"mp[{i}]", x)
+        _work(vi, lambda: f"v[{i}]", x)
+        _work(g, lambda: f"gp[{i}]", x)
         _check(vi.shape == x.shape and g.shape == x.shape,
-               f"v[{i}] and gp[{i}] must have mp[{i}]'s shape {tuple(x.shape)}")
+               lambda: f"v[{i}] and gp[{i}] must have mp[{i}]'s shape {tuple(x.shape)}")
         _scalar(beta2, "beta2", x.device)
     if mp:
         torch.ops.cafin.dykaf_adam_precondition_(list(mp), list(v), list(gp), beta2, eps)
@@ -121,13 +138,14 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     weight_decay = _nonnegative(weight_decay, "weight_decay", params[0].device)
     for i, (p, u) in enumerate(zip(params, updates)):
         _check(p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-               f"params[{i}] has dtype {p.dtype}", TypeError)
-        _check(p.is_contiguous(), f"params[{i}] must be contiguous")
+               lambda: f"params[{i}] has dtype {p.dtype}", TypeError)
+        _check(p.is_contiguous(), lambda: f"params[{i}] must be contiguous")
         want = torch.float64 if p.dtype == torch.float64 else torch.float32
-        _check(u.dtype == want, f"updates[{i}] has dtype {u.dtype}, expected {want}", TypeError)
-        _check(u.is_contiguous(), f"updates[{i}] must be contiguous")
+        _check(u.dtype == want, lambda: f"updates[{i}] has dtype {u.dtype}, expected {want}",
+               TypeError)
+        _check(u.is_contiguous(), lambda: f"updates[{i}] must be contiguous")
         _check(u.numel() == p.numel() and u.device == p.device,
-               f"updates[{i}] must have params[{i}]'s size and device")
+               lambda: f"updates[{i}] must have params[{i}]'s size and device")
         _scalar(step_size, "step_size", p.device)
         _scalar(lr, "lr", p.device)
     if params:
@@ -160,20 +178,29 @@ def _stacks(op: str, sigma, **lists) -> None:
     first = lists[names[0]]
     _lengths(names[0], len(first), **{k: v for k, v in lists.items() if k != names[0]}, sigma=sigma)
     for i, x in enumerate(first):
+        B = x.shape[0]
+        if all(t.dim() == 3 and t.shape[0] == B and t.shape[1] == t.shape[2]
+               and t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
+               for t in (lists[name][i] for name in names)) \
+                and x.dtype in _FLOATS and sigma[i].numel() == B and sigma[i].dtype == x.dtype \
+                and sigma[i].device == x.device and sigma[i].is_contiguous():
+            continue  # the usual case, decided without the checks' messages
         for name in names:
             t = lists[name][i]
-            _work(t, f"{name}[{i}]", x)
+            _work(t, lambda: f"{name}[{i}]", x)
             _check(t.dim() == 3 and t.shape[0] == x.shape[0] and t.shape[1] == t.shape[2],
-                   f"{op}: {name}[{i}] must be a [{x.shape[0]}, d, d] stack, got shape {tuple(t.shape)}")
-        _work(sigma[i], f"sigma[{i}]", x)
+                   lambda: f"{op}: {name}[{i}] must be a [{x.shape[0]}, d, d] stack, got shape "
+                           f"{tuple(t.shape)}")
+        _work(sigma[i], lambda: f"sigma[{i}]", x)
         _check(sigma[i].numel() == x.shape[0],
-               f"sigma[{i}] has {sigma[i].numel()} entries, expected {x.shape[0]}")
+               lambda: f"sigma[{i}] has {sigma[i].numel()} entries, expected {x.shape[0]}")
 
 
 def _same_shape(a, b, na: str, nb: str) -> None:
     for i, (x, y) in enumerate(zip(a, b)):
-        _check(x.shape == y.shape, f"{na}[{i}] has shape {tuple(x.shape)} but {nb}[{i}] has shape "
-                                   f"{tuple(y.shape)}")
+        _check(x.shape == y.shape,
+               lambda: f"{na}[{i}] has shape {tuple(x.shape)} but {nb}[{i}] has shape "
+                       f"{tuple(y.shape)}")
 
 
 def dykaf_split_normalize_(K: Sequence[torch.Tensor], M: Sequence[torch.Tensor],

@@ -207,8 +207,11 @@ class DyKAF(CoreOptimizer):
 
     @staticmethod
     def _ema(factors, g, beta) -> None:
-        for k, product in enumerate(dykaf_maths.mode_products(g)):
-            if factors[k] is not None:
+        kept = [k for k, f in enumerate(factors) if f is not None]
+        if not kept:  # e.g. a 1-D tensor without precondition_1d: no product to form
+            return
+        for k, product in enumerate(dykaf_maths.mode_products(g, kept)):
+            if product is not None:
                 factors[k].lerp_(product, 1 - beta)
 
     # ------------------------------------------------------------------ step
@@ -283,10 +286,11 @@ class DyKAF(CoreOptimizer):
     def _rotate_gradients(self, group, params, states, grads, stacks, alone) -> list:
         """The gradients in the eigenbases (stacked matrices of one shape in one batched GEMM)."""
         rotated: list = [None] * len(params)
-        for i in alone:
-            rotated[i] = self._project(grads[i], states[i], params[i], group)
+        for i in alone:  # read only (the moments are preconditioned in place, these are not)
+            rotated[i] = self._project(grads[i], states[i], params[i], group, copy=False)
         for idx, QL, QR in stacks:
-            for i, x in zip(idx, (QL.mT @ _stack([grads[i] for i in idx]) @ QR).unbind(0)):
+            stacked = torch.bmm(torch.bmm(QL.mT, _stack([grads[i] for i in idx])), QR)
+            for i, x in zip(idx, stacked.unbind(0)):
                 rotated[i] = x
         return rotated
 
@@ -294,8 +298,9 @@ class DyKAF(CoreOptimizer):
         """exp_avg's average of the gradients, and its rotation into the eigenbases: (the rotated
         moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
-        torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, 1 - beta1))
+        keep, take = _scalars_like(exp_avgs, beta1)
+        torch._foreach_mul_(exp_avgs, keep)
+        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, take))
         moments: list = [None] * len(params)
         for i in alone:
             moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
@@ -311,11 +316,11 @@ class DyKAF(CoreOptimizer):
                                            for i in idx)
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
-                torch._foreach_mul_(caches, beta1)
-                torch._foreach_add_(caches, torch._foreach_mul([rotated[i] for i in idx], 1 - beta1))
+                torch._foreach_mul_(caches, keep)
+                torch._foreach_add_(caches, torch._foreach_mul([rotated[i] for i in idx], take))
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
-                stacked = QL.mT @ _stack([exp_avgs[i] for i in idx]) @ QR
+                stacked = torch.bmm(torch.bmm(QL.mT, _stack([exp_avgs[i] for i in idx])), QR)
             stacked_moments.append(stacked)
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
@@ -354,7 +359,7 @@ class DyKAF(CoreOptimizer):
         for i in alone:
             updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
         for (idx, QL, QR), stacked in zip(stacks, stacked_moments):
-            for i, x in zip(idx, (QL @ stacked @ QR.mT).unbind(0)):
+            for i, x in zip(idx, torch.bmm(torch.bmm(QL, stacked), QR.mT).unbind(0)):
                 updates[i] = x
         return updates
 
@@ -399,10 +404,11 @@ class DyKAF(CoreOptimizer):
         for i, (p, g, st) in enumerate(zip(params, grads, states)):
             self._update_factors(p, g, st, group, split=i not in done)
 
-    def _project(self, x, state, p, group, back: bool = False) -> torch.Tensor:
+    def _project(self, x, state, p, group, back: bool = False, copy: bool = True) -> torch.Tensor:
         bases = state["bases"]
         if all(Q is None for Q in bases):
-            return x if back else x.clone()  # rotated tensors are written in place later
+            # a copy where the caller writes the result in place (the moments)
+            return x.clone() if copy and not back else x
         merged = self._merged_shape(p, group)
         if merged is not None:
             x = self._to_merged(x, merged)
@@ -425,6 +431,13 @@ class DyKAF(CoreOptimizer):
                 key = (tuple(p.shape), st["exp_avg"].dtype, p.device, st["shampoo_beta"])
                 batched = p.device.type != "cpu" or self._batch_on_cpu
                 groups.setdefault(key if batched else (i,), []).append(i)
+                # The GEMMs read row-major bases (see _stack); a refresh leaves LAPACK's
+                # column-major ones: made row-major once here, not copied on every step.
+                # (Not while compiling: there the refresh's two branches keep QR's layout.)
+                bases = st["bases"]
+                for k, Q in enumerate(bases):
+                    if not Q.is_contiguous() and not torch.compiler.is_compiling():
+                        bases[k] = Q.contiguous()
         return [(idx, _stack([states[i]["bases"][0] for i in idx]),
                  _stack([states[i]["bases"][1] for i in idx]))
                 for idx in groups.values()]
@@ -667,9 +680,23 @@ def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     return xs[0].contiguous().unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
 
 
+def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta and 1 - beta (0-dim float64) in the dtype of `xs` when they share one: the values the
+    foreach ops would convert them to for every tensor, converted once."""
+    take = 1 - beta
+    dtypes = {x.dtype for x in xs}
+    if len(dtypes) != 1:
+        return beta, take
+    (dtype,) = dtypes
+    return beta.to(dtype), take.to(dtype)
+
+
 def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The not-due branch of a compiled refresh: the basis as it is, the identity order."""
-    return basis.clone(), torch.arange(basis.shape[1], device=basis.device)
+    """The not-due branch of a compiled refresh: the basis as it is, the identity order. In QR's
+    column-major layout, as the due branch returns it (an eager step may have left it row-major)."""
+    kept = torch.empty_strided(basis.shape, (1, basis.shape[0]), dtype=basis.dtype,
+                               device=basis.device)
+    return kept.copy_(basis), torch.arange(basis.shape[1], device=basis.device)
 
 
 # ----------------------------------------------------------------------------------- checkpoints
