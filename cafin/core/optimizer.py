@@ -43,20 +43,18 @@ def _version_of(value: Any) -> int | tuple | None:
     return None
 
 
-# What a gradient must share with its parameter (dtype, shape, device, dense): compared for a
-# whole group in one pass.
 _grad_of = operator.attrgetter("grad")
-_signature = operator.attrgetter("dtype", "shape", "device", "is_sparse")
 
 
 def _pointers(params: list, grads: list) -> list | None:
     """Where the parameters' and gradients' memory is: `.data =` (and `model.to(...)`, which
-    uses it) moves it. None where a tensor has no memory of its own (a DTensor) or a gradient
-    is missing."""
+    uses it) moves it. None where that says nothing: a tensor without memory of its own (a
+    DTensor's pointer is 0, as an empty tensor's), or a gradient is missing."""
     try:
-        return list(map(torch.Tensor.data_ptr, params)) + list(map(torch.Tensor.data_ptr, grads))
+        pointers = list(map(torch.Tensor.data_ptr, params)) + list(map(torch.Tensor.data_ptr, grads))
     except (RuntimeError, TypeError):
         return None
+    return None if 0 in pointers else pointers
 
 
 class _CheckedGradients:
@@ -69,11 +67,11 @@ class _CheckedGradients:
         self.grads = list(map(weakref.ref, grads))
         self.pointers = None  # taken when the same gradients come back
 
-    def holds(self, group: dict, params: list, grads: list) -> bool:
-        """Whether these are the same group, parameters and gradients."""
+    def holds(self, group: dict, params: list) -> bool:
+        """Whether these are the same group and parameters, with the same gradients."""
         return (self.group is group and len(params) == len(self.params)
                 and all(map(operator.is_, params, self.params))
-                and all(map(operator.is_, grads, map(operator.call, self.grads))))
+                and all(map(operator.is_, map(_grad_of, params), map(operator.call, self.grads))))
 
 
 # ------------------------------------------------------------------------------ the optimizer base
@@ -199,27 +197,26 @@ class CoreOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._check_gradients(index, params)
             return
-        grads = list(map(_grad_of, params))
         seen = self._grads_checked.get(id(group))
-        if seen is not None and seen.holds(group, params, grads):
+        if seen is not None and seen.holds(group, params):
+            grads = list(map(_grad_of, params))
             pointers = _pointers(params, grads)
             if pointers is None or pointers != seen.pointers:
-                self._check_gradients(index, params, grads)
+                self._check_gradients(index, params)
                 seen.pointers = pointers
             return
-        self._check_gradients(index, params, grads)
+        grads = self._check_gradients(index, params)
         if all(map(operator.is_not, grads, repeat(None))):  # kept when every parameter has one
             self._grads_checked[id(group)] = _CheckedGradients(group, params, grads)
 
-    def _check_gradients(self, index: int, params: list, grads: list | None = None) -> None:
+    def _check_gradients(self, index: int, params: list) -> list:
         """Every gradient dense and of its parameter's dtype, shape and device, every parameter
-        with a gradient contiguous (when the kernels need it). `grads`: the parameters'
-        gradients, when taken already."""
-        if grads is not None and self._gradients_match(params, grads):
-            return
+        with a gradient contiguous (when the kernels need it). Returns the gradients."""
         owner, contiguous = type(self).__name__, self.contiguous_params
+        grads = []
         for p in params:
             grad = p.grad
+            grads.append(grad)
             if grad is None:
                 continue
             # One test for the usual case; the message (and its shape string) only for a bad one.
@@ -231,16 +228,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
                              "channels_last after the optimizer was built); cafin needs "
                              "contiguous parameters")
-
-    def _gradients_match(self, params: list, grads: list) -> bool:
-        """`_check_gradients`'s test in one pass over the group (eager)."""
-        try:
-            same = list(map(_signature, grads)) == list(map(_signature, params))
-        except AttributeError:  # parameters without a gradient
-            present = [(p, g) for p, g in zip(params, grads) if g is not None]
-            same = [_signature(g) for _, g in present] == [_signature(p) for p, _ in present]
-            params = [p for p, _ in present]
-        return same and (not self.contiguous_params or all(map(torch.Tensor.is_contiguous, params)))
+        return grads
 
     def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
         """A group's hyperparameters by their rules. Eager, tensors that passed are skipped while
