@@ -535,6 +535,23 @@ def test_gradient_of_another_dtype_is_refused_before_any_write(member):
     assert all(torch.equal(q.grad, g) for q, g in zip(run.model.parameters(), grads))
 
 
+@pytest.mark.parametrize("member", OPTIMIZERS, ids=lambda m: m.name)
+def test_a_kept_gradient_given_memory_of_another_dtype_is_refused_before_any_write(member):
+    """Gradients kept from step to step (zero_grad(set_to_none=False)) are checked again when
+    one is given new memory (`.data =`): one of another dtype raises before anything is written."""
+    data = batches(2)
+    run = train(member, mlp(), data[:1])
+    run.backward(*data[1])
+    run.update()
+    run.update()  # the same gradients again: the step has seen them
+    p = run.model[2].weight
+    p.grad.data = p.grad.data.float()
+    before = everything(run)
+    with pytest.raises((ValueError, TypeError), match="gradient"):
+        run.update()
+    assert_tree_equal(everything(run), before)
+
+
 class _Tied(nn.Module):
     """Two Linear layers sharing one weight (as an embedding and a tied output layer do)."""
 

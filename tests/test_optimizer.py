@@ -1003,3 +1003,137 @@ def test_an_eager_fused_step_allocates_nothing():
     allocated = [(e.name, e.cpu_memory_usage) for e in prof.events()
                  if e.name.startswith("aten::empty") and e.cpu_memory_usage > 0]
     assert not allocated, allocated
+
+
+# ------------------------------------------------------------- what a step keeps, and what drops it
+# A step keeps what it checked (hyperparameter tensors, gradients it saw before, the op's lists);
+# each thing that can change between steps must be seen at the next step.
+def _linear_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 5), nn.Tanh(), nn.Linear(5, 3))
+
+
+def _kept_gradients(model, opt, steps=2):
+    """Gradients set once and stepped on `steps` times (zero_grad(set_to_none=False) keeps the
+    same tensors): the later steps take the kept path."""
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(3))).square().sum().backward()
+    for _ in range(steps):
+        opt.step()
+
+
+def _written(model, opt):
+    """All a step may write: the parameters and the optimizer's state."""
+    return [p.detach().clone() for p in model.parameters()] + [
+        t.detach().clone() for s in opt.state.values() for t in s.values()]
+
+
+def _unchanged(before, after):
+    return len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+@pytest.mark.parametrize("how", ["new tensor", "new memory"])
+def test_a_gradient_of_another_dtype_after_kept_steps_is_refused_before_any_write(how):
+    model = _linear_model()
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _kept_gradients(model, opt)
+    p = model[2].weight
+    if how == "new tensor":
+        p.grad_dtype = None
+        p.grad = p.grad.double()
+    else:  # the same gradient object, given float64 memory
+        p.grad.data = p.grad.data.double()
+    before = _written(model, opt)
+    with pytest.raises(ValueError, match=r"param group 0, parameter of shape \(3, 5\).*float64"):
+        opt.step()
+    assert _unchanged(before, _written(model, opt))
+
+
+def test_a_model_moved_to_channels_last_after_kept_steps_is_refused_before_any_write():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    model(torch.randn(2, 3, 6, 6)).square().sum().backward()
+    opt.step()
+    opt.step()
+    model.to(memory_format=torch.channels_last)  # `.data =` on the weight and its gradient
+    before = _written(model, opt)
+    with pytest.raises(ValueError, match="contiguous"):
+        opt.step()
+    assert _unchanged(before, _written(model, opt))
+
+
+@pytest.mark.parametrize("name, bad", [("lr", -1.0), ("beta", 1.0), ("Lambda", math.nan),
+                                       ("weight_decay", math.inf)])
+def test_a_setting_written_out_of_range_after_kept_steps_is_refused_before_any_write(name, bad):
+    model = _linear_model()
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _kept_gradients(model, opt)
+    opt.param_groups[0][name].fill_(bad)
+    before = _written(model, opt)
+    with pytest.raises(ValueError, match=name):
+        opt.step()
+    assert _unchanged(before, _written(model, opt))
+
+
+@pytest.mark.parametrize("replace", ["number", "tensor"])
+def test_a_setting_replaced_after_kept_steps_is_read(replace):
+    """A group's lr and Lambda replaced by a number or another tensor step as a write in place
+    into the kept tensors does (the op's settings are not kept past the objects they came from)."""
+    models = [_linear_model(), _linear_model()]
+    opts = [AdaFisher(m, lr=1e-2, TCov=1) for m in models]
+    for m, o in zip(models, opts):
+        _kept_gradients(m, o)
+    for name, value in (("lr", 0.5), ("Lambda", 0.25)):
+        opts[0].param_groups[0][name].fill_(value)
+        opts[1].param_groups[0][name] = value if replace == "number" else torch.tensor(value)
+    for o in opts:
+        o.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+    opts[1].param_groups[0]["lr"] = -1.0  # and the new value is checked
+    with pytest.raises(ValueError, match="lr"):
+        opts[1].step()
+
+
+def test_a_param_group_added_after_kept_steps_is_checked_and_stepped():
+    model = _linear_model()
+    opt = AdaFisher(model, lr=1e-2, TCov=1, params=model[0].parameters())
+    _kept_gradients(model, opt)
+    opt.add_param_group({"params": list(model[2].parameters()), "lr": 0.5})
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.param_groups[1]["lr"].fill_(math.nan)
+    before = _written(model, opt)
+    with pytest.raises(ValueError, match="param group 1: lr"):
+        opt.step()
+    assert _unchanged(before, _written(model, opt))
+
+
+def test_a_checkpoint_loaded_after_kept_steps_is_stepped_with_its_settings():
+    models = [_linear_model(), _linear_model()]
+    opts = [AdaFisher(models[0], lr=1e-2, Lambda=0.1, TCov=1),
+            AdaFisher(models[1], lr=0.5, Lambda=1e-3, TCov=1)]
+    for m, o in zip(models, opts):
+        _kept_gradients(m, o)
+    models[1].load_state_dict(models[0].state_dict())
+    opts[1].load_state_dict(opts[0].state_dict())
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        q.grad.copy_(p.grad)
+    for o in opts:
+        o.step()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_dropped_gradient_is_freed():
+    """The step remembers the gradients it checked weakly: zero_grad(set_to_none=True) frees them."""
+    import gc
+    import weakref
+    model = _linear_model()
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _kept_gradients(model, opt)
+    grads = [weakref.ref(p.grad) for p in model.parameters()]
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert all(g() is None for g in grads)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import copy
 import math
+import operator
 import types
 import warnings
+import weakref
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -29,13 +32,46 @@ class _Called:
     value = False
 
 
-def _version_of(value: Any) -> tuple | None:
-    """The version counters of a tensor hyperparameter (a tensor, or a tuple of them): what a
-    write in place changes. None for anything else (numbers are checked every step)."""
-    items = value if isinstance(value, tuple) else (value,)
-    if not all(isinstance(t, torch.Tensor) and not t.is_inference() for t in items):
+def _version_of(value: Any) -> int | tuple | None:
+    """The version counter of a tensor hyperparameter (a tuple of them for a tuple of tensors):
+    what a write in place changes. None for anything else (numbers are checked every step)."""
+    if isinstance(value, torch.Tensor):
+        return None if value.is_inference() else value._version
+    if isinstance(value, tuple) and all(isinstance(t, torch.Tensor) and not t.is_inference()
+                                        for t in value):
+        return tuple(t._version for t in value)
+    return None
+
+
+_grad_of = operator.attrgetter("grad")
+
+
+def _pointers(params: list, grads: list) -> list | None:
+    """Where the parameters' and gradients' memory is: `.data =` (and `model.to(...)`, which
+    uses it) moves it. None where that says nothing: a tensor without memory of its own (a
+    DTensor's pointer is 0, as an empty tensor's), or a gradient is missing."""
+    try:
+        pointers = list(map(torch.Tensor.data_ptr, params)) + list(map(torch.Tensor.data_ptr, grads))
+    except (RuntimeError, TypeError):
         return None
-    return tuple(t._version for t in items)
+    return None if 0 in pointers else pointers
+
+
+class _CheckedGradients:
+    """A group's gradients that passed `_check_gradients`, held weakly (a gradient that
+    zero_grad drops is freed), and where they and their parameters were when they passed."""
+    __slots__ = ("group", "params", "grads", "pointers")
+
+    def __init__(self, group: dict, params: list, grads: list) -> None:
+        self.group, self.params = group, list(params)
+        self.grads = list(map(weakref.ref, grads))
+        self.pointers = None  # taken when the same gradients come back
+
+    def holds(self, group: dict, params: list) -> bool:
+        """Whether these are the same group and parameters, with the same gradients."""
+        return (self.group is group and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params))
+                and all(map(operator.is_, map(_grad_of, params), map(operator.call, self.grads))))
 
 
 # ------------------------------------------------------------------------------ the optimizer base
@@ -59,8 +95,9 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict[str, Any]) -> None:
         self._ones: dict[tuple, torch.Tensor] = {}
-        # (id(group), name) -> (value, version) of the hyperparameters that passed `_check_group`
-        self._live_checked: dict[tuple, tuple] = {}
+        # id(group) -> (group, values, versions) of the hyperparameters that passed `_check_group`
+        self._live_checked: dict[int, tuple] = {}
+        self._grads_checked: dict[int, _CheckedGradients] = {}  # id(group) -> what passed last
         self._called = _Called()
         super().__init__(params, defaults)
 
@@ -151,24 +188,35 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         """Everything the kernels would reject, in what a user or a schedule may have changed
         since the group was added. A hyperparameter tensor that passed is not read again until
-        it changes (another object, or a write bumped its version counter)."""
-        eager = not torch.compiler.is_compiling()
-        for name, rule in self._rules.items():
-            value = group[name]
-            version = _version_of(value) if eager else None
-            if version is not None:
-                seen = self._live_checked.get((id(group), name))
-                if seen is not None and seen[0] is value and seen[1] == version:
-                    continue
-            try:
-                rule.check_live(value, name)
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"param group {index}: {e}") from None
-            if version is not None:
-                self._live_checked[(id(group), name)] = (value, version)
+        it changes (another object, or a write bumped its version counter). Gradients are
+        compared with their parameters when they are new tensors; the gradients that passed
+        at the last step (zero_grad(set_to_none=False) keeps them) again only when a parameter
+        or a gradient was given new memory (`.data =`, as `model.to(...)` does)."""
+        self._check_hyperparameters(index, group)
+        params = group["params"]
+        if torch.compiler.is_compiling():
+            self._check_gradients(index, params)
+            return
+        seen = self._grads_checked.get(id(group))
+        if seen is not None and seen.holds(group, params):
+            grads = list(map(_grad_of, params))
+            pointers = _pointers(params, grads)
+            if pointers is None or pointers != seen.pointers:
+                self._check_gradients(index, params)
+                seen.pointers = pointers
+            return
+        grads = self._check_gradients(index, params)
+        if all(map(operator.is_not, grads, repeat(None))):  # kept when every parameter has one
+            self._grads_checked[id(group)] = _CheckedGradients(group, params, grads)
+
+    def _check_gradients(self, index: int, params: list) -> list:
+        """Every gradient dense and of its parameter's dtype, shape and device, every parameter
+        with a gradient contiguous (when the kernels need it). Returns the gradients."""
         owner, contiguous = type(self).__name__, self.contiguous_params
-        for p in group["params"]:
+        grads = []
+        for p in params:
             grad = p.grad
+            grads.append(grad)
             if grad is None:
                 continue
             # One test for the usual case; the message (and its shape string) only for a bad one.
@@ -180,6 +228,31 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{where} is not contiguous (e.g. the model was moved to "
                              "channels_last after the optimizer was built); cafin needs "
                              "contiguous parameters")
+        return grads
+
+    def _check_hyperparameters(self, index: int, group: dict[str, Any]) -> None:
+        """A group's hyperparameters by their rules. Eager, tensors that passed are skipped while
+        they are the same objects at the same versions; numbers are checked every time."""
+        rules = self._rules
+        values = [group[name] for name in rules]
+        eager = not torch.compiler.is_compiling()
+        versions = [_version_of(value) for value in values] if eager else [None] * len(values)
+        seen = self._live_checked.get(id(group)) if eager else None
+        if seen is not None and seen[0] is not group:  # another group at a reused address
+            seen = None
+        if (seen is not None and None not in versions and versions == seen[2]
+                and all(map(operator.is_, values, seen[1]))):
+            return
+        for i, ((name, rule), value, version) in enumerate(zip(rules.items(), values, versions)):
+            if (seen is not None and version is not None and value is seen[1][i]
+                    and version == seen[2][i]):
+                continue
+            try:
+                rule.check_live(value, name)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"param group {index}: {e}") from None
+        if eager:
+            self._live_checked[id(group)] = (group, values, versions)
 
     def _hyperparameter(self, group: dict[str, Any], name: str, device: torch.device,
                         work: torch.dtype):

@@ -16,7 +16,8 @@ from __future__ import annotations
 import math
 import operator
 import warnings
-from typing import Any, Callable, Iterable, NamedTuple
+from itertools import repeat
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +34,8 @@ from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _proces
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
+_OP_SETTINGS = ("lr", "beta", "weight_decay", "Lambda")  # in the op's order
+_grad_of = operator.attrgetter("grad")
 
 
 class AdaFisher(CurvatureOptimizer):
@@ -210,10 +213,11 @@ class AdaFisher(CurvatureOptimizer):
         """Collect one group's tensors (torch.compile runs this eagerly and marks them static):
         the gradients at every step, the rest from the group's `_StepTensors` when kept."""
         kept = self._step_tensors_of(group)
-        current = [p.grad for p in group["params"]]
+        current = list(map(_grad_of, group["params"]))
         outputs = (params, exp_avgs, steps, fisher_S, fisher_H, h_offsets)
-        if kept is not None and all(g is not None for g in current):  # the usual step: whole lists
-            grads += [g if g.is_contiguous() else g.contiguous() for g in current]
+        if kept is not None and all(map(operator.is_not, current, repeat(None))):  # the usual step
+            contiguous = all(map(torch.Tensor.is_contiguous, current))
+            grads += current if contiguous else [g if g.is_contiguous() else g.contiguous() for g in current]
             for lst, column in zip(outputs, kept.columns):
                 lst += column
             return False
@@ -264,11 +268,28 @@ class AdaFisher(CurvatureOptimizer):
                 and all(map(operator.is_, params, kept.params))):
             return kept
         if any(is_sharded(p) for p in params):
+            self._step_tensors.pop(id(group), None)
             return None
         entries = [self._step_entry(p) for p in params]
-        kept = _StepTensors(group, list(params), entries, [list(c) for c in zip(*entries)] or [[]] * 6)
+        kept = _StepTensors(group, list(params), entries, [list(c) for c in zip(*entries)] or [[]] * 6,
+                            _buckets(params))
         self._step_tensors[id(group)] = kept
         return kept
+
+    def _bucket_settings(self, group, buckets: list, kept: "_StepTensors | None") -> list[tuple]:
+        """Per bucket, (lr, beta, weight_decay, Lambda) as the op reads them. Kept with the
+        group's `_StepTensors` while the group holds the same tensors (a schedule writes into
+        them) and they need no conversion; a number is made a tensor at every step."""
+        values = [group[name] for name in _OP_SETTINGS]
+        if (kept is not None and kept.settings is not None
+                and all(map(operator.is_, values, kept.settings[0]))):
+            return kept.settings[1]
+        settings = [tuple(self._hyperparameter(group, name, device, state_dtype(dtype))
+                          for name in _OP_SETTINGS) for device, dtype, _ in buckets]
+        if kept is not None and all(map(operator.is_, (t for ts in settings for t in ts),
+                                        values * len(settings))):
+            kept.settings = (values, settings)
+        return settings
 
     def _empty(self, p: torch.Tensor) -> torch.Tensor:
         key = (p.device, state_dtype(p.dtype))
@@ -363,15 +384,13 @@ class AdaFisher(CurvatureOptimizer):
                 torch._foreach_add_(steps, [self._steps.one(devices[0])] * len(steps))
             else:
                 torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
-            buckets: dict[tuple, list[int]] = {}
-            for i, p in enumerate(params):
-                buckets.setdefault((p.device, p.dtype), []).append(i)
-            for (device, dtype), idx in buckets.items():
-                work = state_dtype(dtype)
-                lr, beta, weight_decay, damping = (
-                    self._hyperparameter(group, name, device, work)
-                    for name in ("lr", "beta", "weight_decay", "Lambda"))
-                pick = (lambda xs: xs) if len(idx) == len(params) else (lambda xs: [xs[i] for i in idx])
+            # Every parameter has a gradient (the usual step): the group's kept buckets.
+            kept = self._step_tensors_of(group)
+            whole = kept is not None and len(kept.params) == len(params)
+            buckets = kept.buckets if whole else _buckets(params)
+            settings = self._bucket_settings(group, buckets, kept if whole else None)
+            for (device, dtype, idx), (lr, beta, weight_decay, damping) in zip(buckets, settings):
+                pick = (lambda xs: xs) if idx is None else (lambda xs: [xs[i] for i in idx])
                 self._impl.adafisher_step_(
                     pick(params), pick(grads), pick(exp_avgs), pick(steps), pick(fisher_S),
                     pick(fisher_H), pick(h_offsets), lr, beta, weight_decay, damping,
@@ -441,12 +460,28 @@ AdaFisher.__doc__ = (
 )
 
 
-class _StepTensors(NamedTuple):
-    """A group's `_step_entry`s, kept while its parameter list stays the same objects."""
-    group: dict
-    params: list
-    entries: list  # per parameter
-    columns: list  # per kind: the parameters, exp_avgs, steps, fisher_S, fisher_H, h_offsets
+class _StepTensors:
+    """A group's `_step_entry`s, its buckets and its settings as the op reads them, kept while
+    its parameter list stays the same objects."""
+    __slots__ = ("group", "params", "entries", "columns", "buckets", "settings")
+
+    def __init__(self, group: dict, params: list, entries: list, columns: list, buckets: list):
+        self.group, self.params = group, params
+        self.entries = entries  # per parameter
+        self.columns = columns  # per kind: the parameters, exp_avgs, steps, fisher_S, fisher_H, h_offsets
+        self.buckets = buckets  # `_buckets(params)`
+        self.settings = None  # (the group's values, per bucket the op's tensors), once resolved
+
+
+def _buckets(params: list) -> list[tuple]:
+    """(device, dtype, indices) of the parameters of each device and dtype, in first-seen order;
+    indices None when one bucket holds them all."""
+    buckets: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        buckets.setdefault((p.device, p.dtype), []).append(i)
+    if len(buckets) == 1:
+        return [(*key, None) for key in buckets]
+    return [(*key, idx) for key, idx in buckets.items()]
 
 
 class _BetaMirror(tuple):
