@@ -2,7 +2,8 @@
 
 - statistics: the curvature work of one curvature step (every module's input and gradient
   statistics plus one fisher_average_) on activations and output gradients captured once, fused
-  against cafin's plain-PyTorch reference, with a per-op breakdown of the fused ops;
+  against cafin's plain-PyTorch reference, with a per-op breakdown of the fused ops at each thread
+  count of --statistics-threads (default on the CPU: 1 and the run's count), each against its floor;
 - agreement: fused against reference over --steps training steps in float32, in lockstep (the
   fused copy takes the reference copy's parameters before each step).
 """
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from .measure import Context, Skip, measure, sync
+from .measure import Context, Skip, copy_bandwidth, is_cuda, measure, sync
 from .models import batch_for, loss_for
 
 LR = 1e-3
@@ -100,9 +101,15 @@ def statistics_variant(variant: str, captured: Captured, device: torch.device) -
     return run
 
 
-def statistics_breakdown(captured: Captured, device: torch.device, passes: int) -> list[dict]:
-    """Where the fused statistics spend their time: per (layer type, side) the calls' summed
-    time, the median over `passes` passes after one warm-up pass, and the bytes they read."""
+def statistics_breakdown(captured: Captured, device: torch.device, passes: int,
+                         threads: list[int] | None = None, copy_numel: int = 1 << 22) -> list[dict]:
+    """Where the fused statistics spend their time, at each torch thread count in `threads`
+    (None: the current one only): per (layer type, side) the calls' summed time, and the whole
+    statistics ("all ops"), with the bytes they read and their floor, those bytes at the copy
+    bandwidth (`copy_numel` fp32 elements copied) measured at the same thread count in the same
+    pass. The thread counts take turns pass by pass (the order alternating), so a change in the
+    machine's load reaches each of them alike; one warm-up pass first. Per row: the median over
+    the `passes` passes of the time, of the floor and of their ratio."""
     import cafin
     impl = cafin.ops
     skipped = torch.zeros((), device=device)
@@ -119,22 +126,42 @@ def statistics_breakdown(captured: Captured, device: torch.device, passes: int) 
                          captured.grad_side)))
     groups: dict[str, dict] = {}
     for group, nbytes, _ in work:
-        entry = groups.setdefault(group, {"op": group, "calls": 0, "bytes": 0, "times": []})
+        entry = groups.setdefault(group, {"calls": 0, "bytes": 0})
         entry["calls"] += 1
         entry["bytes"] += nbytes
-    for index in range(passes + 1):
-        spent = dict.fromkeys(groups, 0.0)
-        for group, _, call in work:
-            sync(device)
-            began = time.perf_counter()
-            call()
-            sync(device)
-            spent[group] += time.perf_counter() - began
-        if index:  # the first pass warms up
-            for group, seconds in spent.items():
-                groups[group]["times"].append(seconds * 1e3)
-    return [{"op": e["op"], "calls": e["calls"], "bytes": e["bytes"],
-             "median_ms": statistics.median(e["times"])} for e in groups.values()]
+    groups["all ops"] = {"calls": len(work), "bytes": sum(e["bytes"] for e in groups.values())}
+    counts = threads or [torch.get_num_threads()]
+    before = torch.get_num_threads()
+    samples = {(t, group): [] for t in counts for group in groups}  # (ms, floor ms) per pass
+    try:
+        for index in range(passes + 1):
+            for t in (counts if index % 2 else counts[::-1]):
+                torch.set_num_threads(t)
+                bandwidth = copy_bandwidth(copy_numel, device, repeats=5)
+                spent = dict.fromkeys(groups, 0.0)
+                for group, _, call in work:
+                    sync(device)
+                    began = time.perf_counter()
+                    call()
+                    sync(device)
+                    spent[group] += time.perf_counter() - began
+                spent["all ops"] = sum(spent.values())
+                if index:  # the first pass warms up
+                    for group, seconds in spent.items():
+                        samples[t, group].append(
+                            (seconds * 1e3, groups[group]["bytes"] / bandwidth * 1e3))
+    finally:
+        torch.set_num_threads(before)
+    rows = []
+    for t in counts:
+        for group, entry in groups.items():
+            got = samples[t, group]
+            rows.append({"op": group, "threads": t, "calls": entry["calls"],
+                         "bytes": entry["bytes"],
+                         "median_ms": statistics.median(ms for ms, _ in got),
+                         "floor_ms": statistics.median(f for _, f in got),
+                         "x_floor": statistics.median(ms / f for ms, f in got)})
+    return rows
 
 
 # --------------------------------------------------------------------------------- agreement
@@ -174,6 +201,17 @@ def agreement(name: str, base: torch.nn.Module, batch_size: int, steps: int,
             "method": "lockstep"}
 
 
+def breakdown_threads(ctx: Context) -> list[int]:
+    """The thread counts of the per-op breakdown: --statistics-threads, else on the CPU 1 and the
+    run's count (the kernels split their reductions over threads; the floor's copy scales with
+    them too), on CUDA the run's count."""
+    if ctx.statistics_threads:
+        return list(ctx.statistics_threads)
+    if is_cuda(ctx.run.device):
+        return [torch.get_num_threads()]
+    return sorted({1, torch.get_num_threads()})
+
+
 def run_details(ctx: Context) -> None:
     """The statistics phase (with its per-op breakdown) and the agreement phase, as selected."""
     run, progress, device, name = ctx.run, ctx.progress, ctx.run.device, ctx.run.model
@@ -197,7 +235,9 @@ def run_details(ctx: Context) -> None:
         if run.result("statistics", "fused"):
             task = progress.add_task("statistics fused, per op", total=1)
             try:
-                run.breakdown = statistics_breakdown(captured, device, 3 if run.quick else 7)
+                run.breakdown = statistics_breakdown(
+                    captured, device, 3 if run.quick else 7, breakdown_threads(ctx),
+                    run.floor["copy_buffer_bytes"] // 4)
             except Exception as exc:
                 run.skipped.append(Skip(name, "statistics", "fused, per op",
                                         f"{type(exc).__name__}: {exc}", error=True,

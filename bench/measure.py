@@ -312,6 +312,7 @@ class Context:
     why_not_fused: str
     bandwidth: float = math.nan
     requested: set[str] = field(default_factory=set)  # --variants as given (members' own phases)
+    statistics_threads: list[int] | None = None  # --statistics-threads: the breakdown's counts
 
     def selected(self, member) -> set[str]:
         return self.chosen.get(member.name, set())

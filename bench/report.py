@@ -228,6 +228,11 @@ def targets(run: Run, members=()) -> list[dict]:
     add("fused statistics vs reference (captured activations)",
         f"{fmt_ratio(sref / sfused)} faster" if sref and sfused else "-", ">= 100x faster",
         (sref / sfused >= 100) if sref and sfused else None)
+    for b in run.breakdown:
+        if b["op"] == "all ops":
+            add(f"fused statistics vs floor, {b['threads']} thread{'s' if b['threads'] > 1 else ''} "
+                "(per-op passes)", f"{fmt_ratio(b['x_floor'])} the floor", "<= 1.25x the floor",
+                b["x_floor"] <= 1.25)
     r = run.result("step", "fused")
     add("bytes allocated in the fused step", fmt_bytes(r.allocated_bytes) if r else "-", "0 B",
         (r.allocated_bytes == 0) if r else None)
@@ -329,16 +334,7 @@ def print_all(console: Console, run: Run, env: dict, target_rows: list[dict],
             table.add_row(a["structure"], label(a["variant"]), fmt_ms(a["ms"]), fmt_ratio(a["vs_singd"]))
         console.print(table)
     if run.breakdown:
-        bandwidth = floor["copy_bandwidth_gb_s"] * 1e9
-        table = Table(title="fused statistics by op (summed over calls; median of passes)",
-                      title_justify="left")
-        for col in ("op", "calls", "reads", "ms", "x floor"):
-            table.add_column(col, justify="left" if col == "op" else "right")
-        for b in run.breakdown:
-            floor_ms = b["bytes"] / bandwidth * 1e3
-            table.add_row(b["op"], str(b["calls"]), fmt_bytes(b["bytes"]), fmt_ms(b["median_ms"]),
-                          fmt_ratio(b["median_ms"] / floor_ms) if floor_ms else "-")
-        console.print(table)
+        console.print(_breakdown_table(run))
     if run.agreement:
         table = Table(title="agreement: fused vs reference, float32, same batches, parameters "
                             "re-synchronised before each step", title_justify="left")
@@ -381,6 +377,34 @@ def print_all(console: Console, run: Run, env: dict, target_rows: list[dict],
                       "so these numbers mostly measure the other processes; rerun when idle, or "
                       "with --threads 1, which suffers far less from sharing[/yellow]")
     console.print(f"done in {elapsed_s:.0f} s")
+
+
+def _breakdown_counts(run: Run) -> list[int]:
+    return sorted({b["threads"] for b in run.breakdown})
+
+
+def _breakdown_rows(run: Run) -> list[tuple[dict, dict[int, dict]]]:
+    """The breakdown per op: its first row and its row at each thread count."""
+    ops: dict[str, dict[int, dict]] = {}
+    for b in run.breakdown:
+        ops.setdefault(b["op"], {})[b["threads"]] = b
+    return [(next(iter(per.values())), per) for per in ops.values()]
+
+
+def _breakdown_table(run: Run) -> Table:
+    counts = _breakdown_counts(run)
+    table = Table(title="fused statistics by op (summed over calls; median of passes; the thread "
+                        "counts take turns pass by pass, each against the copy floor at its count)",
+                  title_justify="left")
+    for col in ["op", "calls", "reads"] + [c for t in counts for c in (f"ms {t}t", f"x floor {t}t")]:
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for first, per in _breakdown_rows(run):
+        cells = [first["op"], str(first["calls"]), fmt_bytes(first["bytes"])]
+        for t in counts:
+            b = per.get(t)
+            cells += [fmt_ms(b["median_ms"]), fmt_ratio(b["x_floor"])] if b else ["-", "-"]
+        table.add_row(*cells)
+    return table
 
 
 def markdown(run: Run, env: dict, target_rows: list[dict], elapsed_s: float, members=()) -> str:
@@ -461,6 +485,20 @@ def markdown(run: Run, env: dict, target_rows: list[dict], elapsed_s: float, mem
         lines = _from_phases_lines(run, names)
         if lines:
             out += [line + "." for line in lines] + [""]
+    if run.breakdown:
+        counts = _breakdown_counts(run)
+        out += ["| fused statistics by op | calls | reads | "
+                + " | ".join(f"ms {t}t | x floor {t}t" for t in counts) + " |",
+                "|---|---|---|" + "---|---|" * len(counts)]
+        for first, per in _breakdown_rows(run):
+            cells = [first["op"], str(first["calls"]), fmt_bytes(first["bytes"])]
+            for t in counts:
+                b = per.get(t)
+                cells += [fmt_ms(b["median_ms"]), fmt_ratio(b["x_floor"])] if b else ["", ""]
+            out.append("| " + " | ".join(cells) + " |")
+        out += ["", "Summed over the calls, medians of passes in which the thread counts take "
+                "turns; the floor: the bytes read at the copy bandwidth measured at the same "
+                "thread count in the same pass.", ""]
     if run.agreement:
         a = run.agreement[0]
         out += [f"Agreement, fused vs reference after {a['steps']} float32 steps from the same "

@@ -215,6 +215,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads (default: every core this process may use); on a "
                              "machine other processes share, 1 gives steadier ratios")
+    parser.add_argument("--statistics-threads", default=None,
+                        help="comma list of the thread counts at which AdaFisher's per-op "
+                             "statistics breakdown is measured, interleaved, each against the "
+                             "copy floor at that count (default on the CPU: 1 and --threads)")
     parser.add_argument("--quick", action="store_true",
                         help="short budgets (under a minute on 2 CPU cores)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -244,6 +248,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--tcov must be >= 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.statistics_threads is not None:
+        try:
+            counts = [int(v) for v in args.statistics_threads.split(",") if v.strip()]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1:
+            parser.error(f"--statistics-threads: a comma list of thread counts >= 1, got "
+                         f"{args.statistics_threads!r}")
+        args.statistics_threads = sorted(set(counts))
     try:
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         args.members = members_pkg.select(args.optimizers, args.model, torch.device(device).type)
@@ -332,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"`python -m bench --model gpt --optimizers {names}` (or name them with "
                       f"--optimizers on this model)")
     bench(run, dict(members=args.members, published=loaded, chosen=chosen, baselines=baselines,
-                    phases=args.phases, requested=set(args.variants or ())), console)
+                    phases=args.phases, requested=set(args.variants or ()),
+                    statistics_threads=args.statistics_threads), console)
     elapsed = time.perf_counter() - began
     if hasattr(os, "getloadavg"):
         env["load_average_1m_end"] = os.getloadavg()[0]

@@ -225,6 +225,54 @@ def test_agreement(quick_run):
     assert _finite(data["agreement"][0]["max_rel_diff"])
 
 
+def test_statistics_breakdown_rows(quick_run):
+    """The per-op breakdown at 1 thread and at the run's count, each row against its floor, the
+    whole statistics as "all ops", and a floor target per thread count."""
+    data, *_ = quick_run
+    if not _fused_on_cpu():
+        return
+    rows = data["statistics_breakdown"]
+    counts = sorted({1, data["environment"]["threads"]})
+    assert sorted({b["threads"] for b in rows}) == counts
+    for b in rows:
+        assert set(b) >= {"op", "threads", "calls", "bytes", "median_ms", "floor_ms", "x_floor"}
+        for key in ("median_ms", "floor_ms", "x_floor"):
+            assert _finite(b[key]) and b[key] > 0, (b, key)
+    for t in counts:
+        per = [b for b in rows if b["threads"] == t]
+        whole = next(b for b in per if b["op"] == "all ops")
+        assert whole["calls"] == sum(b["calls"] for b in per if b is not whole)
+        assert whole["bytes"] == sum(b["bytes"] for b in per if b is not whole)
+        assert whole["median_ms"] >= max(b["median_ms"] for b in per if b is not whole)
+    names = {t["target"] for t in data["targets"]}
+    assert "fused statistics vs floor, 1 thread (per-op passes)" in names
+
+
+def test_statistics_breakdown_thread_counts():
+    """The breakdown takes its thread counts in turns and gives the caller's count back."""
+    from bench.adafisher_phases import capture, statistics_breakdown
+    from bench.models import MODELS, batch_for
+    if not _fused_on_cpu():
+        return
+    base = MODELS["mlp"]()
+    x, y = batch_for("mlp", base, 8, generator=torch.Generator().manual_seed(0))
+    captured = capture("mlp", base, x, y)
+    before = torch.get_num_threads()
+    rows = statistics_breakdown(captured, torch.device("cpu"), 1, [1, 2], copy_numel=1 << 16)
+    assert torch.get_num_threads() == before
+    assert [b["threads"] for b in rows].count(1) == [b["threads"] for b in rows].count(2) > 1
+    assert {b["op"] for b in rows} >= {"Linear input", "Linear gradient", "fisher_average_", "all ops"}
+
+
+def test_statistics_threads_flag(capsys):
+    assert parse_args(["--statistics-threads", "2,1,2"]).statistics_threads == [1, 2]
+    assert parse_args([]).statistics_threads is None
+    for bad in ("0", "one", ","):
+        with pytest.raises(SystemExit):
+            parse_args(["--statistics-threads", bad])
+        assert "--statistics-threads" in capsys.readouterr().err
+
+
 def test_console_report(quick_run):
     data, stdout, stderr, _ = quick_run
     assert "targets" in stdout and "step: mlp" in stdout and "whole training step" in stdout

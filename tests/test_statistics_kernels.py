@@ -4,6 +4,8 @@ tiles split over threads, Conv2d planes large and small, windows that exclude fe
 overflowed squares, and bf16/fp16 inputs. tests/test_ops.py holds the per-op basics and opcheck."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from cafin import ops
 from cafin import reference as ref
 
 from devices import DEVICES
-from test_ops import RTOL, assert_close, gen, randn, reference_stat, stat_like
+from test_ops import RTOL, assert_close, gen, rand, randn, reference_stat, stat_like
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -174,22 +176,97 @@ def test_channel_statistics_layouts(device, dtype, case, kind):
     assert_close(stat, want, RTOL[state])
 
 
-def test_thread_count_changes_only_rounding():
-    """Threads split the work in chunks fixed by the sizes and the thread count: results agree
-    across thread counts to rounding, and repeat bit for bit at one count."""
-    g = gen(25)
-    x = randn(g, 24, 48, 40, 40)
+# (id, shape, layout) of inputs big enough that two threads split each reading path: long runs
+# (32x32 maps), runs folded every row (16x16) and every few rows (8x8), blocks of positions (4x4),
+# channels innermost (channels_last), rows of a Linear, Conv2d planes large and small.
+THREAD_INPUTS = [
+    ("maps-32x32", (24, 40, 32, 32), "contiguous"),
+    ("maps-16x16", (32, 64, 16, 16), "contiguous"),
+    ("maps-8x8", (32, 128, 8, 8), "contiguous"),
+    ("maps-4x4", (32, 256, 4, 4), "contiguous"),
+    ("channels-last-8x8", (32, 128, 8, 8), "channels_last"),
+    ("batch-slice-16x16", (32, 48, 16, 16), "batch_slice"),
+]
+
+
+def _every_statistic(x: torch.Tensor) -> torch.Tensor:
+    """Every statistic op on x (and the Conv2d input statistic of two geometries), concatenated."""
+    state = ops.state_dtype(x.dtype)
+    channels = x.shape[1]
+    out = []
+    for stride in (1, 2):
+        stat = torch.zeros(channels * 9 + 2, dtype=state)
+        ops.conv2d_input_stats_(stat, x, [3, 3], [stride, stride], [1, 1, 1, 1], [1, 1], 1, True)
+        out.append(stat)
+    stat = torch.zeros(channels + 1, dtype=state)
+    ops.sumsq_stats_(stat, x, 1, 2, False)
+    out.append(stat)
+    stat = torch.zeros(channels + 1, dtype=state)
+    ops.norm_grad_stats_(stat, x + 0.5, 1, 2)
+    out.append(stat)
+    stat = torch.zeros(3, dtype=state)
+    ops.norm_input_stats_(stat, x + 0.5)
+    out.append(stat)
+    rows = x.reshape(-1, x.shape[-1] * x.shape[-2])  # a Linear's [N, features]
+    stat = torch.zeros(rows.shape[1] + 2, dtype=state)
+    ops.sumsq_stats_(stat, rows, 1, 2, True)
+    out.append(stat)
+    return torch.cat(out)
+
+
+def _at_thread_counts(fn, counts):
     threads = torch.get_num_threads()
-    results = []
     try:
-        for n in (1, 2, 1):
+        results = []
+        for n in counts:
             torch.set_num_threads(n)
-            stat = torch.zeros(48 * 9 + 1)
-            ops.conv2d_input_stats_(stat, x, [3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1, False)
-            grad = torch.zeros(49)
-            ops.sumsq_stats_(grad, x, 1, 2, False)
-            results.append(torch.cat([stat, grad]))
+            results.append(fn())
+        return results
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(results[0], results[2])
-    assert_close(results[1], results[0], RTOL[torch.float32])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", THREAD_INPUTS, ids=[c[0] for c in THREAD_INPUTS])
+def test_statistics_repeat_bit_for_bit_and_agree_across_thread_counts(case, dtype):
+    """Threads split the reductions in chunks fixed by the sizes and the thread count, never by
+    scheduling: at one thread count a result repeats bit for bit; across thread counts only the
+    summation order changes, within the tolerances against the float64 reference."""
+    _, shape, kind = case
+    x = layout(randn(gen(25), *shape, dtype=dtype), kind)
+    one, two, one_again, two_again = _at_thread_counts(lambda: _every_statistic(x), (1, 2, 1, 2))
+    assert torch.equal(one, one_again)
+    assert torch.equal(two, two_again)
+    assert_close(two, one, RTOL[dtype])
+    assert not torch.equal(one, torch.zeros_like(one))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_fisher_average_same_at_every_thread_count(dtype):
+    """fisher_average_ folds each statistic whole on one thread, the statistics split over threads
+    by their lengths: the factors are bit for bit the same at 1 and 2 threads, NaN drops (one in
+    each half) and empty counts included."""
+    g = gen(26)
+    lengths = [1 + (97 * i) % 4000 for i in range(60)]
+    factors = [0.05 + rand(g, k, dtype=dtype) for k in lengths]
+    stats = [rand(g, k + 1, dtype=dtype) for k in lengths]
+    for i, (factor, stat) in enumerate(zip(factors, stats)):
+        if i % 5 == 1:
+            factor.fill_(-1.0)
+        stat[-1] = float(i % 4)
+    for i in (6, 55):
+        stats[i][lengths[i] // 2] = float("nan")
+    grad_side = [i % 3 == 0 for i in range(len(lengths))]
+
+    def fold():
+        f, st = copy.deepcopy((factors, stats))
+        skipped = torch.zeros(())
+        ops.fisher_average_(f, st, skipped, 0.8, grad_side, torch.tensor(4.0))
+        return torch.cat(f), skipped
+
+    (one, one_skipped), (two, two_skipped) = _at_thread_counts(fold, (1, 2))
+    want_f, want_s, want_skipped = copy.deepcopy((factors, stats, torch.zeros(())))
+    ref.fisher_average_(want_f, want_s, want_skipped, 0.8, grad_side, torch.tensor(4.0))
+    assert torch.equal(one, two)
+    assert one_skipped.item() == two_skipped.item() == want_skipped.item() == 2.0
+    assert_close(one, torch.cat(want_f), RTOL[dtype])

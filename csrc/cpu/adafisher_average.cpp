@@ -12,9 +12,90 @@
 
 #include "adafisher_math.h"
 #include "checks.h"
+#include "cpu/vectorize.h"
 
 namespace cafin {
 namespace {
+
+// What one scan of a statistic's means finds.
+template <typename T>
+struct MeanRange {
+  T zmin, zmax;  // of the means with +-inf mapped as published
+  bool nan;      // a mean is NaN: the statistic is dropped
+  bool infinite; // a mean is +-inf
+};
+
+// The range of a statistic's means, in independent lanes so the loop vectorises (a single running
+// std::min would not); the minimum and maximum are the same whatever the order.
+template <typename T>
+CAFIN_CPU_CLONES MeanRange<T> mean_range(const T* __restrict stat, int64_t n, T count, T scale_sq, bool scaled) {
+  constexpr int64_t kLanes = 64 / sizeof(T);
+  const T inf = std::numeric_limits<T>::infinity();
+  T lo[kLanes], hi[kLanes], nan[kLanes], infinite[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) {
+    lo[j] = inf;
+    hi[j] = -inf;
+    nan[j] = T(0);
+    infinite[j] = T(0);
+  }
+  auto scan = [&](int64_t j, T mean) {
+    nan[j] = mean != mean ? T(1) : nan[j];
+    infinite[j] = mean == inf || mean == -inf ? T(1) : infinite[j];
+    const T z = map_inf(mean);
+    lo[j] = z < lo[j] ? z : lo[j];
+    hi[j] = z > hi[j] ? z : hi[j];
+  };
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) scan(j, statistic_mean(stat[k + j], count, scale_sq, scaled));
+  }
+  for (int64_t j = 0; k < n; ++k, ++j) scan(j, statistic_mean(stat[k], count, scale_sq, scaled));
+  MeanRange<T> r{inf, -inf, false, false};
+  for (int64_t j = 0; j < kLanes; ++j) {
+    r.nan = r.nan || nan[j] != T(0);
+    r.infinite = r.infinite || infinite[j] != T(0);
+    r.zmin = std::min(r.zmin, lo[j]);
+    r.zmax = std::max(r.zmax, hi[j]);
+  }
+  return r;
+}
+
+// Whether every entry of a factor was updated before (none is negative).
+template <typename T>
+CAFIN_CPU_CLONES bool all_updated(const T* __restrict factor, int64_t n) {
+  constexpr int64_t kLanes = 64 / sizeof(T);
+  T negative[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) negative[j] = factor[k + j] < T(0) ? T(1) : negative[j];
+  }
+  bool any = false;
+  for (; k < n; ++k) any = any || factor[k] < T(0);
+  for (int64_t j = 0; j < kLanes; ++j) any = any || negative[j] != T(0);
+  return !any;
+}
+
+// factor[k] <- the running average with the min-max normalised mean of stat[k].
+template <typename T>
+void fold_means(T* factor, const T* stat, int64_t n, T count, T scale_sq, bool scaled, T zmin,
+                T denominator, T keep, T add) {
+  for (int64_t k = 0; k < n; ++k) {
+    const T z = map_inf(statistic_mean(stat[k], count, scale_sq, scaled));
+    factor[k] = average_factor(factor[k], z, zmin, denominator, keep, add);
+  }
+}
+
+// The same where every mean is finite and every factor entry was updated before (all but a
+// statistic's first fold): average_factor's arithmetic without its selects, which keep GCC from
+// vectorising the division they feed.
+template <typename T>
+CAFIN_CPU_CLONES void fold_finite_means(T* __restrict factor, const T* __restrict stat, int64_t n, T count,
+                                        T scale_sq, bool scaled, T zmin, T denominator, T keep, T add) {
+  for (int64_t k = 0; k < n; ++k) {
+    const T z = statistic_mean(stat[k], count, scale_sq, scaled);
+    factor[k] = factor[k] * keep + add * ((z - zmin) / denominator);
+  }
+}
 
 // Returns whether the statistic held NaN and was dropped (its factor untouched).
 template <typename T>
@@ -24,21 +105,15 @@ bool fold_statistic(T* factor, T* stat, int64_t n, bool scaled, float grad_scale
   if (count > T(0)) {
     const T scale = static_cast<T>(grad_scale);
     const T scale_sq = scale * scale;
-    auto z_at = [&](int64_t k) { return map_inf(statistic_mean(stat[k], count, scale_sq, scaled)); };
-    T zmin = std::numeric_limits<T>::infinity();
-    T zmax = -zmin;
-    for (int64_t k = 0; k < n; ++k) {
-      const T z = z_at(k);
-      dropped = dropped || std::isnan(z);
-      zmin = std::min(zmin, z);
-      zmax = std::max(zmax, z);
-    }
+    const MeanRange<T> r = mean_range(stat, n, count, scale_sq, scaled);
+    dropped = r.nan;
     if (!dropped) {
-      const T denominator = minmax_denominator(zmin, zmax);
-      const T keep = factor_keep<T>(gamma);
-      const T add = factor_add<T>(gamma);
-      for (int64_t k = 0; k < n; ++k) {
-        factor[k] = average_factor(factor[k], z_at(k), zmin, denominator, keep, add);
+      const T denominator = minmax_denominator(r.zmin, r.zmax);
+      const T keep = factor_keep<T>(gamma), add = factor_add<T>(gamma);
+      if (!r.infinite && all_updated(factor, n)) {
+        fold_finite_means(factor, stat, n, count, scale_sq, scaled, r.zmin, denominator, keep, add);
+      } else {
+        fold_means(factor, stat, n, count, scale_sq, scaled, r.zmin, denominator, keep, add);
       }
     }
   }
@@ -64,8 +139,18 @@ void fisher_average_cpu(at::TensorList factors, at::TensorList stats, const at::
   const double gamma = factors.empty() ? 0.0 : gamma_tensor.item<double>();
   const float scale = grad_scale.has_value() ? *grad_scale->const_data_ptr<float>() : 1.0f;
   std::vector<char> dropped(n, 0);
-  at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
+  // Chunks of whole statistics with about equal numbers of entries (a statistic's range needs all
+  // of it), as many as the entries keep threads busy: a network's statistics are often fewer
+  // entries than a thread's start costs.
+  int64_t total = 0;
+  for (int64_t i = 0; i < n; ++i) total += factors[i].numel();
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / kGrainSize));
+  std::vector<int64_t> first_of(chunks + 1, n);
+  for (int64_t i = 0, seen = 0, k = 0; i < n; seen += factors[i].numel(), ++i) {
+    while (k < chunks && seen >= total * k / chunks) first_of[k++] = i;
+  }
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_lo, int64_t chunk_hi) {
+    for (int64_t i = first_of[chunk_lo]; i < first_of[chunk_hi]; ++i) {
       const bool scaled = grad_side[i] && grad_scale.has_value();
       AT_DISPATCH_FLOATING_TYPES(factors[i].scalar_type(), "fisher_average_", [&] {
         dropped[i] = fold_statistic(factors[i].mutable_data_ptr<scalar_t>(),

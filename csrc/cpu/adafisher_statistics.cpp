@@ -369,23 +369,35 @@ struct PlaneScratch {
   std::vector<double> rows, cols;
 };
 
+// The tap sums of a small plane (the last stages of a network), where the sums the differences
+// need cost more than the windows themselves: the taps of one kernel column share their column
+// window, so each row's sum over it is taken once (kw * H short sums, independent, so they
+// overlap), and each tap adds its rows of those. Only additions: an overflowed square stays +inf.
+void small_plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
+  const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
+  s.rows.resize(H);
+  for (int64_t j = 0; j < g.kw; ++j) {
+    const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
+    for (int64_t y = 0; y < H; ++y) {
+      const double* row = plane + y * W;
+      double total = 0.0;
+      for (int64_t n = 0; n < wx.count; ++n) total += row[wx.first + n * sw];
+      s.rows[y] = total;
+    }
+    for (int64_t i = 0; i < g.kh; ++i) {
+      const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
+      double total = 0.0;
+      for (int64_t m = 0; m < wy.count; ++m) total += s.rows[wy.first + m * sh];
+      taps[i * g.kw + j] = total;
+    }
+  }
+}
+
 // The kh*kw tap sums of one X2 plane (double, [height, width]) into taps.
 void plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
   const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
   if (H * W <= 64) {
-    // A small plane (the last stages of a network): summing each window costs less than the sums
-    // the differences need.
-    for (int64_t i = 0; i < g.kh; ++i) {
-      const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
-      for (int64_t j = 0; j < g.kw; ++j) {
-        const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
-        double total = 0.0;
-        for (int64_t y = wy.first, m = 0; m < wy.count; y += sh, ++m) {
-          for (int64_t x = wx.first, n = 0; n < wx.count; x += sw, ++n) total += plane[y * W + x];
-        }
-        taps[i * g.kw + j] = total;
-      }
-    }
+    small_plane_taps(plane, g, s, taps);
     return;
   }
   s.rows.assign(sw * H, 0.0);
