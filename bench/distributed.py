@@ -44,39 +44,14 @@ import time
 
 import torch
 
-from .models import batch_for, gpt, loss_for, mlp
+from .gloo_ranks import FULL_MODELS, TINY_MODELS, count_bytes
+from .models import batch_for, loss_for
 
 STRATEGIES = {
     "comm_opt": dict(),
     "comm_opt_split": dict(colocate_factors=False, compute_eigenvalue_outer_product=False),
     "mem_opt": dict(grad_worker_fraction=0.5),
 }
-FULL_MODELS = {
-    "gpt": (lambda: gpt(), 16),
-    "mlp": (lambda: mlp(), 128),
-    "mlp-deep": (lambda: mlp((784, 512, 512, 512, 10)), 128),
-}
-TINY_MODELS = {
-    "gpt": (lambda: gpt(vocab=32, dim=16, depth=1, heads=2, context=8), 4),
-    "mlp": (lambda: mlp((12, 8, 6, 4)), 8),
-}
-
-
-def _count_bytes(counter: list) -> None:
-    """Add the payload of every all_reduce / all_gather / broadcast to counter[0] while
-    counter[1] is set."""
-    import torch.distributed as dist
-    for name in ("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor"):
-        original = getattr(dist, name)
-
-        def wrapper(*args, __original=original, __name=name, **kwargs):
-            if counter[1]:
-                t = args[1] if __name.startswith("all_gather") else args[0]
-                counter[0] += t.numel() * t.element_size()
-            return __original(*args, **kwargs)
-        setattr(dist, name, wrapper)
-
-
 @contextlib.contextmanager
 def _timed_decompositions(spent: list):
     """Add the time of every factor decomposition K-FAC makes (cafin.maths.kfac's eigen
@@ -187,7 +162,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int, members: t
     dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
                             rank=rank, world_size=world)
     counter = [0, False]
-    _count_bytes(counter)
+    count_bytes(counter)
     models = TINY_MODELS if tiny else FULL_MODELS
     strategies = {} if "kfac" not in members else STRATEGIES if world > 1 else {"one_rank": {}}
     rows = []

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .distributed import FULL_MODELS, TINY_MODELS, _count_bytes
+from .gloo_ranks import FULL_MODELS, TINY_MODELS, count_bytes
 from .models import batch_for, loss_for
 
 STRATEGIES = {"owners": dict(), "every_rank": dict(distribute_decompositions=False)}
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
     dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
                             rank=rank, world_size=world)
     counter = [0, False]
-    _count_bytes(counter)
+    count_bytes(counter)
     rows = []
     for model_name, (make, global_batch) in (TINY_MODELS if tiny else FULL_MODELS).items():
         kind = model_name.split("-")[0]
