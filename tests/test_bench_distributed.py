@@ -78,3 +78,28 @@ def test_twolevel_phase_runs_on_tiny_models(tmp_path, capsys):
             assert s["matrices"] == [s["total_matrices"]] * 2
             assert s["bytes"] == s["bytes_1rank"] > 0
     assert all(r["matrices"] == r["total_matrices"] for r in out["rows"] if r["world"] == 1)
+
+
+def test_fsdp_bytes_owner_scheme_against_the_all_gather(tmp_path, capsys):
+    """Under FSDP2 the owner scheme receives what the all-gather receives at two ranks (both
+    (W - 1) / W of the gradients) and less at four (about 2 / W of it when the owners balance),
+    and every rank holds fewer whole gradients at once."""
+    path = tmp_path / "fsdp_bytes.json"
+    assert main(["fsdp-bytes", "--worlds", "2,4", "--steps", "1", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert "owner recv" in capsys.readouterr().out
+    members = {"kfac-comm_opt", "kfac-mem_opt", "singd-dense"}
+    for world in (2, 4):
+        at = [r for r in rows if r["world"] == world]
+        assert {(r["model"], r["member"], r["rank"]) for r in at} == {
+            (m, member, rank) for m in ("gpt", "mlp") for member in members for rank in range(world)}
+        for r in at:  # (the MLP's three layers leave a rank of four without a layer to own)
+            assert 0 <= r["held_owner"] < r["held_all_gather"], r
+            if world == 2:
+                assert r["owner"] == r["all_gather"] > 0, r
+        for m in ("gpt", "mlp"):
+            for member in members:
+                assert sum(r["held_owner"] for r in at if (r["model"], r["member"]) == (m, member)) > 0
+    for member in members:  # the busiest rank of the GPT at W=4 receives less than the all-gather
+        gpt4 = [r for r in rows if r["world"] == 4 and r["model"] == "gpt" and r["member"] == member]
+        assert max(r["owner"] for r in gpt4) < min(r["all_gather"] for r in gpt4), gpt4
