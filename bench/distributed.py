@@ -44,7 +44,7 @@ import time
 
 import torch
 
-from .gloo_ranks import FULL_MODELS, TINY_MODELS, count_bytes
+from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, render
 from .models import batch_for, loss_for
 
 STRATEGIES = {
@@ -222,80 +222,31 @@ def launch(world: int, tiny: bool, steps: int, members: tuple = ("kfac", "dykaf"
 
 
 def summarise(one: list[dict], two: list[dict]) -> list[dict]:
-    """Per model and strategy at two ranks, against one rank: the slowest rank's decomposition
-    time and step time, and the bytes per step of the rank that sends most."""
-    one = [r for r in one if r["member"] == "kfac"]
+    """K-FAC per model and strategy at two ranks against one rank (`against_one_rank`)."""
+    base = {r["model"]: r for r in one if r["member"] == "kfac"}
     two = [r for r in two if r["member"] == "kfac"]
-    base = {r["model"]: r for r in one}
-    out = []
-    for model in dict.fromkeys(r["model"] for r in two):
-        for strategy in dict.fromkeys(r["strategy"] for r in two):
-            rows = [r for r in two if r["model"] == model and r["strategy"] == strategy]
-            b = base[model]
-            out.append(dict(model=model, strategy=strategy,
-                            decompose_1rank_cpu_s=b["decompose_cpu_s"],
-                            decompose_per_rank_cpu_s=[r["decompose_cpu_s"] for r in rows],
-                            decompose_ratio=max(r["decompose_cpu_s"] for r in rows) / b["decompose_cpu_s"],
-                            decompose_wall_ratio=max(r["decompose_s"] for r in rows) / b["decompose_s"],
-                            step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
-                            step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
-                            step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
-                            kfac_bytes_1rank=b["kfac_bytes"], kfac_bytes=max(r["kfac_bytes"] for r in rows),
-                            matrices=[r["matrices"] for r in rows], factors=b["factors"]))
-    return out
+    return [dict(model=model, strategy=strategy,
+                 **against_one_rank(base[model], [r for r in two if (r["model"], r["strategy"]) == (model, strategy)],
+                                    "decompose", "kfac_bytes", "factors"))
+            for model in dict.fromkeys(r["model"] for r in two)
+            for strategy in dict.fromkeys(r["strategy"] for r in two)]
 
 
 def summarise_dykaf(one: list[dict], two: list[dict]) -> list[dict]:
-    """Per model, DyKAF at two ranks (owners) against one rank: each rank's refresh CPU time, the
-    slowest rank's ratio, the step's, the bytes of the rank that sends most."""
+    """DyKAF per model at two ranks (owners) against one rank, with its optimizer step's times."""
     base = {r["model"]: r for r in one if r["member"] == "dykaf"}
+    two = [r for r in two if r["member"] == "dykaf"]
     out = []
-    for model in dict.fromkeys(r["model"] for r in two if r["member"] == "dykaf"):
-        rows = [r for r in two if r["member"] == "dykaf" and r["model"] == model]
-        b = base[model]
+    for model in dict.fromkeys(r["model"] for r in two):
+        rows = [r for r in two if r["model"] == model]
         out.append(dict(model=model, strategy="owners",
-                        refresh_1rank_cpu_s=b["refresh_cpu_s"],
-                        refresh_per_rank_cpu_s=[r["refresh_cpu_s"] for r in rows],
-                        refresh_ratio=max(r["refresh_cpu_s"] for r in rows) / b["refresh_cpu_s"],
-                        refresh_wall_ratio=max(r["refresh_s"] for r in rows) / b["refresh_s"],
-                        opt_1rank_cpu_s=b["opt_cpu_s"], opt_cpu_s=max(r["opt_cpu_s"] for r in rows),
-                        step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
-                        step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
-                        step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
-                        bytes_1rank=b["bytes"], bytes=max(r["bytes"] for r in rows),
-                        matrices=[r["matrices"] for r in rows], factors=b["factors"]))
+                        **against_one_rank(base[model], rows, "refresh", "bytes", "factors"),
+                        opt_1rank_cpu_s=base[model]["opt_cpu_s"], opt_cpu_s=max(r["opt_cpu_s"] for r in rows)))
     return out
 
 
-def render_dykaf(summary: list[dict]) -> str:
-    head = (f"{'model':9} {'refresh 1 rank':>14} {'refresh/rank @2':>16} {'ratio':>6} {'(wall)':>6} "
-            f"{'opt 1':>7} {'opt @2':>7} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} "
-            f"{'MB/step':>8} {'bases/rank':>12}")
-    lines = [head, "-" * len(head)]
-    for s in summary:
-        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["refresh_per_rank_cpu_s"])
-        lines.append(f"{s['model']:9} {s['refresh_1rank_cpu_s'] * 1e3:11.0f} ms {per_rank:>13} ms "
-                     f"{s['refresh_ratio']:6.2f} {s['refresh_wall_ratio']:6.2f} "
-                     f"{s['opt_1rank_cpu_s'] * 1e3:5.0f}ms {s['opt_cpu_s'] * 1e3:5.0f}ms "
-                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
-                     f"{s['step_wall_ratio']:6.2f} {s['bytes'] / 1e6:8.3f} "
-                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['factors']):>12}")
-    return "\n".join(lines)
-
-
-def render(summary: list[dict]) -> str:
-    head = (f"{'model':9} {'strategy':15} {'decomp 1 rank':>13} {'decomp/rank @2':>15} {'ratio':>6} "
-            f"{'(wall)':>6} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} {'KFAC MB/step':>12} "
-            f"{'matrices/rank':>14}")
-    lines = [head, "-" * len(head)]
-    for s in summary:
-        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_cpu_s"])
-        lines.append(f"{s['model']:9} {s['strategy']:15} {s['decompose_1rank_cpu_s'] * 1e3:10.0f} ms "
-                     f"{per_rank:>12} ms {s['decompose_ratio']:6.2f} {s['decompose_wall_ratio']:6.2f} "
-                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
-                     f"{s['step_wall_ratio']:6.2f} {s['kfac_bytes'] / 1e6:12.3f} "
-                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['factors']):>14}")
-    return "\n".join(lines)
+DYKAF_OPT = (("opt 1", 7, lambda s: f"{s['opt_1rank_cpu_s'] * 1e3:5.0f}ms"),
+             ("opt @2", 7, lambda s: f"{s['opt_cpu_s'] * 1e3:5.0f}ms"))
 
 
 def main(argv: list[str]) -> int:
@@ -327,13 +278,13 @@ def main(argv: list[str]) -> int:
         print(f"K-FAC KAISA, CPU gloo, one thread per rank, inv_update_steps=1, {args.steps} timed steps "
               f"(medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
               f"against one rank's, CPU time, then wall time)")
-        print(render(summary))
+        print(render(summary, "decompose", "kfac_bytes", "factors"))
     if dykaf:
         print(f"DyKAF refresh owners (process_group=WORLD at 2 ranks), CPU gloo, one thread per rank, "
               f"precondition_frequency=1, {args.steps} timed steps (medians of CPU time, ms; 'refresh/rank' "
               f"per rank at 2 ranks; ratio: the slowest rank's against one rank's, CPU time, then wall "
               f"time; opt: DyKAF's step)")
-        print(render_dykaf(dykaf))
+        print(render(dykaf, "refresh", "bytes", "factors", DYKAF_OPT))
     twolevel = {}
     if "twolevel" in members:
         from .distributed_twolevel import run

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .gloo_ranks import FULL_MODELS, TINY_MODELS, count_bytes
+from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, render
 from .models import batch_for, loss_for
 
 STRATEGIES = {"owners": dict(), "every_rank": dict(distribute_decompositions=False)}
@@ -122,39 +122,12 @@ def launch(world: int, tiny: bool, steps: int) -> list[dict]:
 
 
 def summarise(one: list[dict], two: list[dict]) -> list[dict]:
-    """Per model and strategy at two ranks, against one rank: the slowest rank's decomposition
-    and step times, and the bytes per step of the rank that sends most."""
+    """Per model and strategy at two ranks against one rank (`against_one_rank`)."""
     base = {r["model"]: r for r in one}
-    out = []
-    for model, strategy in dict.fromkeys((r["model"], r["strategy"]) for r in two):
-        rows = [r for r in two if (r["model"], r["strategy"]) == (model, strategy)]
-        b = base[model]
-        out.append(dict(member="twolevel", model=model, strategy=strategy,
-                        decompose_1rank_cpu_s=b["decompose_cpu_s"],
-                        decompose_per_rank_cpu_s=[r["decompose_cpu_s"] for r in rows],
-                        decompose_ratio=max(r["decompose_cpu_s"] for r in rows) / b["decompose_cpu_s"],
-                        decompose_wall_ratio=max(r["decompose_s"] for r in rows) / b["decompose_s"],
-                        step_1rank_cpu_s=b["step_cpu_s"], step_cpu_s=max(r["step_cpu_s"] for r in rows),
-                        step_ratio=max(r["step_cpu_s"] for r in rows) / b["step_cpu_s"],
-                        step_wall_ratio=max(r["step_s"] for r in rows) / b["step_s"],
-                        bytes_1rank=b["bytes"], bytes=max(r["bytes"] for r in rows),
-                        matrices=[r["matrices"] for r in rows], total_matrices=b["total_matrices"]))
-    return out
-
-
-def render(summary: list[dict]) -> str:
-    head = (f"{'model':9} {'strategy':11} {'decomp 1 rank':>13} {'decomp/rank @2':>15} {'ratio':>6} "
-            f"{'(wall)':>6} {'step 1':>7} {'step @2':>7} {'ratio':>6} {'(wall)':>6} {'MB/step':>8} "
-            f"{'matrices/rank':>14}")
-    lines = [head, "-" * len(head)]
-    for s in summary:
-        per_rank = "/".join(f"{t * 1e3:.0f}" for t in s["decompose_per_rank_cpu_s"])
-        lines.append(f"{s['model']:9} {s['strategy']:11} {s['decompose_1rank_cpu_s'] * 1e3:10.0f} ms "
-                     f"{per_rank:>12} ms {s['decompose_ratio']:6.2f} {s['decompose_wall_ratio']:6.2f} "
-                     f"{s['step_1rank_cpu_s'] * 1e3:5.0f}ms {s['step_cpu_s'] * 1e3:5.0f}ms {s['step_ratio']:6.2f} "
-                     f"{s['step_wall_ratio']:6.2f} {s['bytes'] / 1e6:8.3f} "
-                     f"{'+'.join(map(str, s['matrices'])) + ' of ' + str(s['total_matrices']):>14}")
-    return "\n".join(lines)
+    return [dict(member="twolevel", model=model, strategy=strategy,
+                 **against_one_rank(base[model], [r for r in two if (r["model"], r["strategy"]) == (model, strategy)],
+                                    "decompose", "bytes", "total_matrices"))
+            for model, strategy in dict.fromkeys((r["model"], r["strategy"]) for r in two)]
 
 
 def run(tiny: bool, steps: int) -> tuple[list[dict], list[dict], str]:
@@ -165,4 +138,4 @@ def run(tiny: bool, steps: int) -> tuple[list[dict], list[dict], str]:
     title = (f"two-level K-FAC's owner ranks, CPU gloo, one thread per rank, T_cov = T_inv = 1, {steps} timed "
              "steps (medians of CPU time, ms; 'decomp/rank' per rank at 2 ranks; ratio: the slowest rank's "
              "against one rank's, CPU time, then wall time)")
-    return one + two, summary, title + "\n" + render(summary)
+    return one + two, summary, title + "\n" + render(summary, "decompose", "bytes", "total_matrices")
