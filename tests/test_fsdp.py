@@ -234,21 +234,13 @@ import os, sys, torch
 import torch.nn.functional as F
 import cafin
 import two_ranks
-from torch.distributed.fsdp import fully_shard
 from test_singd_layers import sequence_model, sequence_batch
 rank, _ = two_ranks.join(sys.argv[1])
 results = {}
 for fraction in (1.0, 0.5):
     for wrap in ("fsdp", "ddp"):
         model = sequence_model()
-        if wrap == "fsdp":
-            for m in model:
-                if any(True for _ in m.parameters()):
-                    fully_shard(m)
-            fully_shard(model)
-            net = model
-        else:
-            net = torch.nn.parallel.DistributedDataParallel(model)
+        net = two_ranks.wrap(model, wrap)
         pre = cafin.KFACPreconditioner(net, damping=0.01, lr=0.1, kl_clip=0.01, inv_dtype=torch.float64,
                                        decompose_dtype=torch.float64, grad_worker_fraction=fraction)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -614,21 +614,13 @@ import os, sys, torch
 import torch.nn.functional as F
 import cafin
 import two_ranks
-from torch.distributed.fsdp import fully_shard
 from test_singd_layers import TWO_RANK_STRUCTURES, SETTINGS, sequence_model, sequence_batch
 rank, _ = two_ranks.join(sys.argv[1])
 results = {}
 for structures in TWO_RANK_STRUCTURES:
     for wrap in ("fsdp", "ddp", "plain"):
         model = sequence_model()
-        if wrap == "fsdp":
-            for m in model:
-                if any(True for _ in m.parameters()):
-                    fully_shard(m)
-            fully_shard(model)
-            net = model
-        else:
-            net = torch.nn.parallel.DistributedDataParallel(model) if wrap == "ddp" else model
+        net = two_ranks.wrap(model, wrap)
         opt = cafin.SINGD(net, list(model.parameters()), structures=structures, **SETTINGS)
         for k in range(3):
             x, y = sequence_batch(k)

@@ -136,3 +136,18 @@ def full_params(model) -> list:
     """Copies of the model's whole parameters (an FSDP2 shard's DTensor gathered)."""
     from torch.distributed.tensor import DTensor
     return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
+
+
+def wrap(model, how: str):
+    """The model as a rank trains it: "fsdp" (`fully_shard` on every child with parameters, then
+    the root; the model itself, now sharded), "ddp" (DistributedDataParallel) or "plain"."""
+    if how == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+        for m in model:
+            if any(True for _ in m.parameters()):
+                fully_shard(m)
+        return fully_shard(model)
+    if how == "ddp":
+        import torch
+        return torch.nn.parallel.DistributedDataParallel(model)
+    return model
