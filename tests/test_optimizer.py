@@ -1048,6 +1048,22 @@ def test_a_gradient_of_another_dtype_after_kept_steps_is_refused_before_any_writ
     assert _unchanged(before, _written(model, opt))
 
 
+@pytest.mark.parametrize("how", ["resize_", "t_"])
+def test_a_gradient_reshaped_in_place_after_kept_steps_is_refused_before_any_write(how):
+    """In place, the gradient keeps its memory and changes shape: seen before the step counts
+    are written."""
+    model = _linear_model()
+    opt = AdaFisher(model, lr=1e-2, TCov=1)
+    _kept_gradients(model, opt)
+    g = model[2].weight.grad
+    with torch.no_grad():
+        g.resize_(15) if how == "resize_" else g.t_()
+    before = _written(model, opt)
+    with pytest.raises(ValueError, match=r"param group 0, parameter of shape \(3, 5\)"):
+        opt.step()
+    assert _unchanged(before, _written(model, opt))
+
+
 def test_a_model_moved_to_channels_last_after_kept_steps_is_refused_before_any_write():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 5))

@@ -46,15 +46,21 @@ def _version_of(value: Any) -> int | tuple | None:
 _grad_of = operator.attrgetter("grad")
 
 
+_shape_of = operator.attrgetter("shape")
+
+
 def _pointers(params: list, grads: list) -> list | None:
-    """Where the parameters' and gradients' memory is: `.data =` (and `model.to(...)`, which
-    uses it) moves it. None where that says nothing: a tensor without memory of its own (a
-    DTensor's pointer is 0, as an empty tensor's), or a gradient is missing."""
+    """Where the parameters' and gradients' memory is, and their shapes: `.data =` (and
+    `model.to(...)`, which uses it) moves the memory, `resize_` or `t_` may keep it and change
+    the shape. None where that says nothing: a tensor without memory of its own (a DTensor's
+    pointer is 0, as an empty tensor's), or a gradient is missing."""
     try:
         pointers = list(map(torch.Tensor.data_ptr, params)) + list(map(torch.Tensor.data_ptr, grads))
     except (RuntimeError, TypeError):
         return None
-    return None if 0 in pointers else pointers
+    if 0 in pointers:
+        return None
+    return pointers + list(map(_shape_of, params)) + list(map(_shape_of, grads))
 
 
 class _CheckedGradients:
