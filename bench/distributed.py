@@ -34,7 +34,6 @@ bases of the model).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -44,69 +43,24 @@ import time
 
 import torch
 
-from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, render
-from .models import batch_for, loss_for
+from .gloo_ranks import (FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, render,
+                         timed_calls)
 
 STRATEGIES = {
     "comm_opt": dict(),
     "comm_opt_split": dict(colocate_factors=False, compute_eigenvalue_outer_product=False),
     "mem_opt": dict(grad_worker_fraction=0.5),
 }
-@contextlib.contextmanager
 def _timed_decompositions(spent: list):
-    """Add the time of every factor decomposition K-FAC makes (cafin.maths.kfac's eigen
-    decomposition and damped inverse) and the matrices decomposed into `spent`."""
+    """K-FAC's factor decompositions (cafin.maths.kfac's eigen decomposition and damped inverse)."""
     import cafin.maths.kfac as kfac_maths
-    originals = {name: getattr(kfac_maths, name) for name in ("eigen_decompose", "damped_inverse")}
-
-    def timed(fn):
-        def run(factor, *args, **kwargs):
-            start, cpu = time.perf_counter(), time.thread_time()
-            out = fn(factor, *args, **kwargs)
-            spent[0] += time.perf_counter() - start
-            spent[1] += time.thread_time() - cpu
-            spent[2] += factor.shape[0] if factor.dim() == 3 else 1
-            return out
-        return run
-    for name, fn in originals.items():
-        setattr(kfac_maths, name, timed(fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(kfac_maths, name, fn)
+    return timed_calls(kfac_maths, ("eigen_decompose", "damped_inverse"), spent, count_stacks=True)
 
 
-@contextlib.contextmanager
 def _timed_refreshes(spent: list):
-    """Add the time of every DyKAF basis refresh (cafin.maths.dykaf.refresh_basis) and the bases
-    refreshed into `spent`."""
+    """DyKAF's basis refreshes (cafin.maths.dykaf.refresh_basis)."""
     import cafin.maths.dykaf as dykaf_maths
-    original = dykaf_maths.refresh_basis
-
-    def run(factor, basis):
-        start, cpu = time.perf_counter(), time.thread_time()
-        out = original(factor, basis)
-        spent[0] += time.perf_counter() - start
-        spent[1] += time.thread_time() - cpu
-        spent[2] += 1
-        return out
-    dykaf_maths.refresh_basis = run
-    try:
-        yield
-    finally:
-        dykaf_maths.refresh_basis = original
-
-
-def _average_gradients(model, world: int) -> None:
-    """DDP's average, in one flat all_reduce."""
-    import torch.distributed as dist
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if world > 1:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat.div_(world)
-        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    return timed_calls(dykaf_maths, ("refresh_basis",), spent)
 
 
 def _dykaf_rows(rank: int, world: int, models: dict, steps: int, counter: list) -> list[dict]:
@@ -124,13 +78,7 @@ def _dykaf_rows(rank: int, world: int, models: dict, steps: int, counter: list) 
         spent = [0.0, 0.0, 0]
         matrices = 0
         for step in range(steps + 2):  # the first step builds the state, the second is a warm-up
-            x, y = batch_for(model_name.split("-")[0], model, global_batch, generator=gen)
-            x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-            dist.barrier()
-            start, cpu = time.perf_counter(), time.thread_time()
-            opt.zero_grad()
-            loss_for(model_name.split("-")[0], model(x), y).backward()
-            _average_gradients(model, world)
+            start, cpu = forward_backward(model_name.split("-")[0], model, opt, gen, global_batch, world, rank)
             counter[0], counter[1] = 0, True
             spent[:] = [0.0, 0.0, 0]
             opt_cpu = time.thread_time()
@@ -178,13 +126,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int, members: t
             gen = torch.Generator().manual_seed(1)
             step_times, kfac_bytes = [], []
             for step in range(steps + 1):  # the first step is a warm-up
-                x, y = batch_for(model_name.split("-")[0], model, global_batch, generator=gen)
-                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-                dist.barrier()
-                start, cpu = time.perf_counter(), time.thread_time()
-                opt.zero_grad()
-                loss_for(model_name.split("-")[0], model(x), y).backward()
-                _average_gradients(model, world)
+                start, cpu = forward_backward(model_name.split("-")[0], model, opt, gen, global_batch, world, rank)
                 counter[0], counter[1] = 0, True
                 spent[:] = [0.0, 0.0, 0]
                 with _timed_decompositions(spent):

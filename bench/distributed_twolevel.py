@@ -20,7 +20,6 @@ and "every_rank" (distribute_decompositions=False: every rank makes every decomp
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import statistics
 import tempfile
@@ -28,34 +27,15 @@ import time
 
 import torch
 
-from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, render
-from .models import batch_for, loss_for
+from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, render, timed_calls
 
 STRATEGIES = {"owners": dict(), "every_rank": dict(distribute_decompositions=False)}
 
 
-@contextlib.contextmanager
 def _timed_decompositions(spent: list):
-    """Add the time of every decomposition two-level makes and the matrices to `spent`."""
+    """Two-level's decompositions (cafin.maths.twolevel's factor_eigh and coarse_inverse)."""
     import cafin.maths.twolevel as maths
-    originals = {name: getattr(maths, name) for name in ("factor_eigh", "coarse_inverse")}
-
-    def timed(fn):
-        def run(matrix):
-            start, cpu = time.perf_counter(), time.thread_time()
-            out = fn(matrix)
-            spent[0] += time.perf_counter() - start
-            spent[1] += time.thread_time() - cpu
-            spent[2] += 1
-            return out
-        return run
-    for name, fn in originals.items():
-        setattr(maths, name, timed(fn))
-    try:
-        yield
-    finally:
-        for name, fn in originals.items():
-            setattr(maths, name, fn)
+    return timed_calls(maths, ("factor_eigh", "coarse_inverse"), spent)
 
 
 def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
@@ -78,19 +58,8 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
             spent = [0.0, 0.0, 0]
             decompose, step_times, sent = [], [], []
             for _ in range(steps + 1):  # the first step is a warm-up
-                x, y = batch_for(kind, model, global_batch, generator=gen)
-                x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-                dist.barrier()
-                start, cpu = time.perf_counter(), time.thread_time()
-                opt.zero_grad()
                 pre.update_stats = True
-                loss_for(kind, model(x), y).backward()
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                if world > 1:  # DDP's average, in one flat all_reduce
-                    flat = torch.cat([g.reshape(-1) for g in grads])
-                    dist.all_reduce(flat)
-                    flat.div_(world)
-                    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+                start, cpu = forward_backward(kind, model, opt, gen, global_batch, world, rank)
                 counter[0], counter[1] = 0, True
                 spent[:] = [0.0, 0.0, 0]
                 with _timed_decompositions(spent):

@@ -2,7 +2,12 @@
 global batch) and the count of the bytes handed to collectives."""
 from __future__ import annotations
 
-from .models import gpt, mlp
+import contextlib
+import time
+
+import torch
+
+from .models import batch_for, gpt, loss_for, mlp
 
 FULL_MODELS = {
     "gpt": (lambda: gpt(), 16),
@@ -28,6 +33,52 @@ def count_bytes(counter: list) -> None:
                 counter[0] += t.numel() * t.element_size()
             return __original(*args, **kwargs)
         setattr(dist, name, wrapper)
+
+
+def forward_backward(kind: str, model, opt, generator, global_batch: int, world: int,
+                     rank: int) -> tuple[float, float]:
+    """This rank's share of the next global batch through the model, the gradients averaged as
+    DDP does (one flat all_reduce); returns the wall and CPU clocks at the step's start (after a
+    barrier, so that the ranks start together)."""
+    import torch.distributed as dist
+    x, y = batch_for(kind, model, global_batch, generator=generator)
+    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+    dist.barrier()
+    start = time.perf_counter(), time.thread_time()
+    opt.zero_grad()
+    loss_for(kind, model(x), y).backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if world > 1:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    return start
+
+
+@contextlib.contextmanager
+def timed_calls(module, names: tuple[str, ...], spent: list, count_stacks: bool = False):
+    """While inside, every call of `module.<name>` (for each of `names`; the first argument a
+    matrix) adds its wall and CPU seconds to spent[0] and spent[1] and the matrices it handles
+    to spent[2] (one per call, or with `count_stacks` n for an [n, d, d] stack)."""
+    originals = {name: getattr(module, name) for name in names}
+
+    def timed(fn):
+        def run(matrix, *args, **kwargs):
+            start, cpu = time.perf_counter(), time.thread_time()
+            out = fn(matrix, *args, **kwargs)
+            spent[0] += time.perf_counter() - start
+            spent[1] += time.thread_time() - cpu
+            spent[2] += matrix.shape[0] if count_stacks and matrix.dim() == 3 else 1
+            return out
+        return run
+    for name, fn in originals.items():
+        setattr(module, name, timed(fn))
+    try:
+        yield
+    finally:
+        for name, fn in originals.items():
+            setattr(module, name, fn)
 
 
 def against_one_rank(one: dict, rows: list[dict], work: str, bytes_key: str, count: str) -> dict:
