@@ -552,6 +552,23 @@ def test_a_kept_gradient_given_memory_of_another_dtype_is_refused_before_any_wri
     assert_tree_equal(everything(run), before)
 
 
+@pytest.mark.parametrize("member", OPTIMIZERS, ids=lambda m: m.name)
+def test_a_kept_gradient_reshaped_in_place_is_refused_before_any_write(member):
+    """A kept gradient transposed in place keeps its memory and changes shape: refused before
+    anything is written."""
+    data = batches(2)
+    run = train(member, mlp(), data[:1])
+    run.backward(*data[1])
+    run.update()
+    run.update()
+    with torch.no_grad():
+        run.model[2].weight.grad.t_()
+    before = everything(run)
+    with pytest.raises((ValueError, TypeError), match="gradient"):
+        run.update()
+    assert_tree_equal(everything(run), before)
+
+
 class _Tied(nn.Module):
     """Two Linear layers sharing one weight (as an embedding and a tied output layer do)."""
 
