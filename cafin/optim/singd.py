@@ -121,11 +121,28 @@ class _PendingUpdate(NamedTuple):
     due_host: bool | None
 
 
+def _contiguous(t: Tensor) -> Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _scalar_tensor(value, device, dtype) -> Tensor:
     """A 0-dim tensor of `value` in `dtype` (a Python float is not rounded through float32)."""
     if isinstance(value, Tensor):
         return value.detach().to(device=device, dtype=dtype).clone().reshape(())
     return torch.tensor(float(value), device=device, dtype=dtype)
+
+
+class _StepPlan(NamedTuple):
+    """How a step routes each layer, kept from step to step on one process (no collectives)
+    while `key` holds: the parameters' memory (`.data =` moves it) and which parameters have
+    gradients. Factors, momenta and parameters are written in place, so the tensors held here
+    stay the live ones until `_attach` (a new group, a checkpoint load) drops the plan."""
+    key: tuple
+    # group index -> (device, dtype) -> (params, momenta, K, C, offsets) of the fused diagonal
+    # step, whose gradients are read at each step
+    diagonal: dict[int, dict[tuple, tuple[list, ...]]]
+    natural: list  # (layer, its gradients' names, sk, sc, K, C): the natural-gradient layers
+    unowned: dict[int, list]  # group index -> its parameters no layer owns, with a gradient
 
 
 class SINGD(CurvatureOptimizer):
@@ -165,6 +182,7 @@ class SINGD(CurvatureOptimizer):
         self._pending: dict[int, list] = {}
         self._owned_now: dict[int, int] = {}  # FSDP2: this step's owner of each gathered layer
         self._empty: dict[tuple, Tensor] = {}
+        self._plan: _StepPlan | None = None
         self._skipped = DropCounts()  # updates dropped for non-finite statistics
         self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
@@ -316,6 +334,9 @@ class SINGD(CurvatureOptimizer):
         del self._built[len(self.param_groups):]
         self._built += [self._build_settings(g) for g in self.param_groups[len(self._built):]]
         self._pending = {id(layer): [] for layer in layers}
+        self._plan = None
+        self._layer_params_all = [p for g in self.param_groups for p in g["params"]] + [
+            p for layer in layers for p in self._layer_params(layer)]
         self._hooks = Hooks(self, layers)
         self._ranks_checked = False
 
@@ -388,6 +409,7 @@ class SINGD(CurvatureOptimizer):
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)
         new._pending = {id(layer): [] for layer in new._curvature}
+        new._plan = None
         return new
 
     # ------------------------------------------------------------------ hooks (core protocol)
@@ -758,16 +780,69 @@ class SINGD(CurvatureOptimizer):
 
     def _step(self, scale: float, grad_scale: float, divisor: Tensor | None) -> None:
         c_g = self._grad_scale_prev / scale ** 2
-        dues = [(layer, self._steps.host_due(self._group(layer)["T"])) for layer in self._curvature]
-        if distributed():
-            self._average_curvature([layer for layer, due in dues if due is not False])
+        due_of = [self._steps.host_due(group["T"]) for group in self.param_groups]
+        dues = [(layer, due_of[self._group_of[layer.anchor]]) for layer in self._curvature]
+        updating = [(layer, due) for layer, due in dues
+                    if due is not False and any(p.grad is not None for p in self._layer_params(layer))]
+        if distributed() or self._sharded:
+            self._step_across_ranks(dues, updating, c_g, grad_scale, divisor)
+            return
+        self._update_preconditioners(updating, c_g)
+        plan = self._step_plan()
+        per_group: dict[int, tuple[list, list, list]] = {}
+        for layer, names, sk, sc, K, C in plan.natural:
+            grads = {n: getattr(layer.module, n).grad for n in names}
+            self._queue_natural_gradient(layer, grads, None, sk, sc, K, C, grad_scale, per_group, [])
+        per_diag = {index: {key: (ps, [_contiguous(p.grad) for p in ps], *rest)
+                            for key, (ps, *rest) in buckets.items()}
+                    for index, buckets in plan.diagonal.items()}
+        self._apply_updates(per_group, per_diag, plan.unowned, grad_scale, divisor)
+
+    def _step_plan(self) -> _StepPlan:
+        """This step's `_StepPlan`: the kept one while its key holds, else a new one. A compiled
+        step builds it every time (the compiler guards on what it reads; it cannot read the
+        memory addresses of the key)."""
+        params, key = self._layer_params_all, None
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            key = (self.backend, tuple(map(torch.Tensor.data_ptr, params)),
+                   tuple(p.grad is None for p in params))
+            if self._plan is not None and self._plan.key == key:
+                return self._plan
+        diagonal: dict[int, dict[tuple, tuple[list, ...]]] = {}
+        natural, owned = [], set()
+        for layer in self._curvature:
+            owned.update(layer.params.values())
+            names = [n for n in ("weight", "bias") if getattr(layer.module, n, None) is not None]
+            if all(getattr(layer.module, n).grad is None for n in names):
+                continue
+            sk, sc = self._kinds(layer)
+            K, C = self._parts(layer, "K"), self._parts(layer, "C")
+            if self._fused_diagonal(layer, sk, sc, K, C):
+                self._queue_diagonal_step(layer, K, C, diagonal)
+            else:
+                natural.append((layer, names, sk, sc, K, C))
+        plan = _StepPlan(key, diagonal, natural, self._unowned(owned))
+        if not compiling:
+            self._plan = plan
+        return plan
+
+    def _unowned(self, owned: set) -> dict[int, list]:
+        """Per group, its parameters with a gradient that no supported layer owns."""
+        return {index: [p for p in group["params"] if p not in owned and p.grad is not None]
+                for index, group in enumerate(self.param_groups)}
+
+    def _step_across_ranks(self, dues, updating, c_g, grad_scale: float,
+                           divisor: Tensor | None) -> None:
+        """The step under torch.distributed: the curvature averaged over the ranks, FSDP2's
+        sharded layers gathered to their owners and their rows sent back. Every layer goes
+        through the natural gradient (not the fused diagonal step): singd reduces the natural
+        gradient across the ranks (`_reduce_natural_gradient`)."""
+        self._average_curvature([layer for layer, due in dues if due is not False])
         owned = set()
         full = self._gather_sharded([layer for layer, _ in dues]) if self._sharded else {}
         returned: list[tuple[Layer, str, Tensor | None]] = []  # FSDP2: (layer, param, owner's piece)
         per_group: dict[int, tuple[list, list, list]] = {}
-        per_diag: dict[int, dict[tuple, tuple[list, ...]]] = {}
-        updating = [(layer, due) for layer, due in dues
-                    if due is not False and any(p.grad is not None for p in self._layer_params(layer))]
         self._update_preconditioners(updating, c_g)
         for layer, due in dues:
             module = layer.module
@@ -777,26 +852,23 @@ class SINGD(CurvatureOptimizer):
                 continue
             sk, sc = self._kinds(layer)
             K, C = self._parts(layer, "K"), self._parts(layer, "C")
-            if self._fused_diagonal(layer, sk, sc, K, C):
-                self._queue_diagonal_step(layer, K, C, per_diag)
-            else:
-                self._queue_natural_gradient(layer, grads, full.get(id(layer)), sk, sc, K, C,
-                                             grad_scale, per_group, returned)
+            self._queue_natural_gradient(layer, grads, full.get(id(layer)), sk, sc, K, C,
+                                         grad_scale, per_group, returned)
         self._queue_returned(returned, per_group)
-        self._apply_updates(per_group, per_diag, owned, grad_scale, divisor)
+        self._apply_updates(per_group, {}, self._unowned(owned), grad_scale, divisor)
 
     def _queue_diagonal_step(self, layer: Layer, K, C, per_diag) -> None:
         """Queue a layer with diagonal K and C for the fused diagonal step (the op forms the
-        natural gradient and updates the parameters), in its (group, device, dtype) bucket."""
+        natural gradient and updates the parameters), in its (group, device, dtype) bucket of
+        (params, momenta, K, C, offsets into K); each step reads the params' gradients."""
         bucket = per_diag.setdefault(self._group_of[layer.anchor], {}).setdefault(
-            (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], [], []))
+            (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], []))
         d_k = K[0].numel()
         for pname, p in layer.params.items():
             if p.grad is None:
                 continue
-            grad = p.grad if p.grad.is_contiguous() else p.grad.contiguous()
-            for lst, v in zip(bucket, (p, grad, self.state[p]["momentum_buffer"], K[0],
-                                       C[0], 0 if pname == "weight" else d_k - 1)):
+            for lst, v in zip(bucket, (p, self.state[p]["momentum_buffer"], K[0], C[0],
+                                       0 if pname == "weight" else d_k - 1)):
                 lst.append(v)
 
     def _queue_natural_gradient(self, layer: Layer, grads, full_grads, sk, sc, K, C, grad_scale,
@@ -844,19 +916,19 @@ class SINGD(CurvatureOptimizer):
             updates.append(piece.reshape(local(p).shape))
             bufs.append(local(self.state[p]["momentum_buffer"]))
 
-    def _apply_updates(self, per_group, per_diag, owned, grad_scale: float,
+    def _apply_updates(self, per_group, per_diag, unowned: dict[int, list], grad_scale: float,
                        divisor: Tensor | None) -> None:
         """Per group: the SGD update of the queued natural gradients and of the parameters no
-        supported layer owns (their plain gradient), then the fused diagonal steps, which read the
-        gradients' divisor on the device (`divisor`, the GradScaler's tensor, when there is one)."""
+        supported layer owns (`unowned`: their plain gradient), then the fused diagonal steps,
+        which read the gradients' divisor on the device (`divisor`, the GradScaler's tensor,
+        when there is one)."""
         for index, group in enumerate(self.param_groups):
             params, updates, bufs = per_group.setdefault(index, ([], [], []))
-            for p in group["params"]:  # parameters no layer owns: the plain gradient
-                if p not in owned and p.grad is not None:
-                    grad = local(p.grad)
-                    params.append(local(p))
-                    updates.append(grad / grad_scale if grad_scale != 1.0 else grad)
-                    bufs.append(local(self.state[p]["momentum_buffer"]))
+            for p in unowned.get(index, ()):
+                grad = local(p.grad)
+                params.append(local(p))
+                updates.append(grad / grad_scale if grad_scale != 1.0 else grad)
+                bufs.append(local(self.state[p]["momentum_buffer"]))
             if params:
                 self._apply(params, updates, bufs, group)
             for (device, dtype), (ps, gs, bs, ks, cs, offs) in per_diag.get(index, {}).items():
@@ -938,9 +1010,9 @@ class SINGD(CurvatureOptimizer):
         return self.cache_preconditioner and kind is Dense
 
     def _fused_diagonal(self, layer, sk, sc, K, C) -> bool:
-        """Whether the whole step of this layer is one elementwise kernel: diagonal K and C in the
-        parameters' op-math dtype, and no natural-gradient collective."""
-        if (self.backend != "fused" or sk is not Diagonal or sc is not Diagonal or distributed()
+        """Whether the whole step of this layer is one elementwise kernel (on one process):
+        diagonal K and C in the parameters' op-math dtype."""
+        if (self.backend != "fused" or sk is not Diagonal or sc is not Diagonal
                 or singd_maths.is_transposed(layer.module)):  # the op takes [out, in] weights
             return False
         work = _work_dtype(layer.anchor.dtype)
