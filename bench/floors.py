@@ -159,12 +159,14 @@ def dykaf(model: nn.Module, max_precond_dim: int = 10000) -> Floor:
 
 def twolevel(model: nn.Module) -> Floor:
     """Two-level K-FAC + SGD (the bench's "twolevel" step, nicolaides coarse space, a step that
-    assembles no coarse matrix): per layer the first level's eigenbasis products on its [d_out,
+    assembles no coarse matrix, on the layers `members.twolevel.preconditioned` picks): per
+    layer the first level's eigenbasis products on its [d_out,
     d_in (+1)] gradient matrix, the coarse solve F_c^-1 r (2 L^2 for L layers) and
     TWOLEVEL_BYTES per gradient-matrix element; SGD and the gradient restore over every
     parameter."""
     import cafin
-    pre = cafin.TwoLevelKFAC(_meta_copy(model))
+    from .members.twolevel import preconditioned
+    pre = cafin.TwoLevelKFAC(preconditioned(_meta_copy(model)))
     flop = elements = 0
     for group in pre.param_groups:
         w = group["params"][0]

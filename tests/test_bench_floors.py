@@ -76,14 +76,25 @@ def test_floor_ms_and_json():
 
 
 def test_member_floors_on_gpt():
-    got, failed = floors.member_floors(gpt(), ["adafisher", "kfac", "singd", "dykaf", "twolevel"])
-    assert [f.optimizer for f in got] == ["kfac", "singd", "dykaf"]
-    # two-level K-FAC refuses the GPT's Embedding: said, not raised
-    assert set(failed) == {"twolevel"} and "Embedding" in failed["twolevel"]
-    kfac = got[0]
+    model = gpt()
+    got, failed = floors.member_floors(model, ["adafisher", "kfac", "singd", "dykaf", "twolevel"])
+    assert [f.optimizer for f in got] == ["kfac", "singd", "dykaf", "twolevel"] and not failed
+    kfac, twolevel = got[0], got[3]
     # the Embedding (d_a 256, d_g 128, diagonal) and per block qkv, proj, fc, out
-    per_block = sum(4 * g * a * (g + a) for a, g in ((129, 384), (129, 128), (129, 512), (513, 128)))
+    shapes = ((129, 384), (129, 128), (129, 512), (513, 128))
+    per_block = sum(4 * g * a * (g + a) for a, g in shapes)
     assert kfac.flop == 4 * 128 * 256 * 128 + 4 * per_block
+    # two-level on the blocks only (it refuses the Embedding, and the head is its weight): their
+    # 16 layers and the 16 x 16 coarse solve; SGD and the restore still over every parameter
+    assert twolevel.flop == 4 * per_block + 2 * 16 * 16
+    params = sum(p.numel() for p in model.parameters())
+    assert twolevel.bytes == 28 * 4 * sum(a * g for a, g in shapes) + 36 * params
+
+
+def test_a_member_that_refuses_the_model_is_said_not_raised():
+    got, failed = floors.member_floors(nn.Sequential(nn.Embedding(5, 3)), ["kfac", "twolevel"])
+    assert [f.optimizer for f in got] == ["kfac"]
+    assert set(failed) == {"twolevel"} and failed["twolevel"].startswith("ValueError: ")
 
 
 def test_sgemm_rate():

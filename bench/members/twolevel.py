@@ -30,8 +30,24 @@ def sgd(model: nn.Module, lr: float, coarse_space: str | None = "nicolaides", kr
     import cafin
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    pre = cafin.TwoLevelKFAC(model, coarse_space=coarse_space or "none", krylov=krylov, **kwargs)
+    pre = cafin.TwoLevelKFAC(preconditioned(model), coarse_space=coarse_space or "none",
+                             krylov=krylov, **kwargs)
     return PreconditionedSGD(pre, opt, stats_flag=True, restore_grads=restore_grads)
+
+
+def preconditioned(model: nn.Module) -> nn.Module:
+    """What two-level K-FAC is built on: the model, or, where it holds an Embedding (which
+    two-level refuses: its input factor would be vocabulary x vocabulary), its children that
+    hold none and share no parameter with one, as the refusal's message advises (on the bench's
+    GPT: the transformer blocks; the tied head is the embedding's weight). SGD still updates
+    every parameter."""
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        return model
+    shared = {id(p) for m in embeddings for p in m.parameters()}
+    return nn.ModuleList([child for child in model.children()
+                          if not any(isinstance(m, nn.Embedding) for m in child.modules())
+                          and not any(id(p) in shared for p in child.parameters())])
 
 
 def label(coarse_space: str | None, krylov: bool = False) -> str:
@@ -97,5 +113,5 @@ MEMBER = Member(
     build=_build,
     backends=("fused", "reference"), compiles=False, captures=False,
     # A plain run shows only the coarse assembly (details); the step rows on request
-    # (--optimizers twolevel --variants fused): GPT's 3-D Linear inputs are not supported.
+    # (--optimizers twolevel --variants fused).
     default_variants=(), details=details, order=40)
