@@ -128,6 +128,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self._writer = self._choose_writer()
         self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
         self._sizes: dict[tuple, torch.Tensor] = {}
+        self._scalings: dict[int, tuple] = {}  # eager: layer -> its kept `_scaling`
+        self._constant_vectors: dict[tuple, torch.Tensor] = {}  # eager: nicolaides' vectors
         self._ones = self._create_ones()
         self.f_coarse = None
         self.f_coarse_inv = None
@@ -432,6 +434,14 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             m = torch.cat([m, b.reshape(-1, 1)], dim=1)
         return m
 
+    @classmethod
+    def _raw(cls, group, dtype: torch.dtype, grads=None) -> torch.Tensor:
+        """The gradient matrix as a tensor of its own in `dtype` (the bias column's
+        concatenation is one already: not copied twice)."""
+        m = cls._grad_matrix(group, grads)
+        own = len(group["params"]) == 2 and (grads is None or grads[1] is not None)
+        return m if own and m.dtype == dtype else m.to(dtype, copy=True)
+
     def _gather(self) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """FSDP2: every layer's full weight and bias gradients, in one all_gather per dtype (the
         two-level direction multiplies whole gradient matrices and couples the layers)."""
@@ -622,6 +632,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             r1 = torch.ones_like(raw) if cs == "nicolaides" else self._m_inv(state, residual)
             rs = [r1, self._m_inv(state, r1)]
         elif cs in ("nicolaides", "tpselepedis"):
+            if not torch.compiler.is_compiling():  # the same numbers at every step: kept
+                key = (raw.shape, raw.dtype, raw.device)
+                if key not in self._constant_vectors:
+                    ones = torch.ones_like(raw)
+                    self._constant_vectors[key] = ones / (ones.abs().max() + _NORM_EPS)
+                return [self._constant_vectors[key]]
             rs = [torch.ones_like(raw)]
         elif cs == "residual":
             rs = [self._m_inv(state, residual)]
@@ -775,7 +791,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         full = self._gather() if update_params and self._sharded else None
         stats = self._statistics() if collect else None  # an unused layer raises here
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        raws = [self._grad_matrix(g, full[i] if full else None).to(dtype, copy=True)
+        raws = [self._raw(g, dtype, full[i] if full else None)
                 for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
         covs, gate_fold, undo = self._store_statistics(states, stats, gate_cov) if collect else ([], gate_cov, None)
@@ -857,14 +873,34 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return not bad
 
     def _kfac_directions(self, states, raws) -> list[torch.Tensor]:
-        """Every layer's first-level (K-FAC) direction, per location for convolutions."""
+        """Every layer's first-level (K-FAC) direction, per location for convolutions. Eager, the
+        eigenvalues' division and the per-location one are one kept scaling (`_scaling`), and
+        the products write no intermediate the maths does not need."""
         pres = []
-        for group, state, raw in zip(self.param_groups, states, raws):
-            p = self._kfac_inverse(state, raw)
-            if group["layer_type"] == "Conv2d" or state["num_locations"] != 1:
-                p = p / state["num_locations"]
-            pres.append(p)
+        compiling = torch.compiler.is_compiling()
+        for i, (group, state, raw) in enumerate(zip(self.param_groups, states, raws)):
+            locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
+            if compiling:
+                p = self._kfac_inverse(state, raw)
+                pres.append(p / state["num_locations"] if locations else p)
+                continue
+            qg, qx = state["Q_g"], state["Q_x"]
+            rotated = torch.mm(torch.mm(qg.t(), raw), qx)
+            rotated.mul_(self._scaling(i, state, state["num_locations"] if locations else 1))
+            pres.append(torch.mm(torch.mm(qg, rotated), qx.t()))
         return pres
+
+    def _scaling(self, i: int, state, locations: int) -> torch.Tensor:
+        """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors
+        at the same versions (a decomposition replaces them, or writes them in place)."""
+        L_g, L_x = state["L_g"], state["L_x"]
+        key = (L_g._version, L_x._version, locations)
+        kept = self._scalings.get(i)
+        if kept is not None and kept[0] is L_g and kept[1] is L_x and kept[2] == key:
+            return kept[3]
+        scaling = torch.outer(L_g, L_x).mul_(locations).reciprocal_()
+        self._scalings[i] = (L_g, L_x, key, scaling)
+        return scaling
 
     def _clip(self, final, raws) -> list[torch.Tensor]:
         """published: the sum over tensors of |<final, raw>|, weight and bias apart, then
@@ -872,7 +908,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         norm = self._fisher_norm(final, raws)
         clip = self._hp("clipping", norm).to(norm.dtype)
         scale = ((clip / norm) ** 0.5).clamp(max=1.0)
-        return torch._foreach_mul(final, scale)
+        torch._foreach_mul_(final, scale)  # the directions are this step's own tensors
+        return final
 
     def _write_all(self, final, full=None) -> None:
         """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
@@ -919,9 +956,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         total = final[0].new_zeros(())
         for group, f, r in zip(self.param_groups, final, raws):
             if len(group["params"]) == 2:
-                total = total + (f[:, :-1] * r[:, :-1]).sum().abs() + (f[:, -1] * r[:, -1]).sum().abs()
+                fr = f * r
+                total = total + fr[:, :-1].sum().abs() + fr[:, -1].sum().abs()
             else:
-                total = total + (f * r).sum().abs()
+                total = total + torch.dot(f.reshape(-1), r.reshape(-1)).abs()
         return total
 
     def _two_level(self, raws, pres) -> list[torch.Tensor]:
@@ -939,7 +977,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 average_over_ranks(fx, self.process_group)
             residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
-        rhs = torch.stack([(v * r).sum() for vs, r in zip(vectors, raws) for v in vs])
+        rhs = torch.stack([torch.dot(v.reshape(-1), r.reshape(-1)) for vs, r in zip(vectors, raws) for v in vs])
         if not self._update_coarse(vectors):
             return None
         y = self.f_coarse_inv @ rhs
