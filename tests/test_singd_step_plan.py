@@ -137,3 +137,38 @@ def test_a_group_added_after_steps():
     assert not torch.equal(models[0][4].weight, frozen)
     step(models, opts, gen)
     assert len(first) == len(list(m.parameters())) - 1
+
+
+BAD_SETTINGS = [("alpha1", -1.0), ("T", 0), ("kfac_like", "yes"), ("normalize_lr_cov", 2),
+                ("exact_block_transposes", None), ("loss_average", "mean"), ("kfac_approx", "bogus"),
+                ("structures", ("dense", "dense")), ("structures", ["diagonal", "bogus"]),
+                ("preconditioner_dtype", (torch.float32, None)), ("lr_cov", -1.0)]
+
+
+@pytest.mark.parametrize("name,value", BAD_SETTINGS, ids=[f"{n}={v!r}" for n, v in BAD_SETTINGS])
+def test_a_setting_changed_after_kept_checks_is_refused_before_any_write(name, value):
+    gen = torch.Generator().manual_seed(5)
+    (m, _), (opt, _) = pair(("diagonal", "diagonal"), gen)
+    for _ in range(3):  # the settings' checks are kept from here on
+        opt.zero_grad()
+        backward((m,), gen)
+        opt.step()
+    opt.zero_grad()
+    backward((m,), gen)
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.param_groups[0][name] = value
+    with pytest.raises((ValueError, TypeError), match=name.rstrip("s")):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+
+
+def test_lr_cov_written_in_place_after_kept_checks_is_refused():
+    gen = torch.Generator().manual_seed(6)
+    (m, _), (opt, _) = pair(("diagonal", "diagonal"), gen)
+    for _ in range(2):
+        opt.zero_grad()
+        backward((m,), gen)
+        opt.step()
+    opt.param_groups[0]["lr_cov"].fill_(-1.0)
+    with pytest.raises(ValueError, match="lr_cov"):
+        opt.step()

@@ -21,6 +21,7 @@ settings, statistics and update rule.
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from typing import Any, Callable, Iterable, NamedTuple
 
@@ -45,6 +46,11 @@ _LOSS_AVERAGES = (None, "batch", "batch+sequence")
 _LOSS_AVERAGE = Choice(*_LOSS_AVERAGES)
 _KFAC_APPROX = Choice("expand", "reduce")
 _FLAG = Flag()
+
+
+# Every group entry `_check_settings` and `_check_built` read.
+_SETTINGS = ("alpha1", "lr_cov", "T", "kfac_like", "normalize_lr_cov", "exact_block_transposes",
+             "loss_average", "kfac_approx", "structures", "preconditioner_dtype")
 
 
 def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
@@ -183,6 +189,8 @@ class SINGD(CurvatureOptimizer):
         self._owned_now: dict[int, int] = {}  # FSDP2: this step's owner of each gathered layer
         self._empty: dict[tuple, Tensor] = {}
         self._plan: _StepPlan | None = None
+        # id(group) -> (group, its _SETTINGS values, lr_cov's version) that passed _check_settings
+        self._settings_checked: dict[int, tuple] = {}
         self._skipped = DropCounts()  # updates dropped for non-finite statistics
         self._init_scale = _grad_scale(init_grad_scale, "init_grad_scale")
         self._manual_scale: float | None = None
@@ -268,10 +276,22 @@ class SINGD(CurvatureOptimizer):
             raise type(e)(where + str(e)) from None
 
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
+        """The core's checks, then SINGD's own settings, which are read again only when one of
+        them is another object than the one that passed (or lr_cov, a tensor, was written)."""
         super()._check_group(index, group)
-        if not torch.compiler.is_compiling():
-            self._check_settings(group, index)
-            self._check_built(group, index)
+        if torch.compiler.is_compiling():
+            return
+        values = [group[name] for name in _SETTINGS]
+        lr_cov = group["lr_cov"]
+        version = lr_cov._version if isinstance(lr_cov, Tensor) and not lr_cov.is_inference() else None
+        seen = self._settings_checked.get(id(group))
+        if (seen is not None and seen[0] is group and version is not None and seen[2] == version
+                and all(map(operator.is_, values, seen[1]))):
+            return
+        self._check_settings(group, index)
+        self._check_built(group, index)
+        if isinstance(group["structures"], tuple) and isinstance(group["preconditioner_dtype"], tuple):
+            self._settings_checked[id(group)] = (group, values, version)  # (a list can change in place)
 
     @staticmethod
     def _build_settings(group: dict[str, Any]) -> tuple:
