@@ -884,10 +884,13 @@ class SINGD(CurvatureOptimizer):
         bucket = per_diag.setdefault(self._group_of[layer.anchor], {}).setdefault(
             (layer.anchor.device, layer.anchor.dtype), ([], [], [], [], []))
         d_k = K[0].numel()
+        # The op scales row r by C[r]^2 and column j by K[offset + j]^2. An Embedding's weight is
+        # [vocabulary (K's side), dim (C's side)]: its rows take K, its columns C.
+        rows, columns = (K[0], C[0]) if isinstance(layer.module, nn.Embedding) else (C[0], K[0])
         for pname, p in layer.params.items():
             if p.grad is None:
                 continue
-            for lst, v in zip(bucket, (p, self.state[p]["momentum_buffer"], K[0], C[0],
+            for lst, v in zip(bucket, (p, self.state[p]["momentum_buffer"], columns, rows,
                                        0 if pname == "weight" else d_k - 1)):
                 lst.append(v)
 
@@ -1033,7 +1036,7 @@ class SINGD(CurvatureOptimizer):
         """Whether the whole step of this layer is one elementwise kernel (on one process):
         diagonal K and C in the parameters' op-math dtype."""
         if (self.backend != "fused" or sk is not Diagonal or sc is not Diagonal
-                or singd_maths.is_transposed(layer.module)):  # the op takes [out, in] weights
+                or is_transposed_linear(layer.module)):  # its bias column is not the weight's
             return False
         work = _work_dtype(layer.anchor.dtype)
         return (K[0].dtype == work and C[0].dtype == work
