@@ -8,7 +8,6 @@ import math
 import operator
 import types
 import warnings
-import weakref
 from itertools import repeat
 from typing import Any
 
@@ -44,40 +43,10 @@ def _version_of(value: Any) -> int | tuple | None:
 
 
 _grad_of = operator.attrgetter("grad")
-
-
 _shape_of = operator.attrgetter("shape")
-
-
-def _pointers(params: list, grads: list) -> list | None:
-    """Where the parameters' and gradients' memory is, and their shapes: `.data =` (and
-    `model.to(...)`, which uses it) moves the memory, `resize_` or `t_` may keep it and change
-    the shape. None where that says nothing: a tensor without memory of its own (a DTensor's
-    pointer is 0, as an empty tensor's), or a gradient is missing."""
-    try:
-        pointers = list(map(torch.Tensor.data_ptr, params)) + list(map(torch.Tensor.data_ptr, grads))
-    except (RuntimeError, TypeError):
-        return None
-    if 0 in pointers:
-        return None
-    return pointers + list(map(_shape_of, params)) + list(map(_shape_of, grads))
-
-
-class _CheckedGradients:
-    """A group's gradients that passed `_check_gradients`, held weakly (a gradient that
-    zero_grad drops is freed), and where they and their parameters were when they passed."""
-    __slots__ = ("group", "params", "grads", "pointers")
-
-    def __init__(self, group: dict, params: list, grads: list) -> None:
-        self.group, self.params = group, list(params)
-        self.grads = list(map(weakref.ref, grads))
-        self.pointers = None  # taken when the same gradients come back
-
-    def holds(self, group: dict, params: list) -> bool:
-        """Whether these are the same group and parameters, with the same gradients."""
-        return (self.group is group and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params))
-                and all(map(operator.is_, map(_grad_of, params), map(operator.call, self.grads))))
+_dtype_of = operator.attrgetter("dtype")
+_device_of = operator.attrgetter("device")
+_is_sparse = operator.attrgetter("is_sparse")
 
 
 # ------------------------------------------------------------------------------ the optimizer base
@@ -103,7 +72,6 @@ class CoreOptimizer(torch.optim.Optimizer):
         self._ones: dict[tuple, torch.Tensor] = {}
         # id(group) -> (group, values, versions) of the hyperparameters that passed `_check_group`
         self._live_checked: dict[int, tuple] = {}
-        self._grads_checked: dict[int, _CheckedGradients] = {}  # id(group) -> what passed last
         self._called = _Called()
         super().__init__(params, defaults)
 
@@ -194,30 +162,26 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         """Everything the kernels would reject, in what a user or a schedule may have changed
         since the group was added. A hyperparameter tensor that passed is not read again until
-        it changes (another object, or a write bumped its version counter). Gradients are
-        compared with their parameters when they are new tensors; the gradients that passed
-        at the last step (zero_grad(set_to_none=False) keeps them) again only when a parameter
-        or a gradient was given new memory (`.data =`, as `model.to(...)` does)."""
+        it changes (another object, or a write bumped its version counter); the gradients are
+        compared with their parameters at every step (`.data =`, as `model.to(...)` uses, or
+        `resize_` may change a kept gradient or parameter without a trace to watch)."""
         self._check_hyperparameters(index, group)
-        params = group["params"]
-        if torch.compiler.is_compiling():
-            self._check_gradients(index, params)
-            return
-        seen = self._grads_checked.get(id(group))
-        if seen is not None and seen.holds(group, params):
-            grads = list(map(_grad_of, params))
-            pointers = _pointers(params, grads)
-            if pointers is None or pointers != seen.pointers:
-                self._check_gradients(index, params)
-                seen.pointers = pointers
-            return
-        grads = self._check_gradients(index, params)
-        if all(map(operator.is_not, grads, repeat(None))):  # kept when every parameter has one
-            self._grads_checked[id(group)] = _CheckedGradients(group, params, grads)
+        self._check_gradients(index, group["params"])
 
     def _check_gradients(self, index: int, params: list) -> list:
         """Every gradient dense and of its parameter's dtype, shape and device, every parameter
         with a gradient contiguous (when the kernels need it). Returns the gradients."""
+        # Eager, the usual step (every parameter has a gradient) is checked property by property
+        # over the whole group: a few passes over the lists, each a C loop; anything it does not
+        # pass is looked at parameter by parameter below (gradients missing, or an error to name).
+        if not torch.compiler.is_compiling():
+            grads = list(map(_grad_of, params))
+            if (all(map(operator.is_not, grads, repeat(None))) and not any(map(_is_sparse, grads))
+                    and list(map(_shape_of, grads)) == list(map(_shape_of, params))
+                    and list(map(_dtype_of, grads)) == list(map(_dtype_of, params))
+                    and list(map(_device_of, grads)) == list(map(_device_of, params))
+                    and (not self.contiguous_params or all(map(torch.Tensor.is_contiguous, params)))):
+                return grads
         owner, contiguous = type(self).__name__, self.contiguous_params
         grads = []
         for p in params:
