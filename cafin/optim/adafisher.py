@@ -186,6 +186,12 @@ class AdaFisher(CurvatureOptimizer):
                 for i, p in enumerate(params):
                     self.state[p]["step"] = counts[i]
 
+    def _copied_from(self, original: "AdaFisher") -> None:
+        super()._copied_from(original)
+        # A deep copy keeps the counts' shared memory but not their views: grouped again.
+        self._pack_step_counts()
+        self._step_tensors = {}
+
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         work = state_dtype(p.dtype)
         expected = {"step": ((), torch.float32), "exp_avg": (tuple(p.shape), work)}
