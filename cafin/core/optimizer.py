@@ -9,7 +9,6 @@ import math
 import operator
 import types
 import warnings
-from itertools import repeat
 from typing import Any
 
 import torch
@@ -42,13 +41,6 @@ def _version_of(value: Any) -> int | tuple | None:
                                         for t in value):
         return tuple(t._version for t in value)
     return None
-
-
-_grad_of = operator.attrgetter("grad")
-_shape_of = operator.attrgetter("shape")
-_dtype_of = operator.attrgetter("dtype")
-_device_of = operator.attrgetter("device")
-_is_sparse = operator.attrgetter("is_sparse")
 
 
 # ------------------------------------------------------------------------------ the optimizer base
@@ -183,26 +175,16 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _check_group(self, index: int, group: dict[str, Any]) -> None:
         """Everything the kernels would reject, in what a user or a schedule may have changed
         since the group was added. A hyperparameter tensor that passed is not read again until
-        it changes (another object, or a write bumped its version counter); the gradients are
-        compared with their parameters at every step (`.data =`, as `model.to(...)` uses, or
-        `resize_` may change a kept gradient or parameter without a trace to watch)."""
+        it changes (another object, or a write bumped its version counter). The gradients are
+        compared with their parameters at every step, in one pass over the group: a test of
+        whether kept gradients changed would cost as much (`.data =`, as `model.to(...)` uses,
+        and `resize_` leave no counter to watch)."""
         self._check_hyperparameters(index, group)
         self._check_gradients(index, group["params"])
 
     def _check_gradients(self, index: int, params: list) -> list:
         """Every gradient dense and of its parameter's dtype, shape and device, every parameter
         with a gradient contiguous (when the kernels need it). Returns the gradients."""
-        # Eager, the usual step (every parameter has a gradient) is checked property by property
-        # over the whole group: a few passes over the lists, each a C loop; anything it does not
-        # pass is looked at parameter by parameter below (gradients missing, or an error to name).
-        if not torch.compiler.is_compiling():
-            grads = list(map(_grad_of, params))
-            if (all(map(operator.is_not, grads, repeat(None))) and not any(map(_is_sparse, grads))
-                    and list(map(_shape_of, grads)) == list(map(_shape_of, params))
-                    and list(map(_dtype_of, grads)) == list(map(_dtype_of, params))
-                    and list(map(_device_of, grads)) == list(map(_device_of, params))
-                    and (not self.contiguous_params or all(map(torch.Tensor.is_contiguous, params)))):
-                return grads
         owner, contiguous = type(self).__name__, self.contiguous_params
         grads = []
         for p in params:
