@@ -237,17 +237,13 @@ class AdaFisher(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
-        """Collect one group's tensors (torch.compile runs this eagerly and marks them static):
-        the gradients at every step, the rest from the group's `_StepTensors` when kept."""
+        """Collect the tensors of a group's parameters that have gradients (torch.compile runs
+        this eagerly and marks them static; an eager step where every parameter has a gradient
+        takes `_usual_step` instead): the gradients at every step, the rest from the group's
+        `_StepTensors` when kept."""
         kept = self._step_tensors_of(group)
         current = list(map(_grad_of, group["params"]))
         outputs = (params, exp_avgs, steps, fisher_S, fisher_H, h_offsets)
-        if kept is not None and all(map(operator.is_not, current, repeat(None))):  # the usual step
-            contiguous = all(map(torch.Tensor.is_contiguous, current))
-            grads += current if contiguous else [g if g.is_contiguous() else g.contiguous() for g in current]
-            for lst, column in zip(outputs, kept.columns):
-                lst += column
-            return False
         entries = kept.entries if kept is not None else [self._step_entry(p) for p in group["params"]]
         for grad, entry in zip(current, entries):
             if grad is None:
