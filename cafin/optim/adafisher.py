@@ -119,6 +119,11 @@ class AdaFisher(CurvatureOptimizer):
         sd = super().state_dict()
         for group in sd["param_groups"]:  # a plain tuple: torch.load(weights_only=True) takes it
             group["betas"] = tuple(group["betas"])
+        # A step count is a view into its group's counts (`_pack_step_counts`): saved as a tensor
+        # of its own, so a checkpoint holds what torch.optim's do (and the saved entry is a new
+        # dict: torch.optim's holds the live state's).
+        sd["state"] = {index: {**entry, "step": entry["step"].clone()} if "step" in entry else entry
+                       for index, entry in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -157,6 +162,7 @@ class AdaFisher(CurvatureOptimizer):
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p.dtype),
                                                         memory_format=torch.contiguous_format)
+        self._pack_step_counts()
         for layer in self._curvature:
             state = self.state[layer.anchor]
             if "fisher_S" not in state:
@@ -164,6 +170,27 @@ class AdaFisher(CurvatureOptimizer):
         self._hooks = Hooks(self, self._curvature)
         self._ranks_checked = False
         self._step_tensors: dict[int, _StepTensors] = {}  # rebuilt: layers or state may be new
+
+    def _pack_step_counts(self) -> None:
+        """Make the step counts of a group's parameters on one device views of one tensor of
+        counts (their values kept), so that the usual step, where every parameter has a gradient,
+        advances them with one add instead of one per parameter. Each parameter's `step` stays a
+        0-dim float32 tensor of its own to every reader; a step where some parameters have no
+        gradient advances the others' views one by one."""
+        for group in self.param_groups:
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for p in group["params"]:
+                by_device.setdefault(p.device, []).append(p)
+            for params in by_device.values():
+                counts = torch.stack([self.state[p]["step"] for p in params])
+                for i, p in enumerate(params):
+                    self.state[p]["step"] = counts[i]
+
+    def _copied_from(self, original: "AdaFisher") -> None:
+        super()._copied_from(original)
+        # A deep copy keeps the counts' shared memory but not their views: grouped again.
+        self._pack_step_counts()
+        self._step_tensors = {}
 
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         work = state_dtype(p.dtype)
@@ -210,17 +237,13 @@ class AdaFisher(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ step
     def _init_group(self, group, params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets):
-        """Collect one group's tensors (torch.compile runs this eagerly and marks them static):
-        the gradients at every step, the rest from the group's `_StepTensors` when kept."""
+        """Collect the tensors of a group's parameters that have gradients (torch.compile runs
+        this eagerly and marks them static; an eager step where every parameter has a gradient
+        takes `_usual_step` instead): the gradients at every step, the rest from the group's
+        `_StepTensors` when kept."""
         kept = self._step_tensors_of(group)
         current = list(map(_grad_of, group["params"]))
         outputs = (params, exp_avgs, steps, fisher_S, fisher_H, h_offsets)
-        if kept is not None and all(map(operator.is_not, current, repeat(None))):  # the usual step
-            contiguous = all(map(torch.Tensor.is_contiguous, current))
-            grads += current if contiguous else [g if g.is_contiguous() else g.contiguous() for g in current]
-            for lst, column in zip(outputs, kept.columns):
-                lst += column
-            return False
         entries = kept.entries if kept is not None else [self._step_entry(p) for p in group["params"]]
         for grad, entry in zip(current, entries):
             if grad is None:
@@ -271,10 +294,26 @@ class AdaFisher(CurvatureOptimizer):
             self._step_tensors.pop(id(group), None)
             return None
         entries = [self._step_entry(p) for p in params]
-        kept = _StepTensors(group, list(params), entries, [list(c) for c in zip(*entries)] or [[]] * 6,
-                            _buckets(params))
+        columns = [list(c) for c in zip(*entries)] or [[]] * 6
+        kept = _StepTensors(group, list(params), entries, columns, _buckets(params),
+                            _whole_counts(columns[2]))
         self._step_tensors[id(group)] = kept
         return kept
+
+    def _usual_step(self, group) -> "tuple[_StepTensors, tuple[list, ...]] | None":
+        """Eager, where every parameter of the group has a gradient (the usual step): its
+        `_StepTensors` and the op's lists, which are its kept lists themselves (read only, not
+        copied) with this step's gradients. None otherwise (then `_init_group` builds them)."""
+        kept = self._step_tensors_of(group)
+        if kept is None:
+            return None
+        grads = list(map(_grad_of, group["params"]))
+        if not all(map(operator.is_not, grads, repeat(None))):
+            return None
+        if not all(map(torch.Tensor.is_contiguous, grads)):
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        params, exp_avgs, steps, fisher_S, fisher_H, h_offsets = kept.columns
+        return kept, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets)
 
     def _bucket_settings(self, group, buckets: list, kept: "_StepTensors | None") -> list[tuple]:
         """Per bucket, (lr, beta, weight_decay, Lambda) as the op reads them. Kept with the
@@ -371,24 +410,30 @@ class AdaFisher(CurvatureOptimizer):
                     group["betas"] = _BetaMirror((group["beta"],))
         groups = []
         for group in self.param_groups:
-            lists: tuple[list, ...] = ([], [], [], [], [], [], [])
-            self._init_group(group, *lists)
-            groups.append((group, lists))
+            usual = None if torch.compiler.is_compiling() else self._usual_step(group)
+            if usual is None:
+                lists: tuple[list, ...] = ([], [], [], [], [], [], [])
+                self._init_group(group, *lists)
+                usual = (None, lists)
+            groups.append((group, *usual))
         self._update_factors(grad_scale, found_inf)
-        for group, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
+        for group, kept, (params, grads, exp_avgs, steps, fisher_S, fisher_H, h_offsets) in groups:
             if not params:
                 continue
-            devices = [] if torch.compiler.is_compiling() else self._steps.devices()
-            if len(devices) == 1:  # eager, one device: the list of one tensor, made at once
-                # (the overload taking a single tensor copies it for every entry on the CPU)
-                torch._foreach_add_(steps, [self._steps.one(devices[0])] * len(steps))
+            counts = kept.counts if kept is not None else None
+            if counts is not None:  # every step count of the group: one add per device
+                for t in counts:
+                    t.add_(self._steps.one(t.device))
             else:
-                torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
-            # Every parameter has a gradient (the usual step): the group's kept buckets.
-            kept = self._step_tensors_of(group)
-            whole = kept is not None and len(kept.params) == len(params)
-            buckets = kept.buckets if whole else _buckets(params)
-            settings = self._bucket_settings(group, buckets, kept if whole else None)
+                devices = [] if torch.compiler.is_compiling() else self._steps.devices()
+                if len(devices) == 1:  # eager, one device: the list of one tensor, made at once
+                    # (the overload taking a single tensor copies it for every entry on the CPU)
+                    torch._foreach_add_(steps, [self._steps.one(devices[0])] * len(steps))
+                else:
+                    torch._foreach_add_(steps, [self._steps.one(s.device) for s in steps])
+            # The usual step: the group's kept buckets and settings.
+            buckets = kept.buckets if kept is not None else _buckets(params)
+            settings = self._bucket_settings(group, buckets, kept)
             for (device, dtype, idx), (lr, beta, weight_decay, damping) in zip(buckets, settings):
                 pick = (lambda xs: xs) if idx is None else (lambda xs: [xs[i] for i in idx])
                 self._impl.adafisher_step_(
@@ -396,7 +441,11 @@ class AdaFisher(CurvatureOptimizer):
                     pick(fisher_H), pick(h_offsets), lr, beta, weight_decay, damping,
                     self.decoupled_weight_decay, to_device(grad_scale, device), to_device(found_inf, device))
             if found_inf is not None:  # a skipped step does not count, as in torch's fused Adam
-                torch._foreach_sub_(steps, [to_device(found_inf, s.device) for s in steps])
+                if counts is not None:
+                    for t in counts:
+                        t.sub_(to_device(found_inf, t.device))
+                else:
+                    torch._foreach_sub_(steps, [to_device(found_inf, s.device) for s in steps])
         self._steps.advance()
         return loss
 
@@ -463,14 +512,33 @@ AdaFisher.__doc__ = (
 class _StepTensors:
     """A group's `_step_entry`s, its buckets and its settings as the op reads them, kept while
     its parameter list stays the same objects."""
-    __slots__ = ("group", "params", "entries", "columns", "buckets", "settings")
+    __slots__ = ("group", "params", "entries", "columns", "buckets", "counts", "settings")
 
-    def __init__(self, group: dict, params: list, entries: list, columns: list, buckets: list):
+    def __init__(self, group: dict, params: list, entries: list, columns: list, buckets: list,
+                 counts: list | None):
         self.group, self.params = group, params
         self.entries = entries  # per parameter
         self.columns = columns  # per kind: the parameters, exp_avgs, steps, fisher_S, fisher_H, h_offsets
         self.buckets = buckets  # `_buckets(params)`
+        self.counts = counts  # `_whole_counts` of the steps
         self.settings = None  # (the group's values, per bucket the op's tensors), once resolved
+
+
+def _whole_counts(steps: list) -> list | None:
+    """The tensors of counts that `steps` are views of, when the views cover each of them
+    exactly once (as `_pack_step_counts` makes them): adding to those advances exactly these
+    steps. None otherwise (a parameter dropped from the group, a count replaced)."""
+    counts: dict[int, tuple[torch.Tensor, set]] = {}
+    for t in steps:
+        base = t._base
+        if base is None or t.dim() != 0 or base.dim() != 1 or base.stride() != (1,):
+            return None
+        counts.setdefault(id(base), (base, set()))[1].add(t.storage_offset() - base.storage_offset())
+    if sum(base.numel() for base, _ in counts.values()) != len(steps):
+        return None
+    if any(offsets != set(range(base.numel())) for base, offsets in counts.values()):
+        return None
+    return [base for base, _ in counts.values()]
 
 
 def _buckets(params: list) -> list[tuple]:
