@@ -46,7 +46,7 @@ __all__ = [
     "supports", "is_conv", "diagonal_input", "groups_of", "locations", "factor_sizes",
     "input_rows", "grad_rows", "input_covariance", "grad_covariance",
     "kfac_input_factor", "kfac_grad_factor", "grad_matrix", "write_grad_matrix",
-    "weight_grad_view", "unsupported_option", "KFAC_APPROXIMATIONS",
+    "weight_grad_view", "weight_is_transposed", "unsupported_option", "KFAC_APPROXIMATIONS",
 ]
 
 
@@ -397,12 +397,17 @@ def kfac_grad_factor(module, g, approx: str = "expand", **kwargs) -> torch.Tenso
 
 
 # --------------------------------------------------------------- gradients as matrices
+def weight_is_transposed(module: nn.Module) -> bool:
+    """Whether the weight is stored [input side, gradient side]: an Embedding's [vocab, dim], a
+    `Conv1D`'s [in, out]."""
+    return isinstance(module, nn.Embedding) or is_transposed_linear(module)
+
+
 def weight_grad_view(module: nn.Module, weight_grad: torch.Tensor) -> torch.Tensor:
-    """The weight gradient oriented [gradient side, input side] as a view: the transpose of an
-    Embedding's [vocab, dim] and of a `Conv1D`'s [in, out], the gradient itself otherwise."""
-    if isinstance(module, nn.Embedding) or is_transposed_linear(module):
-        return weight_grad.t()
-    return weight_grad
+    """The weight gradient oriented [gradient side, input side] as a view: the transpose of a
+    weight stored [input side, gradient side] (`weight_is_transposed`), the gradient itself
+    otherwise."""
+    return weight_grad.t() if weight_is_transposed(module) else weight_grad
 
 
 def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
