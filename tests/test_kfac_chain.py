@@ -283,3 +283,32 @@ def test_bench_restore_keeps_its_buffers():
     params[1].grad = torch.full((2, 2), 5.0)
     step.step()
     assert len(step._saved) == 2 and torch.equal(params[1].grad, torch.full((2, 2), 5.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_clip_sum_over_rows_of_every_width(dtype):
+    """The CPU kernel's clip sum runs in eight lanes per row with a tail: rows of widths around
+    and past the lanes, with and without bias, give the reference's clipped gradients."""
+    from cafin import ops, reference
+    gen = torch.Generator().manual_seed(7)
+    ws, bs, vs = [], [], []
+    for rows, cols, bias in [(3, 1, False), (2, 8, False), (4, 9, True), (1, 17, True), (5, 130, True),
+                             (2, 16, True)]:
+        ws.append(torch.randn(rows, cols - bias, dtype=torch.float64, generator=gen).to(dtype))
+        bs.append(torch.randn(rows, dtype=torch.float64, generator=gen).to(dtype) if bias else
+                  torch.empty(0, dtype=dtype))
+        vs.append(torch.randn(1, rows, cols, dtype=torch.float64, generator=gen).to(dtype))
+    lr = torch.tensor(0.5, dtype=torch.float64)
+    vg = sum((v[0, :, :w.shape[1]].double() * w.double()).sum()
+             + (v[0, :, -1].double() * b.double()).sum() if b.numel() else
+             (v[0].double() * w.double()).sum() for w, b, v in zip(ws, bs, vs))
+    kl = torch.tensor(0.01, dtype=torch.float64) * abs(vg.item()) * lr.item() ** 2  # nu = 0.1
+    want = ([w.clone() for w in ws], [b.clone() for b in bs])
+    reference.kfac_precondition_apply_(*want, vs, lr, kl)
+    ops.kfac_precondition_apply_(ws, bs, vs, lr, kl)
+    eps = torch.finfo(dtype).eps
+    for got, ref, v in zip(ws, want[0], vs):
+        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=0)
+        torch.testing.assert_close(got.double(), 0.1 * v[0, :, :got.shape[1]].double(), rtol=4 * eps, atol=0)
+    for got, ref in zip(bs, want[1]):
+        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=0)

@@ -281,6 +281,9 @@ class KFACPreconditioner(Preconditioner):
         for group in (self._column_group, self._row_group):  # shared, as the process group is
             if group is not None:
                 memo.setdefault(id(group), group)
+        # The product buffers are not copied: their bound operations hold the original's
+        # tensors; the copy makes its own on its first step.
+        memo.setdefault(id(self._chains), {})
         return super().__deepcopy__(memo)
 
     def _choose_backends(self) -> None:
