@@ -420,6 +420,20 @@ def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
     return torch.cat([w, bias_grad.reshape(groups, d_g, 1)], dim=2)
 
 
+def grad_matrix_destinations(module: nn.Module, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of a [groups, d_g, d_a] gradient matrix `out` that the weight gradient (oriented as
+    `weight_grad_view` gives it, in the weight's shape) and the bias gradient (None without a
+    bias) copy into: `grad_matrix_into` with the views made once. `out` needs rows of equal
+    stride (a row-aligned buffer's are)."""
+    groups, _, d_g = factor_sizes(module)
+    d_w = out.shape[2] - _bias(module)
+    shape = tuple(module.weight.shape)
+    if weight_is_transposed(module):
+        shape = shape[::-1]
+    bias = out[:, :, d_w].view(groups * d_g) if _bias(module) else None
+    return out[:, :, :d_w].view(shape), bias
+
+
 def grad_matrix_into(module: nn.Module, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None,
                      out: torch.Tensor) -> torch.Tensor:
     """`grad_matrix` copied into `out` [groups, d_g, d_a] (any strides and dtype), no allocation."""
