@@ -421,17 +421,16 @@ def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
 
 
 def grad_matrix_destinations(module: nn.Module, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Views of a [groups, d_g, d_a] gradient matrix `out` that the weight gradient (oriented as
-    `weight_grad_view` gives it, in the weight's shape) and the bias gradient (None without a
-    bias) copy into: `grad_matrix_into` with the views made once. `out` needs rows of equal
-    stride (a row-aligned buffer's are)."""
+    """Views of a [groups, d_g, d_a] gradient matrix `out` that the weight gradient (in the
+    weight's own shape and orientation: a transposed view for a weight stored transposed) and
+    the bias gradient (None without a bias) copy into: `grad_matrix_into` with the views made
+    once. `out` needs rows of equal stride (a row-aligned buffer's are)."""
     groups, _, d_g = factor_sizes(module)
     d_w = out.shape[2] - _bias(module)
-    shape = tuple(module.weight.shape)
-    if weight_is_transposed(module):
-        shape = shape[::-1]
     bias = out[:, :, d_w].view(groups * d_g) if _bias(module) else None
-    return out[:, :, :d_w].view(shape), bias
+    if weight_is_transposed(module):
+        return out[:, :, :d_w].view(tuple(module.weight.shape)[::-1]).t(), bias
+    return out[:, :, :d_w].view(tuple(module.weight.shape)), bias
 
 
 def grad_matrix_into(module: nn.Module, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None,

@@ -173,7 +173,7 @@ class _Mixed(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(13, 8)
+        self.emb = nn.Embedding(480, 8)  # 480 rows: no padding, and a gradient past 60 x 60
         self.a = nn.Linear(8, 8)
         self.b = nn.Linear(8, 8)
         self.p = Conv1D(9, 8)
@@ -208,7 +208,7 @@ def test_step_forms_match_plain_products(monkeypatch, dtype, per_layer):
     torch.manual_seed(0)
     base = _Mixed().to(dtype)
     gen = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 13, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen))
+    batches = [(torch.randint(0, 480, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen))
                for _ in range(4)]
     plain_model = copy.deepcopy(base)
     plain = cafin.KFACPreconditioner(plain_model, damping=1e-2, inv_dtype=dtype, backend="fused")
@@ -247,7 +247,7 @@ def test_eager_cpu_step_allocates_nothing(dtype):
     model = _Mixed().to(dtype)
     pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=dtype, backend="fused",
                                    factor_update_steps=10**9, inv_update_steps=10**9)
-    x, y = torch.randint(0, 13, (6, 4)), torch.randint(0, 5, (6,))
+    x, y = torch.randint(0, 480, (6, 4)), torch.randint(0, 5, (6,))
     F.cross_entropy(model(x), y).backward()
     pre.step()  # decomposes (step 0), makes the buffers
     saved = [p.grad.clone() for p in model.parameters()]

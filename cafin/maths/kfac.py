@@ -125,8 +125,8 @@ def eigen_precondition_right_into(grad: torch.Tensor, qa: torch.Tensor | None, q
     as a multiplication by an eigenbasis on the right, the previous result read transposed:
     X^T = grad^T Q_G, Y = X Q_A, Y (*) dgda, Z^T = Y^T Q_G^T, V = Z Q_A^T. These are
     `eigen_precondition`'s products in its association, laid out differently: on one CPU core
-    MKL runs them 5-25 % faster than the products written as they are where a width is a bias
-    column's (129, 513), with the same numbers. With qa None (Q_A = I) the two products are
+    MKL ran them 10-20 % faster than the products written as they are where a width is a bias
+    column's (129, 513), with the same numbers up to float rounding. With qa None (Q_A = I) the two products are
     written as they are: Q_G^T grad into work, scaled, Q_G (...) back into grad. No allocation.
 
     grad [(groups,) d_g, d_a] in the decomposition's dtype, overwritten by the result (returned);

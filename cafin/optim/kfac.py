@@ -892,12 +892,12 @@ class KFACPreconditioner(Preconditioner):
             self._chains[key] = chain
         if chain.per_layer:  # each layer's gradients copied in, then its products
             for layer, into, steps in zip(layers, chain.into, chain.steps):
-                _copy_into(layer, self._grads(layer), into)
+                _copy_into(self._grads(layer), into)
                 for op in steps:
                     op()
             return chain.pieces
         for layer, into in zip(layers, chain.into):
-            _copy_into(layer, self._grads(layer), into)
+            _copy_into(self._grads(layer), into)
         kfac_maths.eigen_precondition_into(chain.grad, s.get("qa"), s["qg"], s["dgda"], chain.work,
                                            chain.outs[0])
         return chain.pieces
@@ -1244,9 +1244,9 @@ class _Chain:
     shapes) over its groups, made on first use: the gradient matrix `grad` [groups, d_g, d_a] and
     the product buffer `work` in row-aligned storage (`aligned_empty`) in the decomposition's
     dtype, and the preconditioned gradients in the gradients' dtype. Each layer's views: `into`
-    (whether its weight is stored transposed, and where in grad its weight and bias gradients
-    go: `factors.grad_matrix_destinations`) and `pieces` ([groups, d_g, d_a] of the
-    preconditioned gradients).
+    (where in grad its weight and bias gradients go, in their own shapes:
+    `factors.grad_matrix_destinations`) and `pieces` ([groups, d_g, d_a] of the preconditioned
+    gradients).
 
     Batched form (`per_layer` False): one `out` [groups, d_g, d_a] of the whole chain. Per-layer
     form: each layer's operations with the operands bound, `steps` (the products of
@@ -1267,14 +1267,13 @@ class _Chain:
         self.work = kfac_maths.aligned_empty((groups, d_a, d_g) if transposed else (groups, d_g, d_a), **inv)
         self.sources = (s.get("qa"), s["qg"], s["dgda"])
         self.outs = [] if self.per_layer else [torch.empty((groups, d_g, d_a), **out_like)]
-        self.into: list[tuple[bool, torch.Tensor, torch.Tensor | None]] = []
+        self.into: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.pieces: list[torch.Tensor] = []
         self.steps: list[list[Callable[[], torch.Tensor]]] = []
         offset = 0
         for layer, n in zip(layers, sizes):
             rows = slice(offset, offset + n)
-            self.into.append((factors.weight_is_transposed(layer.module),
-                              *factors.grad_matrix_destinations(layer.module, self.grad[rows])))
+            self.into.append(factors.grad_matrix_destinations(layer.module, self.grad[rows]))
             offset += n
             if not self.per_layer:
                 self.pieces.append(self.outs[0][rows])
@@ -1303,14 +1302,13 @@ class _Chain:
         return [self.grad, self.work, *self.outs]
 
 
-def _copy_into(layer: Layer, grads: tuple[torch.Tensor, torch.Tensor | None],
-               into: tuple[bool, torch.Tensor, torch.Tensor | None]) -> None:
+def _copy_into(grads: tuple[torch.Tensor, torch.Tensor | None],
+               into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
     """`factors.grad_matrix_into` through a chain's kept views (`_Chain.into`)."""
-    transposed, w_dst, b_dst = into
-    w, b = grads
-    w_dst.copy_(w.t() if transposed else w)
+    w_dst, b_dst = into
+    w_dst.copy_(grads[0])
     if b_dst is not None:
-        b_dst.copy_(b)
+        b_dst.copy_(grads[1])
 
 
 def _apply_contiguous(impl, ws: list[torch.Tensor], bs: list[torch.Tensor], vs: list[torch.Tensor],
