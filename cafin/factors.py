@@ -420,7 +420,8 @@ def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
     return torch.cat([w, bias_grad.reshape(groups, d_g, 1)], dim=2)
 
 
-def grad_matrix_destinations(module: nn.Module, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def grad_matrix_destinations(module: nn.Module, out: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Views of a [groups, d_g, d_a] gradient matrix `out` that the weight gradient (in the
     weight's own shape and orientation: a transposed view for a weight stored transposed) and
     the bias gradient (None without a bias) copy into: `grad_matrix_into` with the views made

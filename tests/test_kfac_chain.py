@@ -98,7 +98,8 @@ def test_right_products_match_plain_products(dtype, shape, diagonal):
     torch.testing.assert_close(got, want, rtol=16 * eps, atol=16 * eps * want.abs().max().item())
     # one group as matrices, bound once and run twice on new data in the same storage
     grad0, buf0, work0 = grad[0], torch.empty(d_g, d_a, dtype=dtype), torch.empty(work_shape[1:], dtype=dtype)
-    steps = kfac_maths.eigen_precondition_right_steps(buf0, None if qa is None else qa[0], qg[0], dgda[0], work0)
+    qa0 = None if qa is None else qa[0]
+    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0)
     for scale in (1.0, -3.0):
         buf0.copy_(grad0 * scale)
         for op in steps:

@@ -108,7 +108,8 @@ def eigen_precondition_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: tor
 
 
 def eigen_precondition_right_steps(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
-                                   dgda: torch.Tensor, work: torch.Tensor) -> list[Callable[[], torch.Tensor]]:
+                                   dgda: torch.Tensor, work: torch.Tensor
+                                   ) -> list[Callable[[], torch.Tensor]]:
     """The operations of `eigen_precondition_right_into` as calls with their operands bound
     (the transposed views made once): a caller that keeps the buffers runs them on every step
     (`for op in steps: op()`) without making any view."""
@@ -126,8 +127,9 @@ def eigen_precondition_right_into(grad: torch.Tensor, qa: torch.Tensor | None, q
     X^T = grad^T Q_G, Y = X Q_A, Y (*) dgda, Z^T = Y^T Q_G^T, V = Z Q_A^T. These are
     `eigen_precondition`'s products in its association, laid out differently: on one CPU core
     MKL ran them 10-20 % faster than the products written as they are where a width is a bias
-    column's (129, 513), with the same numbers up to float rounding. With qa None (Q_A = I) the two products are
-    written as they are: Q_G^T grad into work, scaled, Q_G (...) back into grad. No allocation.
+    column's (129, 513), with the same numbers up to float rounding. With qa None (Q_A = I) the
+    two products are written as they are: Q_G^T grad into work, scaled, Q_G (...) back into
+    grad. No allocation.
 
     grad [(groups,) d_g, d_a] in the decomposition's dtype, overwritten by the result (returned);
     work [(groups,) d_a, d_g] (qa given) or [(groups,) d_g, d_a] (qa None); matrices use
