@@ -402,8 +402,9 @@ class PreconditionedSGD:
       next forward/backward feeds it, and lowered after the step, so that evaluation passes in
       between never reach the statistics. Its step is then `step(update_params=True)`.
     - `restore_grads`: the gradients are put back after each step (two copies, counted in the
-      step's time), so the speed bench can repeat `step()` on the same gradients without their
-      growing from one preconditioning to the next.
+      step's time: into buffers kept from step to step before it, back after it, each one
+      `torch._foreach_copy_`), so the speed bench can repeat `step()` on the same gradients
+      without their growing from one preconditioning to the next.
     - `precondition`: the call that rewrites the gradients (`pre.step` unless replaced, e.g. by a
       compiled one)."""
 
@@ -414,6 +415,7 @@ class PreconditionedSGD:
             params = [p for group in opt.param_groups for p in group["params"]]
         self.params = list(params)
         self.stats_flag, self.restore_grads = stats_flag, restore_grads
+        self._saved: list[torch.Tensor] = []  # the gradients' copies, kept (restore_grads)
         if stats_flag:
             pre.update_stats = True
             self.precondition = lambda: pre.step(update_params=True)
@@ -427,15 +429,26 @@ class PreconditionedSGD:
             self.pre.update_stats = True
 
     def step(self) -> None:
-        grads = [p for p in self.params if p.grad is not None] if self.restore_grads else []
-        saved = [p.grad.clone() for p in grads]
+        params = [p for p in self.params if p.grad is not None] if self.restore_grads else []
+        if params:
+            self._save([p.grad for p in params])
         self.precondition()
         if self.stats_flag:
             self.pre.update_stats = False
         if self.opt is not None:
             self.opt.step()
-        for p, g in zip(grads, saved):
-            p.grad.copy_(g)
+        if params:
+            torch._foreach_copy_([p.grad for p in params], self._saved)
+
+    def _save(self, grads: list[torch.Tensor]) -> None:
+        """Copy the gradients into the kept buffers (made again when the gradients' shapes,
+        dtypes or devices are not theirs)."""
+        saved = self._saved
+        if len(saved) != len(grads) or any(s.shape != g.shape or s.dtype != g.dtype or s.device != g.device
+                                           for s, g in zip(saved, grads)):
+            self._saved = [g.clone() for g in grads]
+        else:
+            torch._foreach_copy_(saved, grads)
 
     def remove_hooks(self) -> None:
         self.pre.remove_hooks()

@@ -46,7 +46,7 @@ __all__ = [
     "supports", "is_conv", "diagonal_input", "groups_of", "locations", "factor_sizes",
     "input_rows", "grad_rows", "input_covariance", "grad_covariance",
     "kfac_input_factor", "kfac_grad_factor", "grad_matrix", "write_grad_matrix",
-    "weight_grad_view", "unsupported_option", "KFAC_APPROXIMATIONS",
+    "weight_grad_view", "weight_is_transposed", "unsupported_option", "KFAC_APPROXIMATIONS",
 ]
 
 
@@ -397,12 +397,17 @@ def kfac_grad_factor(module, g, approx: str = "expand", **kwargs) -> torch.Tenso
 
 
 # --------------------------------------------------------------- gradients as matrices
+def weight_is_transposed(module: nn.Module) -> bool:
+    """Whether the weight is stored [input side, gradient side]: an Embedding's [vocab, dim], a
+    `Conv1D`'s [in, out]."""
+    return isinstance(module, nn.Embedding) or is_transposed_linear(module)
+
+
 def weight_grad_view(module: nn.Module, weight_grad: torch.Tensor) -> torch.Tensor:
-    """The weight gradient oriented [gradient side, input side] as a view: the transpose of an
-    Embedding's [vocab, dim] and of a `Conv1D`'s [in, out], the gradient itself otherwise."""
-    if isinstance(module, nn.Embedding) or is_transposed_linear(module):
-        return weight_grad.t()
-    return weight_grad
+    """The weight gradient oriented [gradient side, input side] as a view: the transpose of a
+    weight stored [input side, gradient side] (`weight_is_transposed`), the gradient itself
+    otherwise."""
+    return weight_grad.t() if weight_is_transposed(module) else weight_grad
 
 
 def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
@@ -413,6 +418,20 @@ def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
     if bias_grad is None:
         return w
     return torch.cat([w, bias_grad.reshape(groups, d_g, 1)], dim=2)
+
+
+def grad_matrix_destinations(module: nn.Module, out: torch.Tensor
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Views of a [groups, d_g, d_a] gradient matrix `out` that the weight gradient (in the
+    weight's own shape and orientation: a transposed view for a weight stored transposed) and
+    the bias gradient (None without a bias) copy into: `grad_matrix_into` with the views made
+    once. `out` needs rows of equal stride (a row-aligned buffer's are)."""
+    groups, _, d_g = factor_sizes(module)
+    d_w = out.shape[2] - _bias(module)
+    bias = out[:, :, d_w].view(groups * d_g) if _bias(module) else None
+    if weight_is_transposed(module):
+        return out[:, :, :d_w].view(tuple(module.weight.shape)[::-1]).t(), bias
+    return out[:, :, :d_w].view(tuple(module.weight.shape)), bias
 
 
 def grad_matrix_into(module: nn.Module, weight_grad: torch.Tensor, bias_grad: torch.Tensor | None,

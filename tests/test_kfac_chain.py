@@ -1,8 +1,11 @@
 """K-FAC's eager fused step runs its eigenbasis products through kept, row-aligned buffers
-(cafin.maths.kfac.eigen_precondition_into): the same numbers as the plain products."""
+(cafin.maths.kfac.eigen_precondition_into, batched; eigen_precondition_right_into, per layer on
+the CPU): the same numbers as the plain products, and nothing allocated per step."""
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,7 +13,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import cafin
+import cafin.optim.kfac as kfac_module
 from cafin.maths import kfac as kfac_maths
+from stand_ins import Conv1D
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.measure import PreconditionedSGD  # noqa: E402
 
 
 def _orthogonal(b, n, dtype, gen):
@@ -58,6 +68,45 @@ def test_into_matches_plain_products(dtype, shape, diagonal):
     assert torch.equal(out16, got.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 4, 6), (3, 7, 13), (2, 10, 1), (1, 1, 5), (1, 17, 129)])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_right_products_match_plain_products(dtype, shape, diagonal):
+    """Every product a multiplication by an eigenbasis on the right: the plain products' numbers,
+    on matrices (one group, torch.mm) and on stacks (torch.bmm); the bound operations follow
+    their operands' storage from call to call."""
+    gen = torch.Generator().manual_seed(sum(shape) + diagonal)
+    groups, d_g, d_a = shape
+    qg = _orthogonal(groups, d_g, dtype, gen)
+    qa = None if diagonal else _orthogonal(groups, d_a, dtype, gen)
+    dgda = torch.rand(groups, d_g, d_a, dtype=torch.float64, generator=gen).to(dtype) + 0.5
+    grad = torch.randn(groups, d_g, d_a, dtype=torch.float64, generator=gen).to(dtype)
+    v = qg.double().mT @ grad.double()
+    if qa is not None:
+        v = v @ qa.double()
+    v = qg.double() @ (v * dgda.double())
+    oracle = v if qa is None else v @ qa.double().mT
+    want = kfac_maths.eigen_precondition(grad, qa, qg, dgda=dgda)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    work_shape = shape if diagonal else (groups, d_a, d_g)
+    buf = kfac_maths.aligned_empty(shape, dtype=dtype, device="cpu").copy_(grad)
+    work = kfac_maths.aligned_empty(work_shape, dtype=dtype, device="cpu")
+    got = kfac_maths.eigen_precondition_right_into(buf, qa, qg, dgda, work)
+    assert got is buf
+    torch.testing.assert_close(got.double(), oracle, rtol=tol, atol=tol)
+    eps = torch.finfo(dtype).eps  # equal up to float rounding (BLAS may block the products apart)
+    torch.testing.assert_close(got, want, rtol=16 * eps, atol=16 * eps * want.abs().max().item())
+    # one group as matrices, bound once and run twice on new data in the same storage
+    grad0, buf0, work0 = grad[0], torch.empty(d_g, d_a, dtype=dtype), torch.empty(work_shape[1:], dtype=dtype)
+    qa0 = None if qa is None else qa[0]
+    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0)
+    for scale in (1.0, -3.0):
+        buf0.copy_(grad0 * scale)
+        for op in steps:
+            op()
+        torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
+
+
 class _Net(nn.Module):
     """An Embedding (diagonal A), two Linear layers of one shape (a stack), one with and one
     without bias of odd widths (alone)."""
@@ -96,10 +145,10 @@ def test_fused_step_through_buffers_matches_plain_products(dtype):
             pre.step()
             got.append([p.grad.clone() for p in model.parameters()])
         if chained:
-            kept = {k: [t.data_ptr() for t in v] for k, v in pre._chains.items()}
+            kept = {k: [t.data_ptr() for t in v.tensors()] for k, v in pre._chains.items()}
             assert set(kept) == {("a", "b"), ("emb",), ("c",), ("d",)}
             pre.step()  # the buffers are kept from step to step
-            assert {k: [t.data_ptr() for t in v] for k, v in pre._chains.items()} == kept
+            assert {k: [t.data_ptr() for t in v.tensors()] for k, v in pre._chains.items()} == kept
         grads[chained] = got
     eps = torch.finfo(dtype).eps  # equal up to float rounding (BLAS may block tiny products apart)
     for step_new, step_old in zip(grads[True], grads[False]):
@@ -115,3 +164,152 @@ def test_eigenbases_are_row_aligned():
             if q is not None:
                 assert q.stride(-2) * q.element_size() % kfac_maths.ALIGN_BYTES == 0, (layer.name, key)
                 assert torch.equal(q, torch.eye(q.shape[-1]).expand_as(q))  # the identity until decomposed
+
+
+class _Mixed(nn.Module):
+    """An Embedding (transposed weight, diagonal A), two Linear layers of one shape (a stack),
+    a Conv1D with bias (transposed weight and a bias), a Conv1D without, both of one shape (a
+    stack mixing them with nothing else), a grouped Conv1d (stacks over groups) and a Linear of
+    odd widths without bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(480, 8)  # 480 rows: no padding, and a gradient past 60 x 60
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.p = Conv1D(9, 8)
+        self.q = Conv1D(9, 9, bias=False)
+        self.conv = nn.Conv1d(9, 6, kernel_size=3, groups=3, padding=1)
+        self.head = nn.Linear(6, 5, bias=False)
+
+    def forward(self, idx):
+        h = torch.tanh(self.b(torch.tanh(self.a(self.emb(idx)))))
+        h = torch.tanh(self.q(torch.tanh(self.p(h))))
+        h = torch.tanh(self.conv(h.transpose(1, 2))).mean(2)
+        return self.head(h)
+
+
+def _mixed_steps(model, pre, batches):
+    got = []
+    for x, y in batches:
+        model.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        pre.step()
+        got.append([p.grad.clone() for p in model.parameters()])
+    return got
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("per_layer", [True, False])
+def test_step_forms_match_plain_products(monkeypatch, dtype, per_layer):
+    """Both forms of the chained products (per layer, each a right multiplication, the CPU's;
+    batched over a stack, other devices') give the plain products' gradients on layers with and
+    without bias, transposed weights, grouped convolutions and stacks; the per-layer form keeps
+    a transposed weight's preconditioned gradient transposed, as the weight."""
+    torch.manual_seed(0)
+    base = _Mixed().to(dtype)
+    gen = torch.Generator().manual_seed(2)
+    batches = [(torch.randint(0, 480, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen))
+               for _ in range(4)]
+    plain_model = copy.deepcopy(base)
+    plain = cafin.KFACPreconditioner(plain_model, damping=1e-2, inv_dtype=dtype, backend="fused")
+    plain._chained = lambda: False
+    want = _mixed_steps(plain_model, plain, batches)
+    monkeypatch.setattr(kfac_module, "_per_layer_products", lambda device: per_layer)
+    model = copy.deepcopy(base)
+    pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=dtype, backend="fused")
+    assert sorted(len(members) for members, _ in pre._stacks) == [2, 2]
+    got = _mixed_steps(model, pre, batches)
+    assert set(pre._chains) == {("emb",), ("a", "b"), ("p", "q"), ("conv",), ("head",)}
+    assert all(chain.per_layer == per_layer for chain in pre._chains.values())
+    if per_layer:
+        for key in (("emb",), ("p", "q")):
+            for piece in pre._chains[key].pieces:
+                assert not piece.is_contiguous() and piece.mT.is_contiguous()
+    eps = torch.finfo(dtype).eps
+    for step_new, step_old in zip(got, want):
+        for new, old in zip(step_new, step_old):
+            torch.testing.assert_close(new, old, rtol=16 * eps, atol=16 * eps * old.abs().max().item())
+
+
+def _allocated_bytes(fn) -> int:
+    """Bytes allocated on the CPU while fn() runs (frees not subtracted)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_eager_cpu_step_allocates_nothing(dtype):
+    """On the CPU, an eager fused step that decomposes nothing allocates nothing: the products,
+    the copies and the gradient writes (transposed weights included) go through kept buffers."""
+    torch.manual_seed(0)
+    model = _Mixed().to(dtype)
+    pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=dtype, backend="fused",
+                                   factor_update_steps=10**9, inv_update_steps=10**9)
+    x, y = torch.randint(0, 480, (6, 4)), torch.randint(0, 5, (6,))
+    F.cross_entropy(model(x), y).backward()
+    pre.step()  # decomposes (step 0), makes the buffers
+    saved = [p.grad.clone() for p in model.parameters()]
+    pre.step()
+    for p, g in zip(model.parameters(), saved):
+        p.grad.copy_(g)
+    assert _allocated_bytes(pre.step) == 0
+
+
+def test_bench_restore_keeps_its_buffers():
+    """The bench's restore (PreconditionedSGD(restore_grads=True)) copies the gradients into
+    buffers it keeps and back after each step; another set of gradients gets new buffers."""
+    params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2, 2))]
+
+    class Pre:
+        def step(self):
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(2)
+
+    step = PreconditionedSGD(Pre(), torch.optim.SGD(params, lr=0.5), restore_grads=True)
+    for p in params:
+        p.grad = torch.full_like(p, 3.0)
+    step.step()
+    kept = [t.data_ptr() for t in step._saved]
+    step.step()
+    assert [t.data_ptr() for t in step._saved] == kept
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in params)
+    assert torch.equal(params[0].detach(), torch.full((3,), 1.0 - 2 * 0.5 * 6.0))
+    params[1].grad = None  # another set of gradients: buffers made for it
+    step.step()
+    assert len(step._saved) == 1 and torch.equal(params[0].grad, torch.full((3,), 3.0))
+    params[1].grad = torch.full((2, 2), 5.0)
+    step.step()
+    assert len(step._saved) == 2 and torch.equal(params[1].grad, torch.full((2, 2), 5.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_clip_sum_over_rows_of_every_width(dtype):
+    """The CPU kernel's clip sum runs in eight lanes per row with a tail: rows of widths around
+    and past the lanes, with and without bias, give the reference's clipped gradients."""
+    from cafin import ops, reference
+    gen = torch.Generator().manual_seed(7)
+    ws, bs, vs = [], [], []
+    for rows, cols, bias in [(3, 1, False), (2, 8, False), (4, 9, True), (1, 17, True), (5, 130, True),
+                             (2, 16, True)]:
+        ws.append(torch.randn(rows, cols - bias, dtype=torch.float64, generator=gen).to(dtype))
+        bs.append(torch.randn(rows, dtype=torch.float64, generator=gen).to(dtype) if bias else
+                  torch.empty(0, dtype=dtype))
+        vs.append(torch.randn(1, rows, cols, dtype=torch.float64, generator=gen).to(dtype))
+    lr = torch.tensor(0.5, dtype=torch.float64)
+    vg = sum((v[0, :, :w.shape[1]].double() * w.double()).sum()
+             + (v[0, :, -1].double() * b.double()).sum() if b.numel() else
+             (v[0].double() * w.double()).sum() for w, b, v in zip(ws, bs, vs))
+    kl = torch.tensor(0.01, dtype=torch.float64) * abs(vg.item()) * lr.item() ** 2  # nu = 0.1
+    want = ([w.clone() for w in ws], [b.clone() for b in bs])
+    reference.kfac_precondition_apply_(*want, vs, lr, kl)
+    ops.kfac_precondition_apply_(ws, bs, vs, lr, kl)
+    eps = torch.finfo(dtype).eps
+    for got, ref, v in zip(ws, want[0], vs):
+        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=0)
+        torch.testing.assert_close(got.double(), 0.1 * v[0, :, :got.shape[1]].double(), rtol=4 * eps, atol=0)
+    for got, ref in zip(bs, want[1]):
+        torch.testing.assert_close(got, ref, rtol=4 * eps, atol=0)

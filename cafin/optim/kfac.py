@@ -20,6 +20,7 @@ import math
 import re
 import warnings
 from collections import defaultdict
+from functools import partial
 from typing import Any, Callable, Mapping
 
 import torch
@@ -161,9 +162,9 @@ class KFACPreconditioner(Preconditioner):
         self._register_layers(loglevel)
         self._assign_work(loglevel)
         self._stack_second_order()
-        # The eager fused step's product operands, per chain (a layer, or a stack of layers):
+        # The eager fused step's product buffers, per chain (a layer, or a stack of layers):
         # made on first use, kept (see `_chain`).
-        self._chains: dict[tuple[str, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._chains: dict[tuple[str, ...], _Chain] = {}
         self._choose_backends()
         self._start(self._layers)
 
@@ -280,6 +281,9 @@ class KFACPreconditioner(Preconditioner):
         for group in (self._column_group, self._row_group):  # shared, as the process group is
             if group is not None:
                 memo.setdefault(id(group), group)
+        # The product buffers are not copied: their bound operations hold the original's
+        # tensors; the copy makes its own on its first step.
+        memo.setdefault(id(self._chains), {})
         return super().__deepcopy__(memo)
 
     def _choose_backends(self) -> None:
@@ -850,17 +854,17 @@ class KFACPreconditioner(Preconditioner):
             if len({self._grads(layer)[0].dtype for layer in members}) > 1:
                 continue
             if chained:
-                v = self._chain(members, stacked)
+                pieces = self._chain(members, stacked)
             else:
                 v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
                                        members[0].module.weight.device)
-            sizes = [self._state[layer.name].A.shape[0] for layer in members]
-            for layer, piece in zip(members, v.split(sizes)):
+                pieces = v.split([self._state[layer.name].A.shape[0] for layer in members])
+            for layer, piece in zip(members, pieces):
                 precond[layer.name] = piece
         for layer in active:
             if layer.name in names and layer.name not in precond:
                 second = self._state[layer.name].second
-                precond[layer.name] = (self._chain([layer], second) if chained else self._precondition(
+                precond[layer.name] = (self._chain([layer], second)[0] if chained else self._precondition(
                     self._grad(layer), second, layer.module.weight.device))
         return precond
 
@@ -873,29 +877,30 @@ class KFACPreconditioner(Preconditioner):
                 and self.compute_eigenvalue_outer_product and not torch.compiler.is_compiling()
                 and not capturing())
 
-    def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The preconditioned gradients [groups, d_g, d_a] of `layers` (one, or a stack sharing
-        the second-order data `s`), in their gradients' dtype: the gradients copied once into a
-        row-aligned matrix (no concatenation), the products written into kept buffers
-        (`eigen_precondition_into`: the same products as `_precondition`, no allocation)."""
+        the second-order data `s`), in their gradients' dtype, one view per layer of a buffer
+        kept from step to step (`_Chain`): the gradients copied into row-aligned matrices (no
+        concatenation), the products of `_precondition` written into kept buffers (no
+        allocation), in the form `_per_layer_products` picks for the device."""
         w = self._grads(layers[0])[0]
         key = tuple(layer.name for layer in layers)
-        buffers = self._chains.get(key)
-        if buffers is None or buffers[2].dtype != w.dtype or buffers[2].device != w.device:
-            groups = sum(self._state[layer.name].A.shape[0] for layer in layers)
-            _, d_a, d_g = factors.factor_sizes(layers[0].module)
-            shape = (groups, d_g, d_a)
-            like = dict(dtype=self.inv_dtype, device=w.device)
-            buffers = (kfac_maths.aligned_empty(shape, **like), kfac_maths.aligned_empty(shape, **like),
-                       torch.empty(shape, dtype=w.dtype, device=w.device))
-            self._chains[key] = buffers
-        grad, work, out = buffers
-        offset = 0
-        for layer in layers:
-            n = self._state[layer.name].A.shape[0]
-            factors.grad_matrix_into(layer.module, *self._grads(layer), grad[offset:offset + n])
-            offset += n
-        return kfac_maths.eigen_precondition_into(grad, s.get("qa"), s["qg"], s["dgda"], work, out)
+        chain = self._chains.get(key)
+        if chain is None or not chain.fits(w, s):
+            chain = _Chain(layers, [self._state[layer.name].A.shape[0] for layer in layers], s,
+                           self.inv_dtype, w)
+            self._chains[key] = chain
+        if chain.per_layer:  # each layer's gradients copied in, then its products
+            for layer, into, steps in zip(layers, chain.into, chain.steps):
+                _copy_into(self._grads(layer), into)
+                for op in steps:
+                    op()
+            return chain.pieces
+        for layer, into in zip(layers, chain.into):
+            _copy_into(self._grads(layer), into)
+        kfac_maths.eigen_precondition_into(chain.grad, s.get("qa"), s["qg"], s["dgda"], chain.work,
+                                           chain.outs[0])
+        return chain.pieces
 
     def _share_preconditioned_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
         """MEM_OPT and HYBRID_OPT: within this rank's row (one rank of every column), each
@@ -941,12 +946,8 @@ class KFACPreconditioner(Preconditioner):
             if joint is not None:  # the clip factor is applied here, the op only writes
                 vs = [v * joint.to(device=device, dtype=v.dtype) for v in vs]
             kl = None if kl_off or joint is not None else ts["kl_clip"]
-            if impl is ops:  # the kernels write contiguous gradients: others go through a copy
-                outs = [t if t.is_contiguous() else t.contiguous() for t in ws + bs]
-                impl.kfac_precondition_apply_(outs[:len(ws)], outs[len(ws):], vs, ts["lr"], kl)
-                for t, out in zip(ws + bs, outs):
-                    if out is not t:
-                        t.copy_(out)
+            if impl is ops:
+                _apply_contiguous(impl, ws, bs, vs, ts["lr"], kl)
             else:
                 impl.kfac_precondition_apply_(ws, bs, vs, ts["lr"], kl)
 
@@ -1227,6 +1228,122 @@ KFACPreconditioner.__doc__ = (
 
 
 # ------------------------------------------------------------------------------ helpers
+def _per_layer_products(device: torch.device) -> bool:
+    """The form of a chain's eigenbasis products in the eager fused step. On the CPU, per layer,
+    each product a multiplication by an eigenbasis on the right
+    (`eigen_precondition_right_into`): torch's CPU bmm is itself a loop of one GEMM per matrix
+    (one product at a time over the stack), so a loop over the layers runs the same GEMMs with a
+    layer's four products in a row, and written that way MKL runs them faster on bias-column
+    widths. On other devices, one batched product (bmm) over the stack each, as they are
+    (`eigen_precondition_into`)."""
+    return device.type == "cpu"
+
+
+class _Chain:
+    """The kept buffers of one product chain (a layer, or a stack of layers sharing second-order
+    shapes) over its groups, made on first use: the gradient matrix `grad` [groups, d_g, d_a] and
+    the product buffer `work` in row-aligned storage (`aligned_empty`) in the decomposition's
+    dtype, and the preconditioned gradients in the gradients' dtype. Each layer's views: `into`
+    (where in grad its weight and bias gradients go, in their own shapes:
+    `factors.grad_matrix_destinations`) and `pieces` ([groups, d_g, d_a] of the preconditioned
+    gradients).
+
+    Batched form (`per_layer` False): one `out` [groups, d_g, d_a] of the whole chain. Per-layer
+    form: each layer's operations with the operands bound, `steps` (the products of
+    `eigen_precondition_right_steps` on its matrices for one group, else stacks, then the copy of
+    the result out), and its own output, [groups, d_a, d_g] for a weight stored transposed
+    (`factors.weight_is_transposed`: the kernel then writes it in that layout, no copy of the
+    gradient), else [groups, d_g, d_a]; `work` is then [groups, d_a, d_g] with both eigenbases."""
+
+    def __init__(self, layers: list[Layer], sizes: list[int], s: dict[str, torch.Tensor],
+                 inv_dtype: torch.dtype, like: torch.Tensor) -> None:
+        _, d_a, d_g = factors.factor_sizes(layers[0].module)
+        groups = sum(sizes)
+        inv = dict(dtype=inv_dtype, device=like.device)
+        out_like = dict(dtype=like.dtype, device=like.device)
+        self.per_layer = _per_layer_products(like.device)
+        transposed = self.per_layer and s.get("qa") is not None
+        self.grad = kfac_maths.aligned_empty((groups, d_g, d_a), **inv)
+        self.work = kfac_maths.aligned_empty((groups, d_a, d_g) if transposed else (groups, d_g, d_a), **inv)
+        self.sources = (s.get("qa"), s["qg"], s["dgda"])
+        self.outs = [] if self.per_layer else [torch.empty((groups, d_g, d_a), **out_like)]
+        self.into: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.pieces: list[torch.Tensor] = []
+        self.steps: list[list[Callable[[], torch.Tensor]]] = []
+        offset = 0
+        for layer, n in zip(layers, sizes):
+            rows = slice(offset, offset + n)
+            self.into.append(factors.grad_matrix_destinations(layer.module, self.grad[rows]))
+            offset += n
+            if not self.per_layer:
+                self.pieces.append(self.outs[0][rows])
+                continue
+            pick = (lambda t, i=rows.start: t[i]) if n == 1 else (lambda t, r=rows: t[r])  # noqa: E731
+            qa, qg, dgda, grad, work = (None if t is None else pick(t)
+                                        for t in (*self.sources, self.grad, self.work))
+            steps = kfac_maths.eigen_precondition_right_steps(grad, qa, qg, dgda, work)
+            if factors.weight_is_transposed(layer.module):
+                out = torch.empty((n, d_a, d_g), **out_like)
+                steps.append(partial(out.copy_, self.grad[rows].mT))
+                self.pieces.append(out.mT)
+            else:
+                out = torch.empty((n, d_g, d_a), **out_like)
+                steps.append(partial(out.copy_, self.grad[rows]))
+                self.pieces.append(out)
+            self.outs.append(out)
+            self.steps.append(steps)
+
+    def fits(self, w: torch.Tensor, s: dict[str, torch.Tensor]) -> bool:
+        """Whether these buffers serve gradients like `w` and the second-order tensors `s`."""
+        return (self.outs[0].dtype == w.dtype and self.outs[0].device == w.device
+                and all(a is b for a, b in zip(self.sources, (s.get("qa"), s["qg"], s["dgda"]))))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.grad, self.work, *self.outs]
+
+
+def _copy_into(grads: tuple[torch.Tensor, torch.Tensor | None],
+               into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    """`factors.grad_matrix_into` through a chain's kept views (`_Chain.into`)."""
+    w_dst, b_dst = into
+    w_dst.copy_(grads[0])
+    if b_dst is not None:
+        b_dst.copy_(grads[1])
+
+
+def _apply_contiguous(impl, ws: list[torch.Tensor], bs: list[torch.Tensor], vs: list[torch.Tensor],
+                      lr: torch.Tensor, kl: torch.Tensor | None) -> None:
+    """`kfac_precondition_apply_` of the kernels, which take contiguous tensors. A transposed
+    weight gradient (an Embedding's, a `Conv1D`'s) whose preconditioned gradient is kept
+    transposed too (`_Chain`) is written in their own layout, as two entries without a bias
+    column (weight rows, then the bias row: the same terms of the clip sum); any other
+    non-contiguous tensor goes through a contiguous copy."""
+    kw: list[torch.Tensor] = []
+    kb: list[torch.Tensor] = []
+    kv: list[torch.Tensor] = []
+    back: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for w, b, v in zip(ws, bs, vs):
+        if w.dim() == 2 and not w.is_contiguous() and w.mT.is_contiguous() and v.mT.is_contiguous():
+            d_w = w.shape[1]
+            kw.append(w.mT)
+            kb.append(_empty(w))
+            kv.append(v.mT[:, :d_w])
+            if b.numel():
+                kw.append(b)
+                kb.append(_empty(w))
+                kv.append(v.mT[:, d_w:])
+            continue
+        for t, into in ((w, kw), (b, kb)):
+            if not t.is_contiguous():
+                back.append((t, t.contiguous()))
+                t = back[-1][1]
+            into.append(t)
+        kv.append(v.contiguous())
+    impl.kfac_precondition_apply_(kw, kb, kv, lr, kl)
+    for t, out in back:
+        t.copy_(out)
+
+
 _EMPTY: dict[tuple, torch.Tensor] = {}
 
 
