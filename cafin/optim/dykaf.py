@@ -391,9 +391,17 @@ class DyKAF(CoreOptimizer):
                     p.copy_(q)
 
     def _update_all_factors(self, group, params, states, grads, stacks) -> None:
-        """Update the Kronecker factors from the gradients (stacks in one batched split)."""
+        """Update the Kronecker factors from the gradients: stacks in one batched split; on a
+        CPU, eagerly, each matrix by `proj_split_matrix` (host scalars: a compiled step keeps
+        the batched form, whose scalars stay on the device)."""
+        per_matrix = not torch.compiler.is_compiling()
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
+            if per_matrix and not self._batched(params[idx[0]].device):
+                (i,) = idx
+                states[i]["factors"] = list(dykaf_maths.proj_split_matrix(
+                    *states[i]["factors"], grads[i], beta))
+                continue
             U, V = dykaf_maths.proj_split_batched(
                 _stack([states[i]["factors"][0] for i in idx]),
                 _stack([states[i]["factors"][1] for i in idx]),
@@ -419,6 +427,10 @@ class DyKAF(CoreOptimizer):
 
     _batch_on_cpu = False  # tests set it to run the GPU's batched path on a CPU
 
+    def _batched(self, device: torch.device) -> bool:
+        """Whether the matrices of one shape on `device` share batched GEMMs (see _stacks)."""
+        return device.type != "cpu" or self._batch_on_cpu
+
     def _stacks(self, params, states) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """Matrices rotated on both sides, grouped by (shape, dtype, device, shampoo_beta):
         (indices, stacked Q_L, stacked Q_R). On a GPU one batched GEMM per group saves launches;
@@ -429,7 +441,7 @@ class DyKAF(CoreOptimizer):
         for i, (p, st) in enumerate(zip(params, states)):
             if st["kind"] == "kron2d" and all(Q is not None for Q in st["bases"]):
                 key = (tuple(p.shape), st["exp_avg"].dtype, p.device, st["shampoo_beta"])
-                batched = p.device.type != "cpu" or self._batch_on_cpu
+                batched = self._batched(p.device)
                 groups.setdefault(key if batched else (i,), []).append(i)
                 # The GEMMs read row-major bases (see _stack); a refresh leaves LAPACK's
                 # column-major ones: made row-major once here, not copied on every step.

@@ -1,0 +1,102 @@
+"""cafin.DyKAF's CPU forms of the fused step: the per-matrix factor split (host scalars, thin-side
+inner products) equals the published split and the batched one, in float64 to rounding and in
+float32 to float32 rounding, on awkward shapes; the optimizer takes it on a CPU and trains as the
+batched path does."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cafin
+from cafin.maths import dykaf as dykaf_maths
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def factors_and_gradient(m, n, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def sym(d):
+        a = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        return (a @ a.T / d + 0.1 * torch.eye(d, dtype=torch.float64)).to(dtype)
+    return sym(m), sym(n), torch.randn(m, n, generator=gen, dtype=torch.float64).to(dtype)
+
+
+# direct (square-ish), wide (m much smaller: W = g g^T), tall (n much smaller: Z = g^T g), and
+# the degenerate sides
+SHAPES = [(6, 6), (30, 25), (4, 9), (3, 40), (9, 4), (40, 3), (1, 5), (5, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("beta", [0.95, 0.5, 1.0])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
+def test_matrix_split_equals_the_published_split_float64(shape, beta):
+    m, n = shape
+    L, R, g = factors_and_gradient(m, n, torch.float64, m * 100 + n)
+    keep = L.clone(), R.clone(), g.clone()
+    U, V = dykaf_maths.proj_split_matrix(L, R, g, beta)
+    u, v = dykaf_maths.proj_split(L, R, g, beta)
+    assert rel(U, u) <= 1e-13 and rel(V, v) <= 1e-13
+    # the inputs are read only
+    assert all(torch.equal(a, b) for a, b in zip((L, R, g), keep))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
+def test_matrix_split_equals_the_batched_split_at_beta_zero_float64(shape):
+    """beta = 0 (the factors forgotten each step): the published split divides 0 by 0; the
+    batched one and the per-matrix one agree."""
+    m, n = shape
+    L, R, g = factors_and_gradient(m, n, torch.float64, m + n)
+    U, V = dykaf_maths.proj_split_matrix(L, R, g, 0.0)
+    u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.0, cafin.ops)
+    assert rel(U, u[0]) <= 1e-13 and rel(V, v[0]) <= 1e-13
+
+
+@pytest.mark.parametrize("shape", [(512, 128), (128, 512), (96, 80), (1, 64), (64, 1)])
+def test_matrix_split_float32_is_as_close_as_the_batched_split(shape):
+    """In float32 both forms sit within float32 rounding of the float64 split (neither is
+    further from it than 20x the other's error plus 1e-6)."""
+    m, n = shape
+    L, R, g = factors_and_gradient(m, n, torch.float32, m * n)
+    U, V = dykaf_maths.proj_split_matrix(L, R, g, 0.95)
+    u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.95, cafin.ops)
+    u64, v64 = dykaf_maths.proj_split(L.double(), R.double(), g.double(), 0.95)
+    for mine, theirs, exact in ((U, u[0], u64), (V, v[0], v64)):
+        assert rel(mine.double(), exact) <= 20 * rel(theirs.double(), exact) + 1e-6
+        assert rel(mine.double(), exact) <= 1e-5
+
+
+def deep():
+    return nn.Sequential(nn.Linear(7, 9), nn.Tanh(), nn.Linear(9, 9), nn.Tanh(), nn.Linear(9, 9),
+                         nn.Tanh(), nn.Linear(9, 30), nn.Tanh(), nn.Linear(30, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_steps_equal_the_batched_steps(dtype, monkeypatch):
+    """The fused optimizer on a CPU (each matrix by proj_split_matrix) trains as the batched
+    (GPU) form does, refreshes included: float64 to rounding, float32 to float32 rounding."""
+    torch.manual_seed(0)
+    net = deep().to(dtype)
+    twin = copy.deepcopy(net)
+    kw = dict(lr=1e-2, eps=1e-4, init="eps", precondition_frequency=3)
+    opt, opt_batched = cafin.DyKAF(net.parameters(), **kw), cafin.DyKAF(twin.parameters(), **kw)
+    calls = []
+    split = dykaf_maths.proj_split_matrix
+    monkeypatch.setattr(dykaf_maths, "proj_split_matrix",
+                        lambda *a: calls.append(a[2].shape) or split(*a))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        x = torch.randn(16, 7, generator=gen, dtype=torch.float64).to(dtype)
+        y = torch.randint(0, 3, (16,), generator=gen)
+        for model, o, batched in ((net, opt, False), (twin, opt_batched, True)):
+            monkeypatch.setattr(cafin.DyKAF, "_batch_on_cpu", batched)
+            o.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            o.step()
+    # 7 updates of 5 matrices, all per matrix; none in the batched optimizer's steps
+    assert len(calls) == 7 * 5
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    for p, q in zip(net.parameters(), twin.parameters()):
+        assert rel(p, q) <= tol
