@@ -1,5 +1,5 @@
 """cafin.DyKAF's CPU forms of the fused step: the per-matrix factor split (host scalars, thin-side
-inner products) equals the published split and the batched one, in float64 to rounding and in
+inner products, the long side's factor made in place) equals the published split and the batched one, in float64 to rounding and in
 float32 to float32 rounding, on awkward shapes; the optimizer takes it on a CPU and trains as the
 batched path does."""
 import copy
@@ -35,12 +35,18 @@ SHAPES = [(6, 6), (30, 25), (4, 9), (3, 40), (9, 4), (40, 3), (1, 5), (5, 1), (1
 def test_matrix_split_equals_the_published_split_float64(shape, beta):
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float64, m * 100 + n)
-    keep = L.clone(), R.clone(), g.clone()
-    U, V = dykaf_maths.proj_split_matrix(L, R, g, beta)
     u, v = dykaf_maths.proj_split(L, R, g, beta)
+    keep = L.clone(), R.clone(), g.clone()
+    U, V = dykaf_maths.proj_split_matrix_(L, R, g, beta)
     assert rel(U, u) <= 1e-13 and rel(V, v) <= 1e-13
-    # the inputs are read only
-    assert all(torch.equal(a, b) for a, b in zip((L, R, g), keep))
+    # the long side's new factor is written into the old one (tall: L, wide: R); g and the
+    # other side are read only
+    direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
+    written = "R" if wide < min(direct, tall) else "L" if tall < direct else None
+    assert (U is L) == (written == "L") and (V is R) == (written == "R")
+    for name, now, before in (("L", L, keep[0]), ("R", R, keep[1]), ("g", g, keep[2])):
+        if name != written:
+            assert torch.equal(now, before), name
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
@@ -49,8 +55,8 @@ def test_matrix_split_equals_the_batched_split_at_beta_zero_float64(shape):
     batched one and the per-matrix one agree."""
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float64, m + n)
-    U, V = dykaf_maths.proj_split_matrix(L, R, g, 0.0)
     u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.0, cafin.ops)
+    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.0)
     assert rel(U, u[0]) <= 1e-13 and rel(V, v[0]) <= 1e-13
 
 
@@ -60,8 +66,8 @@ def test_matrix_split_float32_is_as_close_as_the_batched_split(shape):
     further from it than 20x the other's error plus 1e-6)."""
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float32, m * n)
-    U, V = dykaf_maths.proj_split_matrix(L, R, g, 0.95)
     u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.95, cafin.ops)
+    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.95)
     u64, v64 = dykaf_maths.proj_split(L.double(), R.double(), g.double(), 0.95)
     for mine, theirs, exact in ((U, u[0], u64), (V, v[0], v64)):
         assert rel(mine.double(), exact) <= 20 * rel(theirs.double(), exact) + 1e-6
@@ -73,30 +79,43 @@ def deep():
                          nn.Tanh(), nn.Linear(9, 30), nn.Tanh(), nn.Linear(30, 3))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_cpu_steps_equal_the_batched_steps(dtype, monkeypatch):
-    """The fused optimizer on a CPU (each matrix by proj_split_matrix) trains as the batched
-    (GPU) form does, refreshes included: float64 to rounding, float32 to float32 rounding."""
+def test_cpu_steps_equal_the_batched_steps(monkeypatch):
+    """The fused optimizer on a CPU (each matrix by proj_split_matrix_) trains as the batched
+    (GPU) form does: float64 to rounding, refreshes included. In float32 rounding differences
+    grow step by step, as between the reference backend and the fused one, and a refresh can turn
+    them into a different order of two near-equal eigenvalues (a 1e-4 change on this net): there
+    the runs refresh only at their first step, and the CPU form stays as close to the batched
+    one as the reference is."""
     torch.manual_seed(0)
-    net = deep().to(dtype)
-    twin = copy.deepcopy(net)
-    kw = dict(lr=1e-2, eps=1e-4, init="eps", precondition_frequency=3)
-    opt, opt_batched = cafin.DyKAF(net.parameters(), **kw), cafin.DyKAF(twin.parameters(), **kw)
+    base = deep()
+    kw = dict(lr=1e-2, eps=1e-4, init="eps")
+    runs = {}
+    for dtype, frequency in ((torch.float64, 3), (torch.float32, 100)):
+        for name, backend, batched in (("cpu", "fused", False), ("batched", "fused", True),
+                                       ("reference", "reference", False)):
+            net = copy.deepcopy(base).to(dtype)
+            opt = cafin.DyKAF(net.parameters(), **kw, precondition_frequency=frequency,
+                              backend=backend)
+            runs[name, dtype] = (net, opt, batched)
     calls = []
-    split = dykaf_maths.proj_split_matrix
-    monkeypatch.setattr(dykaf_maths, "proj_split_matrix",
-                        lambda *a: calls.append(a[2].shape) or split(*a))
+    split = dykaf_maths.proj_split_matrix_
+    monkeypatch.setattr(dykaf_maths, "proj_split_matrix_",
+                        lambda *a: calls.append(a[2].dtype) or split(*a))
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
-        x = torch.randn(16, 7, generator=gen, dtype=torch.float64).to(dtype)
+        x = torch.randn(16, 7, generator=gen, dtype=torch.float64)
         y = torch.randint(0, 3, (16,), generator=gen)
-        for model, o, batched in ((net, opt, False), (twin, opt_batched, True)):
+        for (name, dtype), (net, opt, batched) in runs.items():
             monkeypatch.setattr(cafin.DyKAF, "_batch_on_cpu", batched)
-            o.zero_grad()
-            nn.functional.cross_entropy(model(x), y).backward()
-            o.step()
-    # 7 updates of 5 matrices, all per matrix; none in the batched optimizer's steps
-    assert len(calls) == 7 * 5
-    tol = 1e-12 if dtype == torch.float64 else 2e-5
-    for p, q in zip(net.parameters(), twin.parameters()):
-        assert rel(p, q) <= tol
+            opt.zero_grad()
+            nn.functional.cross_entropy(net(x.to(dtype)), y).backward()
+            opt.step()
+    # 7 updates of 5 matrices per dtype, all per matrix; none in the other optimizers' steps
+    assert len(calls) == 2 * 7 * 5
+
+    def worst(a, b, dtype):
+        return max(rel(p, q) for p, q in zip(runs[a, dtype][0].parameters(),
+                                             runs[b, dtype][0].parameters()))
+    assert worst("cpu", "batched", torch.float64) <= 1e-12
+    assert worst("cpu", "batched", torch.float32) <= 3 * worst("reference", "batched", torch.float32)
+    assert worst("cpu", "batched", torch.float32) <= 1e-5

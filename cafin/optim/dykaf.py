@@ -392,14 +392,14 @@ class DyKAF(CoreOptimizer):
 
     def _update_all_factors(self, group, params, states, grads, stacks) -> None:
         """Update the Kronecker factors from the gradients: stacks in one batched split; on a
-        CPU, eagerly, each matrix by `proj_split_matrix` (host scalars: a compiled step keeps
+        CPU, eagerly, each matrix by `proj_split_matrix_` (host scalars: a compiled step keeps
         the batched form, whose scalars stay on the device)."""
         per_matrix = not torch.compiler.is_compiling()
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
             if per_matrix and not self._batched(params[idx[0]].device):
                 (i,) = idx
-                states[i]["factors"] = list(dykaf_maths.proj_split_matrix(
+                states[i]["factors"] = list(dykaf_maths.proj_split_matrix_(
                     *states[i]["factors"], grads[i], beta))
                 continue
             U, V = dykaf_maths.proj_split_batched(
