@@ -275,9 +275,9 @@ def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
     side's Gram matrix needs fewer multiply-adds (the rule of `proj_split_batched`) it gives T and
     the long side's squared norm, so that the long side's factor is needed only once, scaled, and
     is made in place by one GEMM with its old value as the accumulator:
-    tall (Z = g^T g): T = <Z R Z, M> + c_L (|V'|^2 + c_R P), |U'|^2 = tr((R Z)^2),
+    tall (Z = g^T g): T = <Z R Z, M> + c_L (|V'|^2 + c_R P), |U'|^2 = tr((R Z)^2) = <R, Z R Z>,
     new L = s (g R) g^T + s c_L L;
-    wide (W = g g^T): T = <W L W, K> + c_R (|U'|^2 + c_L P), |V'|^2 = tr((L W)^2),
+    wide (W = g g^T): T = <W L W, K> + c_R (|U'|^2 + c_L P), |V'|^2 = tr((L W)^2) = <L, W L W>,
     new R = s (g^T L) g + s c_R R;
     otherwise T = <K g, g M>."""
     m, n = g.shape
@@ -292,17 +292,19 @@ def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
         gtL = torch.mm(gt, L)
         W = torch.mm(g, gt)
         LW = torch.mm(L, W)
-        P, uu, vv = _dot(L, K), _dot(K, K), _dot(LW, LW.T)
+        WLW = torch.mm(W, LW)
+        P, uu, vv = _dot(L, K), _dot(K, K), _dot(L, WLW)
         K.add_(L, alpha=c_left)
-        T = _dot(torch.mm(W, LW), K) + c_right * (uu + c_left * P)
+        T = _dot(WLW, K) + c_right * (uu + c_left * P)
     elif tall < direct:
         gR = torch.mm(g, R)
         M = torch.mm(torch.mm(gt, L), g)  # V'
         Z = torch.mm(gt, g)
         RZ = torch.mm(R, Z)
-        P, uu, vv = _dot(R, M), _dot(RZ, RZ.T), _dot(M, M)
+        ZRZ = torch.mm(Z, RZ)
+        P, uu, vv = _dot(R, M), _dot(R, ZRZ), _dot(M, M)
         M.add_(R, alpha=c_right)
-        T = _dot(torch.mm(Z, RZ), M) + c_left * (vv + c_right * P)
+        T = _dot(ZRZ, M) + c_left * (vv + c_right * P)
     else:
         K = torch.mm(torch.mm(g, R), gt)
         M = torch.mm(torch.mm(gt, L), g)

@@ -299,8 +299,7 @@ class DyKAF(CoreOptimizer):
         moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
         keep, take = _scalars_like(exp_avgs, beta1)
-        torch._foreach_mul_(exp_avgs, keep)
-        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, take))
+        _average_(exp_avgs, grads, keep, take)
         moments: list = [None] * len(params)
         for i in alone:
             moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
@@ -316,8 +315,7 @@ class DyKAF(CoreOptimizer):
                                            for i in idx)
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
-                torch._foreach_mul_(caches, keep)
-                torch._foreach_add_(caches, torch._foreach_mul([rotated[i] for i in idx], take))
+                _average_(caches, [rotated[i] for i in idx], keep, take)
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
                 stacked = torch.bmm(torch.bmm(QL.mT, _stack([exp_avgs[i] for i in idx])), QR)
@@ -701,6 +699,17 @@ def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Ten
         return beta, take
     (dtype,) = dtypes
     return beta.to(dtype), take.to(dtype)
+
+
+def _average_(xs: list[torch.Tensor], ys: list[torch.Tensor], keep: torch.Tensor,
+              take: torch.Tensor) -> None:
+    """xs <- keep xs + take ys. On a CPU, outside a compiled step, take is read on the host (no
+    sync there) and added as alpha: one pass, no temporary; elsewhere the foreach product."""
+    torch._foreach_mul_(xs, keep)
+    if xs[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        torch._foreach_add_(xs, ys, alpha=take.item())
+    else:
+        torch._foreach_add_(xs, torch._foreach_mul(ys, take))
 
 
 def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
