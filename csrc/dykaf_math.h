@@ -8,10 +8,13 @@
 namespace cafin {
 
 // The rotated momentum over the rank-one second moment, the denominator formed per element:
-// mp / (sqrt(l_i * r_j) + guard). guard = 0 is the published rule (no epsilon).
+// mp / (sqrt(l_i * r_j) + guard). guard = 0 is the published rule (no epsilon). All in T: the
+// host's ::sqrt is the double one, and a float sqrt rounded from it is the float sqrt (which the
+// compiler then vectorises in float lanes); the sum and division stay in float, as on a GPU and in
+// the reference.
 template <typename T>
 C10_HOST_DEVICE inline T dykaf_rank_one_precondition(T mp, T l, T r, T guard) {
-  return mp / (::sqrt(l * r) + guard);
+  return mp / (static_cast<T>(::sqrt(l * r)) + guard);
 }
 
 // The full second moment: v <- beta2 * v + (1 - beta2) * gp^2, then mp / (sqrt(v) + eps).

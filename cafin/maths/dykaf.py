@@ -6,6 +6,7 @@ decompositions, which stay in torch.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -247,6 +248,78 @@ def _gram_term(W: torch.Tensor, F: torch.Tensor, X: torch.Tensor, s: torch.Tenso
     C = torch.bmm(WF, W)
     C.addcmul_(s, X)
     return C.div_((s * s + 2 * s * cross + square).sqrt() / shrink)
+
+
+def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
+    """<x, y> of two matrices of one shape (contiguous or transposed views alike), on the host,
+    in double precision."""
+    return torch.vdot(x.reshape(-1), y.reshape(-1)).item()
+
+
+def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
+                       beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`proj_split` of one matrix ([m, m], [n, n], [m, n]), the CPU's eager form, equal to it (and
+    to `proj_split_batched`) up to rounding. Returns the new (L, R); on a tall or wide matrix the
+    long side's new factor is written into its old one (L or R), the others are new tensors.
+
+    Each new factor is written by its GEMM and touched once or twice more; every inner product
+    over the long side is taken on the thin side or folded into a scalar; the scalars live on the
+    host (a CPU's tensors are read without a sync; a scalar op on a tensor costs a dispatch).
+    With a = |L|, b = |R|, shrink = 1 - beta (1 for beta = 1: g unscaled, as published) and
+    U' = g R g^T, V' = g^T L g, the basis step's sums scaled by b and a are K = U' + c_L L and
+    M = V' + c_R R (c_L = beta b^2 / shrink, c_R = beta a^2 / shrink): their directions are the
+    published ones. Every inner product of the weight S comes from P = <L, U'> = <R, V'> (one
+    trace, taken on the smaller side), q = beta a^2 b^2 / shrink and T = <K, g M g^T>:
+    S = (beta (q + P)^2 + shrink T) / (|K| |M|), and the new factors are sqrt(S) K / |K| and
+    sqrt(S) M / |M|, with |K|^2 = |U'|^2 + 2 c_L P + c_L^2 a^2 (and alike for M). Where the thin
+    side's Gram matrix needs fewer multiply-adds (the rule of `proj_split_batched`) it gives T and
+    the long side's squared norm, so that the long side's factor is needed only once, scaled, and
+    is made in place by one GEMM with its old value as the accumulator:
+    tall (Z = g^T g): T = <Z R Z, M> + c_L (|V'|^2 + c_R P), |U'|^2 = tr((R Z)^2) = <R, Z R Z>,
+    new L = s (g R) g^T + s c_L L;
+    wide (W = g g^T): T = <W L W, K> + c_R (|U'|^2 + c_L P), |V'|^2 = tr((L W)^2) = <L, W L W>,
+    new R = s (g^T L) g + s c_R R;
+    otherwise T = <K g, g M>."""
+    m, n = g.shape
+    shrink = 1 - beta if beta != 1 else 1.0
+    a2, b2 = _dot(L, L), _dot(R, R)
+    c_left, c_right = beta * b2 / shrink, beta * a2 / shrink
+    gt = g.T
+    direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
+    K = M = None  # the new factors once made: K on the left, M on the right
+    if wide < min(direct, tall):
+        K = torch.mm(torch.mm(g, R), gt)  # U'
+        gtL = torch.mm(gt, L)
+        W = torch.mm(g, gt)
+        LW = torch.mm(L, W)
+        WLW = torch.mm(W, LW)
+        P, uu, vv = _dot(L, K), _dot(K, K), _dot(L, WLW)
+        K.add_(L, alpha=c_left)
+        T = _dot(WLW, K) + c_right * (uu + c_left * P)
+    elif tall < direct:
+        gR = torch.mm(g, R)
+        M = torch.mm(torch.mm(gt, L), g)  # V'
+        Z = torch.mm(gt, g)
+        RZ = torch.mm(R, Z)
+        ZRZ = torch.mm(Z, RZ)
+        P, uu, vv = _dot(R, M), _dot(R, ZRZ), _dot(M, M)
+        M.add_(R, alpha=c_right)
+        T = _dot(ZRZ, M) + c_left * (vv + c_right * P)
+    else:
+        K = torch.mm(torch.mm(g, R), gt)
+        M = torch.mm(torch.mm(gt, L), g)
+        P = _dot(R, M) if n <= m else _dot(L, K)
+        uu, vv = _dot(K, K), _dot(M, M)
+        K.add_(L, alpha=c_left)
+        M.add_(R, alpha=c_right)
+        T = _dot(torch.mm(K, g), torch.mm(g, M))
+    kk = uu + 2 * c_left * P + c_left * c_left * a2
+    mm = vv + 2 * c_right * P + c_right * c_right * b2
+    root = math.sqrt((beta * (a2 * c_left + P) ** 2 + shrink * T) / math.sqrt(kk * mm))
+    s_left, s_right = root / math.sqrt(kk), root / math.sqrt(mm)
+    K = L.addmm_(gR, gt, beta=s_left * c_left, alpha=s_left) if K is None else K.mul_(s_left)
+    M = R.addmm_(gtL, g, beta=s_right * c_right, alpha=s_right) if M is None else M.mul_(s_right)
+    return K, M
 
 
 def proj_split_from_zero(g: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor]:

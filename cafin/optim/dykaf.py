@@ -289,7 +289,7 @@ class DyKAF(CoreOptimizer):
         for i in alone:  # read only (the moments are preconditioned in place, these are not)
             rotated[i] = self._project(grads[i], states[i], params[i], group, copy=False)
         for idx, QL, QR in stacks:
-            stacked = torch.bmm(torch.bmm(QL.mT, _stack([grads[i] for i in idx])), QR)
+            stacked = _sandwich(QL.mT, _stack([grads[i] for i in idx]), QR)
             for i, x in zip(idx, stacked.unbind(0)):
                 rotated[i] = x
         return rotated
@@ -299,8 +299,7 @@ class DyKAF(CoreOptimizer):
         moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
         keep, take = _scalars_like(exp_avgs, beta1)
-        torch._foreach_mul_(exp_avgs, keep)
-        torch._foreach_add_(exp_avgs, torch._foreach_mul(grads, take))
+        _average_(exp_avgs, grads, keep, take)
         moments: list = [None] * len(params)
         for i in alone:
             moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
@@ -316,11 +315,10 @@ class DyKAF(CoreOptimizer):
                                            for i in idx)
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
-                torch._foreach_mul_(caches, keep)
-                torch._foreach_add_(caches, torch._foreach_mul([rotated[i] for i in idx], take))
+                _average_(caches, [rotated[i] for i in idx], keep, take)
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
-                stacked = torch.bmm(torch.bmm(QL.mT, _stack([exp_avgs[i] for i in idx])), QR)
+                stacked = _sandwich(QL.mT, _stack([exp_avgs[i] for i in idx]), QR)
             stacked_moments.append(stacked)
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
@@ -359,7 +357,7 @@ class DyKAF(CoreOptimizer):
         for i in alone:
             updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
         for (idx, QL, QR), stacked in zip(stacks, stacked_moments):
-            for i, x in zip(idx, torch.bmm(torch.bmm(QL, stacked), QR.mT).unbind(0)):
+            for i, x in zip(idx, _sandwich(QL, stacked, QR.mT).unbind(0)):
                 updates[i] = x
         return updates
 
@@ -391,9 +389,17 @@ class DyKAF(CoreOptimizer):
                     p.copy_(q)
 
     def _update_all_factors(self, group, params, states, grads, stacks) -> None:
-        """Update the Kronecker factors from the gradients (stacks in one batched split)."""
+        """Update the Kronecker factors from the gradients: stacks in one batched split; on a
+        CPU, eagerly, each matrix by `proj_split_matrix_` (host scalars: a compiled step keeps
+        the batched form, whose scalars stay on the device)."""
+        per_matrix = not torch.compiler.is_compiling()
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
+            if per_matrix and not self._batched(params[idx[0]].device):
+                (i,) = idx
+                states[i]["factors"] = list(dykaf_maths.proj_split_matrix_(
+                    *states[i]["factors"], grads[i], beta))
+                continue
             U, V = dykaf_maths.proj_split_batched(
                 _stack([states[i]["factors"][0] for i in idx]),
                 _stack([states[i]["factors"][1] for i in idx]),
@@ -419,6 +425,10 @@ class DyKAF(CoreOptimizer):
 
     _batch_on_cpu = False  # tests set it to run the GPU's batched path on a CPU
 
+    def _batched(self, device: torch.device) -> bool:
+        """Whether the matrices of one shape on `device` share batched GEMMs (see _stacks)."""
+        return device.type != "cpu" or self._batch_on_cpu
+
     def _stacks(self, params, states) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
         """Matrices rotated on both sides, grouped by (shape, dtype, device, shampoo_beta):
         (indices, stacked Q_L, stacked Q_R). On a GPU one batched GEMM per group saves launches;
@@ -429,7 +439,7 @@ class DyKAF(CoreOptimizer):
         for i, (p, st) in enumerate(zip(params, states)):
             if st["kind"] == "kron2d" and all(Q is not None for Q in st["bases"]):
                 key = (tuple(p.shape), st["exp_avg"].dtype, p.device, st["shampoo_beta"])
-                batched = p.device.type != "cpu" or self._batch_on_cpu
+                batched = self._batched(p.device)
                 groups.setdefault(key if batched else (i,), []).append(i)
                 # The GEMMs read row-major bases (see _stack); a refresh leaves LAPACK's
                 # column-major ones: made row-major once here, not copied on every step.
@@ -680,6 +690,14 @@ def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     return xs[0].contiguous().unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
 
 
+def _sandwich(A: torch.Tensor, X: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
+    """A X B over stacks of matrices: batched GEMMs, or for a stack of one (a CPU's group) GEMMs
+    of its 2-D views (bmm of one matrix ran slower than mm on the GPT's 128-wide products)."""
+    if X.shape[0] == 1:
+        return torch.mm(torch.mm(A[0], X[0]), B[0]).unsqueeze(0)
+    return torch.bmm(torch.bmm(A, X), B)
+
+
 def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """beta and 1 - beta (0-dim float64) in the dtype of `xs` when they share one: the values the
     foreach ops would convert them to for every tensor, converted once."""
@@ -689,6 +707,17 @@ def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Ten
         return beta, take
     (dtype,) = dtypes
     return beta.to(dtype), take.to(dtype)
+
+
+def _average_(xs: list[torch.Tensor], ys: list[torch.Tensor], keep: torch.Tensor,
+              take: torch.Tensor) -> None:
+    """xs <- keep xs + take ys. On a CPU, outside a compiled step, take is read on the host (no
+    sync there) and added as alpha: one pass, no temporary; elsewhere the foreach product."""
+    torch._foreach_mul_(xs, keep)
+    if xs[0].device.type == "cpu" and not torch.compiler.is_compiling():
+        torch._foreach_add_(xs, ys, alpha=take.item())
+    else:
+        torch._foreach_add_(xs, torch._foreach_mul(ys, take))
 
 
 def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
