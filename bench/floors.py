@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -164,24 +165,61 @@ def twolevel(model: nn.Module) -> Floor:
     d_in (+1)] gradient matrix, the coarse solve F_c^-1 r (2 L^2 for L layers) and
     TWOLEVEL_BYTES per gradient-matrix element; SGD and the gradient restore over every
     parameter."""
-    import cafin
-    from .members.twolevel import preconditioned
-    pre = cafin.TwoLevelKFAC(preconditioned(_meta_copy(model)))
     flop = elements = 0
-    for group in pre.param_groups:
-        w = group["params"][0]
-        transposed = group["layer_type"] == "Conv1D"
-        d_g = w.shape[1] if transposed else w.shape[0]
-        d_a = (w.shape[0] if transposed else w[0].numel()) + (len(group["params"]) == 2)
-        flop += eigenbasis_flops(1, d_a, d_g)
+    layers = twolevel_layers(model)
+    for groups, d_a, d_g, diagonal in layers:
+        flop += eigenbasis_flops(groups, d_a, d_g, diagonal)
         elements += d_a * d_g
-    layers = len(pre.param_groups)
-    flop += 2 * layers * layers
+    flop += 2 * len(layers) * len(layers)
     params = _numel(_trainable(model))
     return Floor("twolevel", flop, TWOLEVEL_BYTES * elements + (SGD_BYTES + RESTORE_BYTES) * params)
 
 
 FLOORS = {"kfac": kfac, "singd": singd, "dykaf": dykaf, "twolevel": twolevel}
+
+
+def twolevel_layers(model: nn.Module) -> list[tuple[int, int, int, bool]]:
+    """(groups, d_a, d_g, diagonal A) of each layer two-level K-FAC registers on `model`."""
+    import cafin
+    from .members.twolevel import preconditioned
+    pre = cafin.TwoLevelKFAC(preconditioned(_meta_copy(model)))
+    out = []
+    for group in pre.param_groups:
+        w = group["params"][0]
+        transposed = group["layer_type"] == "Conv1D"
+        d_g = w.shape[1] if transposed else w.shape[0]
+        d_a = (w.shape[0] if transposed else w[0].numel()) + (len(group["params"]) == 2)
+        out.append((1, d_a, d_g, False))
+    return out
+
+
+# The members whose step GEMMs are the eigenbasis products of their layers.
+EIGENBASIS_LAYERS = {"kfac": kfac_layers, "twolevel": twolevel_layers}
+
+
+def eigenbasis_products(layers, device: torch.device) -> Callable[[], None]:
+    """The eigenbasis products of `layers` ((groups, d_a, d_g, diagonal A) each) and nothing else:
+    random float32 operands, outputs written into kept tensors, the four products of a layer in
+    a row. Timed in the bench next to the member's step, it measures what the device's GEMMs
+    give at these shapes, which the floor's 512^3 rate does not model."""
+    gen = torch.Generator().manual_seed(0)
+    chains = []
+    for groups, d_a, d_g, diagonal in layers:
+        for _ in range(groups):
+            qg, v = torch.rand(d_g, d_g, generator=gen), torch.rand(d_g, d_a, generator=gen)
+            qa = None if diagonal else torch.rand(d_a, d_a, generator=gen).to(device)
+            chains.append((qg.to(device), qa, v.to(device), torch.empty(d_g, d_a, device=device)))
+
+    def run() -> None:
+        for qg, qa, v, w in chains:
+            torch.mm(qg.t(), v, out=w)
+            if qa is None:
+                torch.mm(qg, w, out=v)
+                continue
+            torch.mm(w, qa, out=v)
+            torch.mm(qg, v, out=w)
+            torch.mm(w, qa.t(), out=v)
+    return run
 
 
 def member_floors(model: nn.Module, names) -> tuple[list[Floor], dict[str, str]]:

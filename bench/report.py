@@ -27,6 +27,7 @@ LABELS = {
     "adamw-foreach": "AdamW(foreach=True)",
     "adamw-fused": "AdamW(fused=True)",
     "kfac-pytorch": "kfac-pytorch (installed)",
+    "products-alone": "its eigenbasis GEMMs alone",
 }
 
 

@@ -37,7 +37,7 @@ import torch
 from . import members as members_pkg
 from . import published as published_mod
 from . import report
-from .floors import member_floors
+from .floors import EIGENBASIS_LAYERS, eigenbasis_products, member_floors
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
                       copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
 from .members import VARIANTS, Member
@@ -48,6 +48,7 @@ LR = 1e-3
 TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, every timed step does not
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
 BASELINES = ("adamw-foreach", "adamw-fused")
+PRODUCTS_ALONE = "products-alone"  # a member's eigenbasis GEMMs and nothing else (bench/floors.py)
 SGEMM_N = 512  # the GEMM rate of the members' floors: float32 [n, n] products
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
@@ -128,6 +129,12 @@ def _step_phase(ctx: Context) -> None:
                 continue
             measure(run, progress, "step", member.name, variant,
                     lambda m=member, v=variant: step_variant(ctx, m, v))
+        layers = EIGENBASIS_LAYERS.get(member.name)
+        if layers is not None and "fused" in ctx.selected(member) and not ctx.why_not(member, "fused"):
+            # The member's GEMMs alone at its shapes: how far its step is from what this device's
+            # GEMMs give, beside how far it is from the floor's 512^3 rate.
+            measure(run, progress, "step", member.name, PRODUCTS_ALONE,
+                    lambda f=layers: eigenbasis_products(f(ctx.base), run.device))
     for variant in BASELINES:
         if variant not in ctx.baselines:
             continue

@@ -100,3 +100,19 @@ def test_a_member_that_refuses_the_model_is_said_not_raised():
 def test_sgemm_rate():
     rate = sgemm_rate(64, torch.device("cpu"), repeats=3)
     assert math.isfinite(rate) and rate > 1e6
+
+
+@pytest.mark.parametrize("name", ["kfac", "twolevel"])
+def test_eigenbasis_products_alone_do_the_floors_gemm_flops(name):
+    """The bench's "GEMMs alone" row runs exactly the products the member's floor counts (the
+    coarse solve aside), and writes only its own buffers."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = gpt(vocab=32, dim=16, depth=2, heads=2, context=8)
+    layers = floors.EIGENBASIS_LAYERS[name](model)
+    run = floors.eigenbasis_products(layers, torch.device("cpu"))
+    with FlopCounterMode(display=False) as counter:
+        run()
+    want = sum(floors.eigenbasis_flops(*layer) for layer in layers)
+    assert counter.get_total_flops() == want
+    floor = floors.FLOORS[name](model)
+    assert floor.flop - want == (2 * len(layers) ** 2 if name == "twolevel" else 0)
