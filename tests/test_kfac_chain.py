@@ -138,12 +138,7 @@ def test_fused_step_through_buffers_matches_plain_products(dtype):
         if not chained:
             pre._chained = lambda: False  # the plain products of `_precondition`
         assert [len(members) for members, _ in pre._stacks] == [2]
-        got = []
-        for x, y in batches:
-            model.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            pre.step()
-            got.append([p.grad.clone() for p in model.parameters()])
+        got = _mixed_steps(model, pre, batches)
         if chained:
             kept = {k: [t.data_ptr() for t in v.tensors()] for k, v in pre._chains.items()}
             assert set(kept) == {("a", "b"), ("emb",), ("c",), ("d",)}
