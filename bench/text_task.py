@@ -35,8 +35,8 @@ few values were tried only to check that the defaults train at all):
                    takes AdamW's row settings
   DyKAF            the published usage (lr 3e-3, betas (0.95, 0.95), init "eps", wd 0.01,
                    precondition_frequency 10)
-  two-level K-FAC  the digits task's settings; it preconditions no Embedding, so it refuses the
-                   GPT's tied token embedding: reported
+  two-level K-FAC  the digits task's settings, on the transformer blocks (it preconditions no
+                   Embedding, and the head is the embedding's weight); SGD on every parameter
 
 Budgets: every member trains `--steps` steps; the wall-clock budget is AdamW's training time for
 those steps (or `--budget` seconds), and a member that has not used it after `--steps` steps

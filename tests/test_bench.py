@@ -399,8 +399,8 @@ def test_kfac_rows(tmp_path):
     expected = {("step", "reference"), (PRECONDITION, "reference"), (INVERSE, "reference"),
                 (FACTORS, "reference")}
     if fused:
-        expected |= {("step", "fused"), (PRECONDITION, "fused"), (PRECONDITION, "fused-compiled"),
-                     (INVERSE, "fused"), (FACTORS, "fused")}
+        expected |= {("step", "fused"), ("step", "products-alone"), (PRECONDITION, "fused"),
+                     (PRECONDITION, "fused-compiled"), (INVERSE, "fused"), (FACTORS, "fused")}
     try:
         import kfac  # noqa: F401  (a user's own install of kfac-pytorch)
         have_kfac = True
