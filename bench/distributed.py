@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from .gloo_ranks import (FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, render,
+from .gloo_ranks import (FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, medians, render,
                          timed_calls)
 
 STRATEGIES = {
@@ -94,10 +94,7 @@ def _dykaf_rows(rank: int, world: int, models: dict, steps: int, counter: list) 
         bases = sum(1 for st in opt.state.values() for f in st.get("factors", []) if f is not None)
         rows.append(dict(member="dykaf", model=model_name, strategy="owners" if world > 1 else "one_rank",
                          world=world, rank=rank,
-                         refresh_s=statistics.median(t[0] for t in refresh_times),
-                         refresh_cpu_s=statistics.median(t[1] for t in refresh_times),
-                         step_s=statistics.median(t[0] for t in step_times[2:]),
-                         step_cpu_s=statistics.median(t[1] for t in step_times[2:]),
+                         **medians("refresh", refresh_times), **medians("step", step_times[2:]),
                          opt_cpu_s=statistics.median(opt_times[2:]),
                          bytes=sent[-1], matrices=matrices, factors=bases))
     return rows
@@ -139,10 +136,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int, members: t
                 opt.step()
                 step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
             rows.append(dict(member="kfac", model=model_name, strategy=strategy, world=world, rank=rank,
-                             decompose_s=statistics.median(t[0] for t in decompose_times[1:]),
-                             decompose_cpu_s=statistics.median(t[1] for t in decompose_times[1:]),
-                             step_s=statistics.median(t[0] for t in step_times[1:]),
-                             step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
+                             **medians("decompose", decompose_times[1:]), **medians("step", step_times[1:]),
                              kfac_bytes=kfac_bytes[-1], matrices=matrices,
                              factors=sum(1 if cafin.factors.diagonal_input(layer.module) else 2
                                          for layer in pre.layers)))

@@ -21,13 +21,13 @@ and "every_rank" (distribute_decompositions=False: every rank makes every decomp
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 import time
 
 import torch
 
-from .gloo_ranks import FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, render, timed_calls
+from .gloo_ranks import (FULL_MODELS, TINY_MODELS, against_one_rank, count_bytes, forward_backward, medians,
+                         render, timed_calls)
 
 STRATEGIES = {"owners": dict(), "every_rank": dict(distribute_decompositions=False)}
 
@@ -70,10 +70,7 @@ def _rank(rank: int, world: int, outdir: str, tiny: bool, steps: int) -> None:
                 opt.step()
                 step_times.append((time.perf_counter() - start, time.thread_time() - cpu))
             rows.append(dict(member="twolevel", model=model_name, strategy=strategy, world=world, rank=rank,
-                             decompose_s=statistics.median(t[0] for t in decompose[1:]),
-                             decompose_cpu_s=statistics.median(t[1] for t in decompose[1:]),
-                             step_s=statistics.median(t[0] for t in step_times[1:]),
-                             step_cpu_s=statistics.median(t[1] for t in step_times[1:]),
+                             **medians("decompose", decompose[1:]), **medians("step", step_times[1:]),
                              bytes=sent[-1], matrices=decompose[-1][2], total_matrices=2 * pre.num_layer + 1))
     torch.save(rows, os.path.join(outdir, f"rows_rank{rank}.pt"))
     dist.barrier()

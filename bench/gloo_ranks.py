@@ -3,6 +3,7 @@ global batch) and the count of the bytes handed to collectives."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import torch
@@ -79,6 +80,13 @@ def timed_calls(module, names: tuple[str, ...], spent: list, count_stacks: bool 
     finally:
         for name, fn in originals.items():
             setattr(module, name, fn)
+
+
+def medians(name: str, samples) -> dict[str, float]:
+    """`{name}_s` and `{name}_cpu_s`: the medians of (wall seconds, CPU seconds) pairs."""
+    samples = list(samples)
+    return {f"{name}_s": statistics.median(t[0] for t in samples),
+            f"{name}_cpu_s": statistics.median(t[1] for t in samples)}
 
 
 def against_one_rank(one: dict, rows: list[dict], work: str, bytes_key: str, count: str) -> dict:
