@@ -594,3 +594,34 @@ def test_tied_weights_train_or_are_refused_at_construction(member):
         run.step(x, y)
     assert model.a.weight is model.b.weight
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("member", [m for m in MEMBERS if isinstance(m.build(mlp()), torch.optim.Optimizer)],
+                         ids=lambda m: m.name)
+def test_step_hooks_and_the_profiler_see_every_step(member):
+    """torch.optim's step hooks (the optimizer's own and the global ones) run around each step,
+    in torch's order, and the profiler shows the step's range; without either, the step runs as
+    it did (the same state after it)."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+    from torch.profiler import ProfilerActivity, profile
+    data = batches(3)
+    run = train(member, mlp(), data[:1])
+    opt, calls = run.curvature, []
+    handles = [opt.register_step_pre_hook(lambda o, a, k: calls.append("pre")),
+               opt.register_step_post_hook(lambda o, a, k: calls.append("post")),
+               register_optimizer_step_pre_hook(lambda o, a, k: calls.append("global pre")),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append("global post"))]
+    try:
+        run.step(*data[1])
+    finally:
+        for handle in handles:
+            handle.remove()
+    follower = ["global pre", "global post"] if run.follower is not None else []  # its torch SGD
+    assert calls == ["global pre", "pre", "post", "global post"] + follower
+    run.backward(*data[2])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run.update()
+    name = f"Optimizer.step#{type(opt).__name__}.step"
+    assert any(e.name == name for e in prof.events()), name
+    plain = train(member, mlp(), data)  # no hook, no profiler: the same steps, the same numbers
+    assert_tree_equal(everything(plain), everything(run), "hooked and profiled steps")
