@@ -108,16 +108,21 @@ def eigen_precondition_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: tor
 
 
 def eigen_precondition_right_steps(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
-                                   dgda: torch.Tensor, work: torch.Tensor
+                                   dgda: torch.Tensor, work: torch.Tensor, *,
+                                   source: torch.Tensor | None = None, fresh: bool = False
                                    ) -> list[Callable[[], torch.Tensor]]:
     """The operations of `eigen_precondition_right_into` as calls with their operands bound
     (the transposed views made once): a caller that keeps the buffers runs them on every step
-    (`for op in steps: op()`) without making any view."""
+    (`for op in steps: op()`) without making any view. `source`: the first product reads it
+    instead of grad (left as it is; grad is then only an intermediate); `fresh`: the last
+    product returns the result as a new contiguous tensor instead of writing it into grad."""
     mm = torch.mm if grad.dim() == 2 else torch.bmm
+    source = grad if source is None else source
+    last = {} if fresh else {"out": grad}
     if qa is None:
-        return [partial(mm, qg.mT, grad, out=work), partial(work.mul_, dgda), partial(mm, qg, work, out=grad)]
-    return [partial(mm, grad.mT, qg, out=work), partial(mm, work.mT, qa, out=grad), partial(grad.mul_, dgda),
-            partial(mm, grad.mT, qg.mT, out=work), partial(mm, work.mT, qa.mT, out=grad)]
+        return [partial(mm, qg.mT, source, out=work), partial(work.mul_, dgda), partial(mm, qg, work, **last)]
+    return [partial(mm, source.mT, qg, out=work), partial(mm, work.mT, qa, out=grad), partial(grad.mul_, dgda),
+            partial(mm, grad.mT, qg.mT, out=work), partial(mm, work.mT, qa.mT, **last)]
 
 
 def eigen_precondition_right_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,

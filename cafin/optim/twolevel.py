@@ -45,6 +45,7 @@ from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
 from ..factors import factor_sizes, input_rows
 from ..maths import state_dtype
+from ..maths import kfac as kfac_maths
 from ..maths import twolevel as twolevel_maths
 from ..sharding import check_sharded, gather_rows, is_sharded, local, module_class, own_rows
 from ._docs import _process_group_doc, _published_bugs_doc
@@ -129,6 +130,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
         self._sizes: dict[tuple, torch.Tensor] = {}
         self._scalings: dict[int, tuple] = {}  # eager: layer -> its kept `_scaling`
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: layer -> `_products` buffers
         self._constant_vectors: dict[tuple, torch.Tensor] = {}  # eager: nicolaides' vectors
         self._ones = self._create_ones()
         self.f_coarse = None
@@ -875,7 +877,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     def _kfac_directions(self, states, raws) -> list[torch.Tensor]:
         """Every layer's first-level (K-FAC) direction, per location for convolutions. Eager, the
         eigenvalues' division and the per-location one are one kept scaling (`_scaling`), and
-        the products write no intermediate the maths does not need."""
+        the products run through kept buffers (`_products`)."""
         pres = []
         compiling = torch.compiler.is_compiling()
         for i, (group, state, raw) in enumerate(zip(self.param_groups, states, raws)):
@@ -884,11 +886,26 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 p = self._kfac_inverse(state, raw)
                 pres.append(p / state["num_locations"] if locations else p)
                 continue
-            qg, qx = state["Q_g"], state["Q_x"]
-            rotated = torch.mm(torch.mm(qg.t(), raw), qx)
-            rotated.mul_(self._scaling(i, state, state["num_locations"] if locations else 1))
-            pres.append(torch.mm(torch.mm(qg, rotated), qx.t()))
+            scaling = self._scaling(i, state, state["num_locations"] if locations else 1)
+            pres.append(self._products(i, state, raw, scaling))
         return pres
+
+    def _products(self, i: int, state, raw: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+        """Q_g ((Q_g^T raw Q_x) * scaling) Q_x^T of layer i as a new tensor, in K-FAC's
+        right-multiplication form (`eigen_precondition_right_steps`: on a CPU core MKL runs it
+        faster on a bias column's widths), its two intermediates in row-aligned buffers kept
+        from step to step (remade when the shape, dtype or device changes)."""
+        kept = self._buffers.get(i)
+        if kept is None or kept[0].shape != raw.shape or kept[0].dtype != raw.dtype or kept[0].device != raw.device:
+            d_g, d_a = raw.shape
+            like = dict(dtype=raw.dtype, device=raw.device)
+            kept = self._buffers[i] = (kfac_maths.aligned_empty((d_g, d_a), **like),
+                                       kfac_maths.aligned_empty((d_a, d_g), **like))
+        mid, work = kept
+        for op in kfac_maths.eigen_precondition_right_steps(mid, state["Q_x"], state["Q_g"], scaling, work,
+                                                            source=raw, fresh=True):
+            result = op()
+        return result
 
     def _scaling(self, i: int, state, locations: int) -> torch.Tensor:
         """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors
@@ -953,13 +970,16 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             average_over_ranks(tensors, self.process_group)
 
     def _fisher_norm(self, final, raws) -> torch.Tensor:
+        # the weight's sum is the whole matrix's less the bias column's: two dot products, no
+        # elementwise product of the matrices
         total = final[0].new_zeros(())
         for group, f, r in zip(self.param_groups, final, raws):
+            whole = torch.dot(f.reshape(-1), r.reshape(-1))
             if len(group["params"]) == 2:
-                fr = f * r
-                total = total + fr[:, :-1].sum().abs() + fr[:, -1].sum().abs()
+                bias = torch.dot(f[:, -1], r[:, -1])
+                total = total + (whole - bias).abs() + bias.abs()
             else:
-                total = total + torch.dot(f.reshape(-1), r.reshape(-1)).abs()
+                total = total + whole.abs()
         return total
 
     def _two_level(self, raws, pres) -> list[torch.Tensor]:
@@ -977,10 +997,21 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 average_over_ranks(fx, self.process_group)
             residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
-        rhs = torch.stack([torch.dot(v.reshape(-1), r.reshape(-1)) for vs, r in zip(vectors, raws) for v in vs])
+        # eager nicolaides and tpselepedis: one kept vector c * ones per layer, so <v, r> is
+        # c sum(r) and v y is the scalar c y (no pass over the ones)
+        constant = (not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
+                    and not torch.compiler.is_compiling())
+        if constant:
+            c = vectors[0][0].reshape(-1)[0]
+            rhs = torch.stack([r.sum() for r in raws]) * c
+        else:
+            rhs = torch.stack([torch.dot(v.reshape(-1), r.reshape(-1)) for vs, r in zip(vectors, raws) for v in vs])
         if not self._update_coarse(vectors):
             return None
         y = self.f_coarse_inv @ rhs
+        if constant:
+            torch._foreach_add_(pres, list((y * c).unbind()))
+            return pres
         # v_l += y_l r_l for every layer at once (one call per coarse vector of a layer, not
         # one add per layer): the directions are fresh tensors, updated in place
         per_layer = len(vectors[0])
