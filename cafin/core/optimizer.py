@@ -193,8 +193,11 @@ class CoreOptimizer(torch.optim.Optimizer):
             if grad is None:
                 continue
             # One test for the usual case; the message (and its shape string) only for a bad one.
-            if not (grad.is_sparse or grad.shape != p.shape or grad.dtype != p.dtype
-                    or grad.device != p.device or (contiguous and not p.is_contiguous())):
+            # dtypes are singletons; on a CPU `is_cpu` is the device test without building the
+            # two torch.device objects (a third of the loop's time on ResNet-18's 62 tensors).
+            if (grad.shape == p.shape and grad.dtype is p.dtype
+                    and (grad.is_cpu if p.is_cpu else grad.device == p.device)
+                    and not grad.is_sparse and (not contiguous or p.is_contiguous())):
                 continue
             where = f"param group {index}, parameter of shape {tuple(p.shape)}"
             check_gradient(p, owner, where)
