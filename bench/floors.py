@@ -199,26 +199,32 @@ EIGENBASIS_LAYERS = {"kfac": kfac_layers, "twolevel": twolevel_layers}
 
 def eigenbasis_products(layers, device: torch.device) -> Callable[[], None]:
     """The eigenbasis products of `layers` ((groups, d_a, d_g, diagonal A) each) and nothing else:
-    random float32 operands, outputs written into kept tensors, the four products of a layer in
-    a row. Timed in the bench next to the member's step, it measures what the device's GEMMs
-    give at these shapes, which the floor's 512^3 rate does not model."""
+    random float32 operands (orthogonal bases) in kept, row-aligned buffers, in the right-multiplication form
+    the members' eager steps run (`cafin.maths.kfac.eigen_precondition_right_steps`, its
+    elementwise scaling left out), the products of a layer in a row. Timed in the bench next to
+    the member's step, it measures what the device's GEMMs give at these shapes, which the
+    floor's 512^3 rate does not model."""
+    from cafin.maths import kfac as kfac_maths
     gen = torch.Generator().manual_seed(0)
-    chains = []
+
+    def kept(*shape, orthogonal=False):
+        values = torch.rand(shape, generator=gen)
+        if orthogonal:  # the products repeat on their own results: keep them bounded
+            values = torch.linalg.qr(values)[0]
+        return kfac_maths.aligned_empty(shape, dtype=torch.float32, device=device).copy_(values)
+
+    products = []
     for groups, d_a, d_g, diagonal in layers:
         for _ in range(groups):
-            qg, v = torch.rand(d_g, d_g, generator=gen), torch.rand(d_g, d_a, generator=gen)
-            qa = None if diagonal else torch.rand(d_a, d_a, generator=gen).to(device)
-            chains.append((qg.to(device), qa, v.to(device), torch.empty(d_g, d_a, device=device)))
+            qg, grad = kept(d_g, d_g, orthogonal=True), kept(d_g, d_a)
+            qa = None if diagonal else kept(d_a, d_a, orthogonal=True)
+            work = kept(d_g, d_a) if diagonal else kept(d_a, d_g)
+            steps = kfac_maths.eigen_precondition_right_steps(grad, qa, qg, torch.ones(()), work)
+            products += [op for op in steps if op.func in (torch.mm, torch.bmm)]
 
     def run() -> None:
-        for qg, qa, v, w in chains:
-            torch.mm(qg.t(), v, out=w)
-            if qa is None:
-                torch.mm(qg, w, out=v)
-                continue
-            torch.mm(w, qa, out=v)
-            torch.mm(qg, v, out=w)
-            torch.mm(w, qa.t(), out=v)
+        for op in products:
+            op()
     return run
 
 
