@@ -33,6 +33,15 @@ def pair(structures, gen, T=2):
     return models, opts
 
 
+def started(structures, seed, steps):
+    """The fused/reference pair and its batch generator, after `steps` checked steps."""
+    gen = torch.Generator().manual_seed(seed)
+    models, opts = pair(structures, gen)
+    for _ in range(steps):
+        step(models, opts, gen)
+    return models, opts, gen
+
+
 def backward(models, gen):
     x = torch.randint(0, 11, (6, 4), generator=gen)
     y = torch.randn(6, 4, 5, generator=gen, dtype=torch.float64)
@@ -70,9 +79,7 @@ def test_kept_gradients_and_new_gradients_each_step(structures):
 
 @pytest.mark.parametrize("structures", STRUCTURES)
 def test_a_parameter_without_gradient_then_with_one_again(structures):
-    gen = torch.Generator().manual_seed(1)
-    models, opts = pair(structures, gen)
-    step(models, opts, gen)
+    models, opts, gen = started(structures, 1, steps=1)
     for k in range(2):
         for opt in opts:
             opt.zero_grad()
@@ -90,10 +97,7 @@ def test_a_parameter_without_gradient_then_with_one_again(structures):
 
 @pytest.mark.parametrize("structures", STRUCTURES)
 def test_a_parameter_given_new_memory(structures):
-    gen = torch.Generator().manual_seed(2)
-    models, opts = pair(structures, gen)
-    step(models, opts, gen)
-    step(models, opts, gen)
+    models, opts, gen = started(structures, 2, steps=2)
     for m in models:  # .data = (what model.to(...) does): the step must write the new memory
         m[1].weight.data = m[1].weight.data.clone()
         m[2].bias.data = m[2].bias.data.clone()
@@ -103,9 +107,7 @@ def test_a_parameter_given_new_memory(structures):
 
 @pytest.mark.parametrize("structures", STRUCTURES)
 def test_checkpoint_load_new_group_and_copy(structures):
-    gen = torch.Generator().manual_seed(3)
-    models, opts = pair(structures, gen)
-    step(models, opts, gen)
+    models, opts, gen = started(structures, 3, steps=1)
     saved = [opt.state_dict() for opt in opts]
     step(models, opts, gen)
     for opt, sd in zip(opts, saved):  # new state tensors: the kept routing must not hold the old

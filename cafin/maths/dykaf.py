@@ -256,6 +256,21 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
     return torch.vdot(x.reshape(-1), y.reshape(-1)).item()
 
 
+def _thin_side_sums(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, c_left: float,
+                    c_right: float) -> tuple:
+    """`proj_split_matrix_`'s wide case ([m, m], [n, n], [m, n] with m the thin side; its tall
+    case is this one on (R, L, g^T)): the new left factor before its scaling, K = U' + c_L L with
+    U' = g R g^T; g^T L, which makes the long side's factor; P = <L, U'>, |U'|^2, |V'|^2 =
+    <L, W L W> (W = g g^T) and T = <W L W, K> + c_R (|U'|^2 + c_L P)."""
+    K = torch.mm(torch.mm(g, R), g.T)  # U'
+    gtL = torch.mm(g.T, L)
+    W = torch.mm(g, g.T)
+    WLW = torch.mm(W, torch.mm(L, W))
+    P, uu, vv = _dot(L, K), _dot(K, K), _dot(L, WLW)
+    K.add_(L, alpha=c_left)
+    return K, gtL, P, uu, vv, _dot(WLW, K) + c_right * (uu + c_left * P)
+
+
 def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
                        beta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`proj_split` of one matrix ([m, m], [n, n], [m, n]), the CPU's eager form, equal to it (and
@@ -288,23 +303,9 @@ def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
     direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
     K = M = None  # the new factors once made: K on the left, M on the right
     if wide < min(direct, tall):
-        K = torch.mm(torch.mm(g, R), gt)  # U'
-        gtL = torch.mm(gt, L)
-        W = torch.mm(g, gt)
-        LW = torch.mm(L, W)
-        WLW = torch.mm(W, LW)
-        P, uu, vv = _dot(L, K), _dot(K, K), _dot(L, WLW)
-        K.add_(L, alpha=c_left)
-        T = _dot(WLW, K) + c_right * (uu + c_left * P)
-    elif tall < direct:
-        gR = torch.mm(g, R)
-        M = torch.mm(torch.mm(gt, L), g)  # V'
-        Z = torch.mm(gt, g)
-        RZ = torch.mm(R, Z)
-        ZRZ = torch.mm(Z, RZ)
-        P, uu, vv = _dot(R, M), _dot(R, ZRZ), _dot(M, M)
-        M.add_(R, alpha=c_right)
-        T = _dot(ZRZ, M) + c_left * (vv + c_right * P)
+        K, gtL, P, uu, vv, T = _thin_side_sums(L, R, g, c_left, c_right)
+    elif tall < direct:  # the wide case of g^T, the sides swapped
+        M, gR, P, vv, uu, T = _thin_side_sums(R, L, gt, c_right, c_left)
     else:
         K = torch.mm(torch.mm(g, R), gt)
         M = torch.mm(torch.mm(gt, L), g)
