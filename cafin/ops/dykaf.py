@@ -50,6 +50,7 @@ def _nonnegative(value, name: str, device: torch.device) -> torch.Tensor:
 
 
 _FLOATS = (torch.float32, torch.float64)
+_PARAM_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _work(t, name, like: torch.Tensor) -> None:
@@ -71,7 +72,9 @@ def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Se
     _lengths("l", len(l), r=r, gp=gp)
     if not gp:
         return
-    guard = _nonnegative(guard, "guard", gp[0].device)
+    device = gp[0].device
+    guard = _nonnegative(guard, "guard", device)
+    _scalar(beta2, "beta2", device)
     for i, (li, ri, g) in enumerate(zip(l, r, gp)):
         _check(g.dim() == 2, lambda: f"gp[{i}] must be 2-D, got shape {tuple(g.shape)}")
         _work(g, lambda: f"gp[{i}]", g)
@@ -81,7 +84,6 @@ def dykaf_rank_one_(l: Sequence[torch.Tensor], r: Sequence[torch.Tensor], gp: Se
                lambda: f"l[{i}] has {li.numel()} entries, expected {g.shape[0]}")
         _check(ri.numel() == g.shape[1],
                lambda: f"r[{i}] has {ri.numel()} entries, expected {g.shape[1]}")
-        _scalar(beta2, "beta2", g.device)
     if l:
         torch.ops.cafin.dykaf_rank_one_(list(l), list(r), list(gp), beta2, guard)
 
@@ -114,14 +116,15 @@ def dykaf_adam_precondition_(mp: Sequence[torch.Tensor], v: Sequence[torch.Tenso
     _lengths("mp", len(mp), v=v, gp=gp)
     if not mp:
         return
-    eps = _nonnegative(eps, "eps", mp[0].device)
+    device = mp[0].device
+    eps = _nonnegative(eps, "eps", device)
+    _scalar(beta2, "beta2", device)
     for i, (x, vi, g) in enumerate(zip(mp, v, gp)):
         _work(x, lambda: f"mp[{i}]", x)
         _work(vi, lambda: f"v[{i}]", x)
         _work(g, lambda: f"gp[{i}]", x)
         _check(vi.shape == x.shape and g.shape == x.shape,
                lambda: f"v[{i}] and gp[{i}] must have mp[{i}]'s shape {tuple(x.shape)}")
-        _scalar(beta2, "beta2", x.device)
     if mp:
         torch.ops.cafin.dykaf_adam_precondition_(list(mp), list(v), list(gp), beta2, eps)
 
@@ -135,19 +138,23 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
     _lengths("params", len(params), updates=updates)
     if not params:
         return
-    weight_decay = _nonnegative(weight_decay, "weight_decay", params[0].device)
+    device = params[0].device
+    weight_decay = _nonnegative(weight_decay, "weight_decay", device)
+    _scalar(step_size, "step_size", device)
+    _scalar(lr, "lr", device)
     for i, (p, u) in enumerate(zip(params, updates)):
-        _check(p.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-               lambda: f"params[{i}] has dtype {p.dtype}", TypeError)
-        _check(p.is_contiguous(), lambda: f"params[{i}] must be contiguous")
         want = torch.float64 if p.dtype == torch.float64 else torch.float32
+        if (p.dtype in _PARAM_DTYPES and u.dtype == want and p.is_contiguous() and u.is_contiguous()
+                and u.numel() == p.numel() and p.device == device and u.device == device):
+            continue  # the usual case, decided without the checks' messages
+        _check(p.dtype in _PARAM_DTYPES, lambda: f"params[{i}] has dtype {p.dtype}", TypeError)
+        _check(p.is_contiguous(), lambda: f"params[{i}] must be contiguous")
+        _check(p.device == device, lambda: f"params[{i}] is on {p.device}, expected {device}")
         _check(u.dtype == want, lambda: f"updates[{i}] has dtype {u.dtype}, expected {want}",
                TypeError)
         _check(u.is_contiguous(), lambda: f"updates[{i}] must be contiguous")
         _check(u.numel() == p.numel() and u.device == p.device,
                lambda: f"updates[{i}] must have params[{i}]'s size and device")
-        _scalar(step_size, "step_size", p.device)
-        _scalar(lr, "lr", p.device)
     if params:
         torch.ops.cafin.dykaf_apply_(list(params), list(updates), step_size, lr, weight_decay,
                                      bool(normalize))
