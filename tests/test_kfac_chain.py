@@ -105,6 +105,20 @@ def test_right_products_match_plain_products(dtype, shape, diagonal):
         for op in steps:
             op()
         torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
+    # reading another source, the result a new tensor: the source is left as it is, the buffer
+    # is only an intermediate, and each call gives a tensor of its own
+    source = grad0.clone()
+    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0, source=source,
+                                                      fresh=True)
+    results = []
+    for _ in range(2):
+        for op in steps:
+            result = op()
+        results.append(result)
+    assert torch.equal(source, grad0) and results[0] is not results[1]
+    assert results[0].is_contiguous() and results[0].data_ptr() not in (buf0.data_ptr(), work0.data_ptr())
+    for result in results:
+        torch.testing.assert_close(result.double(), oracle[0], rtol=tol, atol=tol)
 
 
 class _Net(nn.Module):
