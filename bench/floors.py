@@ -199,9 +199,10 @@ EIGENBASIS_LAYERS = {"kfac": kfac_layers, "twolevel": twolevel_layers}
 
 def eigenbasis_products(layers, device: torch.device) -> Callable[[], None]:
     """The eigenbasis products of `layers` ((groups, d_a, d_g, diagonal A) each) and nothing else:
-    random float32 operands (orthogonal bases) in kept, row-aligned buffers, in the right-multiplication form
-    the members' eager steps run (`cafin.maths.kfac.eigen_precondition_right_steps`, its
-    elementwise scaling left out), the products of a layer in a row. Timed in the bench next to
+    random float32 operands (orthogonal bases) in kept, row-aligned buffers, in the
+    right-multiplication form the members' eager steps run
+    (`cafin.maths.kfac.eigen_precondition_right_steps`, its elementwise scaling left out), the
+    products of a layer in a row. Timed in the bench next to
     the member's step, it measures what the device's GEMMs give at these shapes, which the
     floor's 512^3 rate does not model."""
     from cafin.maths import kfac as kfac_maths

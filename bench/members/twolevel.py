@@ -29,7 +29,7 @@ def sgd(model: nn.Module, lr: float, coarse_space: str | None = "nicolaides", kr
     coarse_space None: the same K-FAC with the coarse correction off ("none")."""
     import cafin
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True)  # fused: as K-FAC's (bench.members.kfac.SGD)
+    opt = torch.optim.SGD(params, lr=lr, momentum=0.9, fused=True)  # as K-FAC's (members/kfac.py)
     pre = cafin.TwoLevelKFAC(preconditioned(model), coarse_space=coarse_space or "none",
                              krylov=krylov, **kwargs)
     return PreconditionedSGD(pre, opt, stats_flag=True, restore_grads=restore_grads)
