@@ -628,18 +628,24 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return (state["gy"] * wl.unsqueeze(1)).t() @ state["x"] / self.batch_size
 
     # ------------------------------------------------------------------ coarse space
+    def _constant_coarse(self) -> bool:
+        """Whether each layer's coarse vector is one kept constant c * ones: the eager steps of
+        nicolaides and tpselepedis without Krylov (the same numbers at every step)."""
+        return (not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
+                and not torch.compiler.is_compiling())
+
     def _coarse_vectors(self, state, raw, residual) -> list[torch.Tensor]:
         cs = self.coarse_space
+        if self._constant_coarse():
+            key = (raw.shape, raw.dtype, raw.device)
+            if key not in self._constant_vectors:
+                ones = torch.ones_like(raw)
+                self._constant_vectors[key] = ones / (ones.abs().max() + _NORM_EPS)
+            return [self._constant_vectors[key]]
         if self.krylov:
             r1 = torch.ones_like(raw) if cs == "nicolaides" else self._m_inv(state, residual)
             rs = [r1, self._m_inv(state, r1)]
-        elif cs in ("nicolaides", "tpselepedis"):
-            if not torch.compiler.is_compiling():  # the same numbers at every step: kept
-                key = (raw.shape, raw.dtype, raw.device)
-                if key not in self._constant_vectors:
-                    ones = torch.ones_like(raw)
-                    self._constant_vectors[key] = ones / (ones.abs().max() + _NORM_EPS)
-                return [self._constant_vectors[key]]
+        elif cs in ("nicolaides", "tpselepedis"):  # compiled: made in the graph
             rs = [torch.ones_like(raw)]
         elif cs == "residual":
             rs = [self._m_inv(state, residual)]
@@ -997,10 +1003,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 average_over_ranks(fx, self.process_group)
             residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
-        # eager nicolaides and tpselepedis: one kept vector c * ones per layer, so <v, r> is
-        # c sum(r) and v y is the scalar c y (no pass over the ones)
-        constant = (not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
-                    and not torch.compiler.is_compiling())
+        # one kept vector c * ones per layer: <v, r> is c sum(r) and v y is the scalar c y (no
+        # pass over the ones)
+        constant = self._constant_coarse()
         if constant:
             c = vectors[0][0].reshape(-1)[0]
             rhs = torch.stack([r.sum() for r in raws]) * c
