@@ -68,9 +68,22 @@ inline void check_kfac_eigen_scale(at::TensorList v, at::TensorList dg, at::Tens
   }
 }
 
+// The distance between the rows of a [groups, d_g, d_a] precond whose rows (groups * d_g of
+// them, each d_a contiguous elements) are equally spaced, as a contiguous tensor's or a view
+// of row-aligned storage's are; -1 for any other layout.
+inline int64_t kfac_row_stride(const at::Tensor& v) {
+  const int64_t groups = v.size(0), rows = v.size(1), cols = v.size(2);
+  if (v.numel() == 0) return cols;
+  if (cols > 1 && v.stride(2) != 1) return -1;
+  const int64_t ld = rows > 1 ? v.stride(1) : groups > 1 ? v.stride(0) : cols;
+  if (ld < cols || (rows > 1 && groups > 1 && v.stride(0) != rows * ld)) return -1;
+  return ld;
+}
+
 inline void check_kfac_precondition_apply(at::TensorList weight_grads, at::TensorList bias_grads,
                                           at::TensorList precond, const at::Tensor& lr,
-                                          const std::optional<at::Tensor>& kl_clip) {
+                                          const std::optional<at::Tensor>& kl_clip,
+                                          const std::optional<at::Tensor>& shift) {
   const size_t n = weight_grads.size();
   TORCH_CHECK_VALUE(bias_grads.size() == n && precond.size() == n,
                     "weight_grads, bias_grads and precond must have one entry each, got ", n, ", ",
@@ -80,6 +93,14 @@ inline void check_kfac_precondition_apply(at::TensorList weight_grads, at::Tenso
   check_scalar_tensor(lr, "lr", device, at::kDouble);
   if (kl_clip.has_value()) check_scalar_tensor(*kl_clip, "kl_clip", device, at::kDouble);
   const at::ScalarType dtype = weight_grads[0].scalar_type();
+  if (shift.has_value()) {
+    TORCH_CHECK_VALUE(shift->dim() == 1 && shift->size(0) == static_cast<int64_t>(n) && shift->is_contiguous(),
+                      "shift must be a 1-dim tensor of ", n, " contiguous entries (one per entry of "
+                      "precond), got shape ", shift->sizes());
+    TORCH_CHECK_VALUE(shift->device() == device, "shift is on ", shift->device(), ", expected ", device);
+    TORCH_CHECK_TYPE(shift->scalar_type() == dtype, "shift has dtype ", dtype_name(shift->scalar_type()),
+                     ", expected the gradients' ", dtype_name(dtype));
+  }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& w = weight_grads[i];
     const at::Tensor& b = bias_grads[i];
@@ -91,9 +112,12 @@ inline void check_kfac_precondition_apply(at::TensorList weight_grads, at::Tenso
                      dtype_name(v.scalar_type()));
     TORCH_CHECK_VALUE(w.device() == device && b.device() == device && v.device() == device,
                       "entry ", i, " of weight_grads, bias_grads and precond must be on ", device);
-    TORCH_CHECK_VALUE(w.is_contiguous() && b.is_contiguous() && v.is_contiguous(),
-                      "entry ", i, " of weight_grads, bias_grads and precond must be contiguous");
+    TORCH_CHECK_VALUE(w.is_contiguous() && b.is_contiguous(),
+                      "entry ", i, " of weight_grads and bias_grads must be contiguous");
     TORCH_CHECK_VALUE(v.dim() == 3, "precond[", i, "] must be [groups, d_g, d_a], got shape ", v.sizes());
+    TORCH_CHECK_VALUE(kfac_row_stride(v) > 0,
+                      "precond[", i, "] must have contiguous, equally spaced rows (contiguous, or a "
+                      "view of row-aligned storage), got strides ", v.strides());
     const int64_t rows = v.size(0) * v.size(1);
     const int64_t bias = b.numel() > 0 ? 1 : 0;
     TORCH_CHECK_VALUE(v.size(2) > bias && w.numel() == rows * (v.size(2) - bias) &&

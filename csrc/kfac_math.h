@@ -29,6 +29,15 @@ C10_HOST_DEVICE inline T kfac_eigen_scale(T v, T dg, T da, T damping) {
   return v / (dg * da + damping);
 }
 
+// The clip sum of a write's partial sums <V, g>, two per entry (its weight columns, its bias
+// column): their sum, or with abs_terms the sum of their absolute values (two-level K-FAC's
+// Fisher norm, which takes each tensor's term apart).
+C10_HOST_DEVICE inline double kfac_clip_sum(const double* parts, int64_t n, bool abs_terms) {
+  double total = 0.0;
+  for (int64_t k = 0; k < n; ++k) total += abs_terms ? ::fabs(parts[k]) : parts[k];
+  return total;
+}
+
 // The KL-clip factor from vg = lr^2 * sum <V, g>: min(1, sqrt(kl_clip / |vg|)), 1 when vg == 0.
 C10_HOST_DEVICE inline double kfac_kl_scale(double vg, double kl_clip) {
   if (vg == 0.0) return 1.0;

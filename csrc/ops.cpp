@@ -90,11 +90,12 @@ TORCH_LIBRARY(cafin, m) {
   // v <- v / (dg da^T + damping), per group.
   m.def("kfac_eigen_scale_(Tensor(a!)[] v, Tensor[] dg, Tensor[] da, Tensor damping) -> ()",
         {at::Tag::pt2_compliant_tag});
-  // Gradients <- nu * precond (weight columns, then the bias column), nu the KL-clip factor
-  // from lr^2 sum <precond, grad> (1 without kl_clip).
+  // Gradients <- nu * (precond + shift[i]) (weight columns, then the bias column), nu the
+  // KL-clip factor from lr^2 sum <precond + shift, grad> (1 without kl_clip); abs_terms sums
+  // each tensor's term's absolute value instead (two-level K-FAC's clip).
   m.def(
       "kfac_precondition_apply_(Tensor(a!)[] weight_grads, Tensor(b!)[] bias_grads, Tensor[] precond, "
-      "Tensor lr, Tensor? kl_clip=None) -> ()",
+      "Tensor lr, Tensor? kl_clip=None, Tensor? shift=None, bool abs_terms=False) -> ()",
       {at::Tag::pt2_compliant_tag});
   // DyKAF (semantics: cafin/reference/dykaf.py). Every scalar is a 0-dim float64 tensor.
   // The rank-one second moment l r^T of each rotated gradient gp (one projector-splitting step

@@ -588,6 +588,81 @@ def test_ops_match_reference(device, dtype):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+def _padded(v: torch.Tensor, extra: int) -> torch.Tensor:
+    """v's values in a view whose rows are `extra` elements apart more than contiguous ones
+    (as in row-aligned storage), the padding filled with NaN so that a read of it shows."""
+    groups, rows, cols = v.shape
+    store = torch.full((groups, rows, cols + extra), math.nan, dtype=v.dtype, device=v.device)
+    return store[..., :cols].copy_(v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_apply_with_shift_abs_terms_and_padded_rows_matches_reference(device, dtype):
+    """Two-level K-FAC's write: a per-entry shift, the clip sum over each tensor's |term|, and
+    preconditioned gradients read from row-aligned storage, against the reference, with the
+    clip on (binding and not), off, and NaN; and the clip factor checked against a sum taken
+    here."""
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    lr = torch.tensor(1.0, dtype=torch.float64, device=device)
+    for seed, bias in [(11, (True, False, True)), (12, (False, False, False)), (13, (True, True, True))]:
+        ws, bs, vs = _apply_args(device, dtype, seed, bias)
+        shift = torch.randn(3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(device, dtype)
+        terms = []
+        for w, b, v, s in zip(ws, bs, vs, shift):
+            flat = (v + s).reshape(-1, v.shape[2]).double()
+            terms.append((flat[:, :w.shape[1]] * w.double()).sum() if b.numel() else (flat * w.double().reshape(flat.shape)).sum())
+            if b.numel():
+                terms.append((flat[:, -1] * b.double()).sum())
+        norm = sum(t.abs() for t in terms).item()
+        assert norm > abs(sum(terms).item()) * (1 + 1e-9)  # the terms' signs differ: abs_terms matters
+        for kl in (None, 0.01 * norm, 1e6 * norm, math.nan):
+            kl_t = None if kl is None else torch.tensor(kl, dtype=torch.float64, device=device)
+            for extra in (0, 3):
+                got = (_clone(ws), _clone(bs))
+                want = (_clone(ws), _clone(bs))
+                ref.kfac_precondition_apply_(*want, vs, lr, kl_t, shift, True)
+                ops.kfac_precondition_apply_(*got, [_padded(v, extra) for v in vs], lr, kl_t, shift, True)
+                for a, b in zip(got[0] + got[1], want[0] + want[1]):
+                    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+            if kl == 0.01 * norm:  # nu = 0.1: every gradient is 0.1 (v + shift)
+                for w, v, s, b in zip(got[0], vs, shift, got[1]):
+                    flat = (v + s).reshape(-1, v.shape[2])
+                    torch.testing.assert_close(w.reshape(-1), (0.1 * flat[:, :w.shape[1]]).reshape(-1),
+                                               rtol=tol, atol=tol)
+                    if b.numel():
+                        torch.testing.assert_close(b, 0.1 * flat[:, -1], rtol=tol, atol=tol)
+        # without abs_terms and without a shift, a padded precond gives the contiguous one's numbers
+        kl_t = torch.tensor(1e-3, dtype=torch.float64, device=device)
+        got, want = (_clone(ws), _clone(bs)), (_clone(ws), _clone(bs))
+        ops.kfac_precondition_apply_(*got, [_padded(v, 5) for v in vs], lr, kl_t)
+        ops.kfac_precondition_apply_(*want, vs, lr, kl_t)
+        for a, b in zip(got[0] + got[1], want[0] + want[1]):
+            assert torch.equal(a, b)
+
+
+def test_apply_rejects_bad_shift_and_layouts():
+    ws, bs, vs = _apply_args("cpu", torch.float32, 0)
+    lr = torch.tensor(0.1, dtype=torch.float64)
+    for shift, exc, match in [(torch.zeros(2), ValueError, "shift must be a 1-dim tensor of 3"),
+                              (torch.zeros(3, 1), ValueError, "shift must be a 1-dim tensor of 3"),
+                              (torch.zeros(3, dtype=torch.float64), TypeError, "shift has dtype")]:
+        with pytest.raises(exc, match=match):
+            ops.kfac_precondition_apply_(ws, bs, vs, lr, None, shift)
+        with pytest.raises(exc, match=match):  # the kernel's own check
+            torch.ops.cafin.kfac_precondition_apply_(ws, bs, vs, lr, None, shift, False)
+    with pytest.raises(TypeError, match="abs_terms"):
+        ops.kfac_precondition_apply_(ws, bs, vs, lr, None, None, 1)
+    before = _clone(ws)
+    columns = [v.mT.contiguous().mT for v in vs]  # column-major rows: not one stride apart
+    with pytest.raises(ValueError, match=r"precond\[0\] must have contiguous, equally spaced rows"):
+        ops.kfac_precondition_apply_(ws, bs, columns, lr)
+    uneven = torch.randn(2, 6, 8)[:, :3, :5]  # groups not rows * row stride apart
+    with pytest.raises(ValueError, match=r"precond\[1\] must have contiguous, equally spaced rows"):
+        ops.kfac_precondition_apply_(ws, bs, [vs[0], uneven, vs[2]], lr)
+    assert all(torch.equal(a, b) for a, b in zip(ws, before))  # nothing written
+
+
 def test_zero_dot_product_means_no_scaling():
     ws, bs, vs = _apply_args("cpu", torch.float64, 1)
     vs = [torch.zeros_like(v) for v in vs]
@@ -629,6 +704,11 @@ class TestKFACOps:
         ws[0].requires_grad_(False)
         ops.kfac_precondition_apply_(ws, bs, vs, torch.tensor(0.1, dtype=torch.float64),
                                      torch.tensor(1e-3, dtype=torch.float64))
+
+    def test_kfac_precondition_apply_shift_abs_terms(self):
+        ws, bs, vs = _apply_args("cpu", torch.float32, 3)
+        ops.kfac_precondition_apply_(ws, bs, [_padded(v, 2) for v in vs], torch.tensor(1.0, dtype=torch.float64),
+                                     torch.tensor(1e-3, dtype=torch.float64), torch.randn(3), True)
 
 
 def test_opcheck_with_inputs_that_require_grad():

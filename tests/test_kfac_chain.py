@@ -4,6 +4,7 @@ the CPU): the same numbers as the plain products, and nothing allocated per step
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 
@@ -105,20 +106,16 @@ def test_right_products_match_plain_products(dtype, shape, diagonal):
         for op in steps:
             op()
         torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
-    # reading another source, the result a new tensor: the source is left as it is, the buffer
-    # is only an intermediate, and each call gives a tensor of its own
+    # reading another source: the source is left as it is, the result is in the buffer
     source = grad0.clone()
-    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0, source=source,
-                                                      fresh=True)
-    results = []
-    for _ in range(2):
+    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0, source=source)
+    for scale in (2.0, -1.0):
+        source.copy_(grad0 * scale)
+        buf0.fill_(math.nan)  # not read: every product writes before it is read
         for op in steps:
-            result = op()
-        results.append(result)
-    assert torch.equal(source, grad0) and results[0] is not results[1]
-    assert results[0].is_contiguous() and results[0].data_ptr() not in (buf0.data_ptr(), work0.data_ptr())
-    for result in results:
-        torch.testing.assert_close(result.double(), oracle[0], rtol=tol, atol=tol)
+            op()
+        assert torch.equal(source, grad0 * scale)
+        torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
 
 
 class _Net(nn.Module):
@@ -235,10 +232,39 @@ def test_step_forms_match_plain_products(monkeypatch, dtype, per_layer):
         for key in (("emb",), ("p", "q")):
             for piece in pre._chains[key].pieces:
                 assert not piece.is_contiguous() and piece.mT.is_contiguous()
+        for key in (("a", "b"), ("conv",), ("head",)):  # written from the row-aligned buffer as it lies
+            chain = pre._chains[key]
+            for piece in chain.pieces:
+                assert piece.untyped_storage().data_ptr() == chain.grad.untyped_storage().data_ptr()
+                assert kfac_maths.rows_equally_spaced(piece)
     eps = torch.finfo(dtype).eps
     for step_new, step_old in zip(got, want):
         for new, old in zip(step_new, step_old):
             torch.testing.assert_close(new, old, rtol=16 * eps, atol=16 * eps * old.abs().max().item())
+
+
+def test_gradients_of_another_dtype_than_the_decomposition_get_outputs_of_their_own():
+    """float32 gradients with float64 decompositions: each layer's preconditioned gradient is
+    cast into an output of the gradients' dtype, and the step gives the plain products' numbers."""
+    torch.manual_seed(0)
+    base = _Mixed()
+    gen = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, 480, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen))
+               for _ in range(3)]
+    got = {}
+    for chained in (False, True):
+        model = copy.deepcopy(base)
+        pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=torch.float64, backend="fused")
+        if not chained:
+            pre._chained = lambda: False
+        got[chained] = _mixed_steps(model, pre, batches)
+    assert len(pre._chains) == 5
+    for chain in pre._chains.values():
+        assert chain.grad.dtype == torch.float64
+        assert all(piece.dtype == torch.float32 for piece in chain.pieces)
+    for step_new, step_old in zip(got[True], got[False]):
+        for new, old in zip(step_new, step_old):
+            torch.testing.assert_close(new, old, rtol=1e-5, atol=1e-6 * old.abs().max().item())
 
 
 def _allocated_bytes(fn) -> int:

@@ -17,7 +17,7 @@ import torch
 __all__ = [
     "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
     "eigen_precondition_into", "eigen_precondition_right_into", "eigen_precondition_right_steps",
-    "aligned_empty",
+    "aligned_empty", "rows_equally_spaced",
     "inverse_precondition", "kl_clip_scale",
     "diagonal_factor_ema_", "diagonal_eigenvalues", "diagonal_damped_inverse",
 ]
@@ -89,6 +89,17 @@ def aligned_empty(shape, *, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(*lead, padded, dtype=dtype, device=device)[..., :width]
 
 
+def rows_equally_spaced(t: torch.Tensor) -> bool:
+    """Whether the rows of a [groups, rows, cols] tensor (groups * rows of them, each cols
+    contiguous elements) lie at one distance from each other, as a contiguous tensor's or a
+    view of `aligned_empty` storage's do: the layout the K-FAC write kernel reads."""
+    groups, rows, cols = t.shape
+    if cols > 1 and t.stride(2) != 1:
+        return False
+    ld = t.stride(1) if rows > 1 else t.stride(0) if groups > 1 else cols
+    return ld >= cols and (rows == 1 or groups == 1 or t.stride(0) == rows * ld)
+
+
 def eigen_precondition_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
                             dgda: torch.Tensor, work: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`eigen_precondition(grad, qa, qg, dgda=dgda)` written into `out` through preallocated
@@ -109,20 +120,17 @@ def eigen_precondition_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: tor
 
 def eigen_precondition_right_steps(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
                                    dgda: torch.Tensor, work: torch.Tensor, *,
-                                   source: torch.Tensor | None = None, fresh: bool = False
-                                   ) -> list[Callable[[], torch.Tensor]]:
+                                   source: torch.Tensor | None = None) -> list[Callable[[], torch.Tensor]]:
     """The operations of `eigen_precondition_right_into` as calls with their operands bound
     (the transposed views made once): a caller that keeps the buffers runs them on every step
     (`for op in steps: op()`) without making any view. `source`: the first product reads it
-    instead of grad (left as it is; grad is then only an intermediate); `fresh`: the last
-    product returns the result as a new contiguous tensor instead of writing it into grad."""
+    instead of grad (left as it is); the result is in grad either way."""
     mm = torch.mm if grad.dim() == 2 else torch.bmm
     source = grad if source is None else source
-    last = {} if fresh else {"out": grad}
     if qa is None:
-        return [partial(mm, qg.mT, source, out=work), partial(work.mul_, dgda), partial(mm, qg, work, **last)]
+        return [partial(mm, qg.mT, source, out=work), partial(work.mul_, dgda), partial(mm, qg, work, out=grad)]
     return [partial(mm, source.mT, qg, out=work), partial(mm, work.mT, qa, out=grad), partial(grad.mul_, dgda),
-            partial(mm, grad.mT, qg.mT, out=work), partial(mm, work.mT, qa.mT, **last)]
+            partial(mm, grad.mT, qg.mT, out=work), partial(mm, work.mT, qa.mT, out=grad)]
 
 
 def eigen_precondition_right_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,

@@ -10,9 +10,11 @@ import torch
 __all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_precondition_apply_"]
 
 
-def _check(cond: bool, msg: str, exc: type = ValueError) -> None:
+def _check(cond: bool, msg, exc: type = ValueError) -> None:
+    """Raise exc(msg) unless cond; msg is a string or a function making it (formatted only on
+    failure: the per-tensor checks run on every step)."""
     if not cond:
-        raise exc(msg)
+        raise exc(msg() if callable(msg) else msg)
 
 
 def _scalar(t, name, device, dtype):
@@ -43,7 +45,7 @@ def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tens
         if step is not None:
             _scalar(step, "step", factors[0].device, torch.float32)
         for i, (f, s) in enumerate(zip(factors, stats)):
-            _check(s.shape == f.shape, f"stats[{i}] has shape {tuple(s.shape)}, expected {tuple(f.shape)}")
+            _check(s.shape == f.shape, lambda: f"stats[{i}] has shape {tuple(s.shape)}, expected {tuple(f.shape)}")
     if not factors:
         return
     torch.ops.cafin.kfac_factor_ema_(list(factors), list(stats), list(counts), decay, step, interval)
@@ -75,31 +77,45 @@ def _kfac_eigen_scale_fake(v, dg, da, damping):
 
 def kfac_precondition_apply_(weight_grads: Sequence[torch.Tensor], bias_grads: Sequence[torch.Tensor],
                              precond: Sequence[torch.Tensor], lr: torch.Tensor,
-                             kl_clip: torch.Tensor | None = None) -> None:
-    """Gradients <- nu * precond (weight columns, then the bias column when bias_grads[i] is not
-    empty), nu = min(1, sqrt(kl_clip / |lr^2 sum <precond, grad>|)) (1 when the sum is 0, or
-    kl_clip is None or NaN), computed on the device before any gradient is written."""
+                             kl_clip: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                             abs_terms: bool = False) -> None:
+    """Gradients <- nu * (precond + shift[i]) (weight columns, then the bias column when
+    bias_grads[i] is not empty; shift None: 0), nu = min(1, sqrt(kl_clip / |lr^2 S|)) (1 when
+    S is 0, or kl_clip is None or NaN), computed on the device before any gradient is written.
+    S = sum_i <precond_i + shift_i, grad_i>; with abs_terms, the sum of the absolute values of
+    each weight's and each bias's term (two-level K-FAC's Fisher norm). precond[i] may be a
+    view of row-aligned storage (its rows equally spaced, each contiguous)."""
     if not torch.compiler.is_compiling():
         _lengths([("weight_grads", weight_grads), ("bias_grads", bias_grads), ("precond", precond)])
+        _check(isinstance(abs_terms, bool), f"abs_terms must be a bool, got {abs_terms!r}", TypeError)
         if weight_grads:
             device = weight_grads[0].device
             _scalar(lr, "lr", device, torch.float64)
             if kl_clip is not None:
                 _scalar(kl_clip, "kl_clip", device, torch.float64)
+            if shift is not None:
+                _check(isinstance(shift, torch.Tensor) and shift.shape == (len(precond),),
+                       f"shift must be a 1-dim tensor of {len(precond)} entries (one per entry of "
+                       f"precond), got {tuple(shift.shape) if isinstance(shift, torch.Tensor) else type(shift).__name__}")
+                _check(shift.device == device, f"shift is on {shift.device}, expected {device}")
+                _check(shift.dtype == weight_grads[0].dtype, f"shift has dtype {shift.dtype}, expected the "
+                       f"gradients' {weight_grads[0].dtype}", TypeError)
             for i, (w, b, v) in enumerate(zip(weight_grads, bias_grads, precond)):
-                _check(v.dtype == w.dtype, f"precond[{i}] has dtype {v.dtype}, expected the gradients' "
-                       f"{w.dtype}", TypeError)
+                _check(v.dtype == w.dtype, lambda: f"precond[{i}] has dtype {v.dtype}, expected the "
+                       f"gradients' {w.dtype}", TypeError)
                 bias = 1 if b.numel() else 0
                 _check(v.dim() == 3 and v.shape[2] > bias and
                        w.numel() == v.shape[0] * v.shape[1] * (v.shape[2] - bias),
-                       f"precond[{i}] of shape {tuple(v.shape)} does not match weight_grads[{i}] of "
-                       f"shape {tuple(w.shape)} (bias: {bool(bias)})")
+                       lambda: f"precond[{i}] of shape {tuple(v.shape)} does not match weight_grads[{i}] "
+                       f"of shape {tuple(w.shape)} (bias: {bool(bias)})")
     if not weight_grads:
         return
-    torch.ops.cafin.kfac_precondition_apply_(list(weight_grads), list(bias_grads), list(precond), lr, kl_clip)
+    torch.ops.cafin.kfac_precondition_apply_(list(weight_grads), list(bias_grads), list(precond), lr, kl_clip,
+                                             shift, abs_terms)
 
 
 @torch.library.register_fake("cafin::kfac_precondition_apply_")
-def _kfac_precondition_apply_fake(weight_grads, bias_grads, precond, lr, kl_clip=None):
+def _kfac_precondition_apply_fake(weight_grads, bias_grads, precond, lr, kl_clip=None, shift=None,
+                                  abs_terms=False):
     torch._check(len(bias_grads) == len(weight_grads) and len(precond) == len(weight_grads))
     return None

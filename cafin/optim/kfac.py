@@ -1250,10 +1250,12 @@ class _Chain:
 
     Batched form (`per_layer` False): one `out` [groups, d_g, d_a] of the whole chain. Per-layer
     form: each layer's operations with the operands bound, `steps` (the products of
-    `eigen_precondition_right_steps` on its matrices for one group, else stacks, then the copy of
-    the result out), and its own output, [groups, d_a, d_g] for a weight stored transposed
-    (`factors.weight_is_transposed`: the kernel then writes it in that layout, no copy of the
-    gradient), else [groups, d_g, d_a]; `work` is then [groups, d_a, d_g] with both eigenbases."""
+    `eigen_precondition_right_steps` on its matrices for one group, else stacks, then any copy
+    of the result out); `work` is then [groups, d_a, d_g] with both eigenbases. Its piece is
+    its rows of `grad` as they are where the gradients have the decomposition's dtype (the
+    write reads row-aligned rows), else an output of its own: [groups, d_a, d_g] for a weight
+    stored transposed (`factors.weight_is_transposed`: the kernel then writes it in that
+    layout, no copy of the gradient), else [groups, d_g, d_a]."""
 
     def __init__(self, layers: list[Layer], sizes: list[int], s: dict[str, torch.Tensor],
                  inv_dtype: torch.dtype, like: torch.Tensor) -> None:
@@ -1286,16 +1288,19 @@ class _Chain:
                 out = torch.empty((n, d_a, d_g), **out_like)
                 steps.append(partial(out.copy_, self.grad[rows].mT))
                 self.pieces.append(out.mT)
+                self.outs.append(out)
+            elif like.dtype == inv_dtype:  # the result as it lies (the write reads aligned rows)
+                self.pieces.append(self.grad[rows])
             else:
                 out = torch.empty((n, d_g, d_a), **out_like)
                 steps.append(partial(out.copy_, self.grad[rows]))
                 self.pieces.append(out)
-            self.outs.append(out)
+                self.outs.append(out)
             self.steps.append(steps)
 
     def fits(self, w: torch.Tensor, s: dict[str, torch.Tensor]) -> bool:
         """Whether these buffers serve gradients like `w` and the second-order tensors `s`."""
-        return (self.outs[0].dtype == w.dtype and self.outs[0].device == w.device
+        return (self.pieces[0].dtype == w.dtype and self.pieces[0].device == w.device
                 and all(a is b for a, b in zip(self.sources, (s.get("qa"), s["qg"], s["dgda"]))))
 
     def tensors(self) -> list[torch.Tensor]:
@@ -1313,11 +1318,12 @@ def _copy_into(grads: tuple[torch.Tensor, torch.Tensor | None],
 
 def _apply_contiguous(impl, ws: list[torch.Tensor], bs: list[torch.Tensor], vs: list[torch.Tensor],
                       lr: torch.Tensor, kl: torch.Tensor | None) -> None:
-    """`kfac_precondition_apply_` of the kernels, which take contiguous tensors. A transposed
-    weight gradient (an Embedding's, a `Conv1D`'s) whose preconditioned gradient is kept
-    transposed too (`_Chain`) is written in their own layout, as two entries without a bias
-    column (weight rows, then the bias row: the same terms of the clip sum); any other
-    non-contiguous tensor goes through a contiguous copy."""
+    """`kfac_precondition_apply_` of the kernels, which take contiguous gradients and
+    preconditioned gradients whose rows are equally spaced (a chain's row-aligned pieces). A
+    transposed weight gradient (an Embedding's, a `Conv1D`'s) whose preconditioned gradient is
+    kept transposed too (`_Chain`) is written in their own layout, as two entries without a bias
+    column (weight rows, then the bias row: the same terms of the clip sum); any other layout
+    goes through a contiguous copy."""
     kw: list[torch.Tensor] = []
     kb: list[torch.Tensor] = []
     kv: list[torch.Tensor] = []
@@ -1338,7 +1344,7 @@ def _apply_contiguous(impl, ws: list[torch.Tensor], bs: list[torch.Tensor], vs: 
                 back.append((t, t.contiguous()))
                 t = back[-1][1]
             into.append(t)
-        kv.append(v.contiguous())
+        kv.append(v if kfac_maths.rows_equally_spaced(v) else v.contiguous())
     impl.kfac_precondition_apply_(kw, kb, kv, lr, kl)
     for t, out in back:
         t.copy_(out)

@@ -249,7 +249,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return ops if fused else reference
 
     def _create_ones(self) -> dict[torch.device, torch.Tensor]:
-        """The lr K-FAC's gradient-writing op reads (1: two-level has no KL clip), one per
+        """The lr K-FAC's gradient-writing op reads (1: two-level's clip has no lr), one per
         device, created now because a compiled step cannot create device state."""
         ones = {}
         for layer in self._layers:
@@ -821,12 +821,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             self._decompose(states, gate_inv, coarse)
         if not update_params:
             return
-        final = self._two_level(raws, self._kfac_directions(states, raws))
-        if final is None:
+        directions = self._two_level(raws, self._kfac_directions(states, raws))
+        if directions is None:
             return  # no coarse matrix yet (this step's was dropped): the gradients are left as they are
-        if self.constraint_norm:
-            final = self._clip(final, raws)
-        self._write_all(final, full)
+        self._write_all(*directions, full)
         self._steps.advance()
 
     def _check_ready(self, k: int, update_params: bool, collect: bool, decompose: bool, compiled: bool) -> None:
@@ -897,10 +895,11 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return pres
 
     def _products(self, i: int, state, raw: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
-        """Q_g ((Q_g^T raw Q_x) * scaling) Q_x^T of layer i as a new tensor, in K-FAC's
-        right-multiplication form (`eigen_precondition_right_steps`: on a CPU core MKL runs it
-        faster on a bias column's widths), its two intermediates in row-aligned buffers kept
-        from step to step (remade when the shape, dtype or device changes)."""
+        """Q_g ((Q_g^T raw Q_x) * scaling) Q_x^T of layer i, in K-FAC's right-multiplication
+        form (`eigen_precondition_right_steps`: on a CPU core MKL runs it faster on a bias
+        column's widths), into two row-aligned buffers kept from step to step (remade when the
+        shape, dtype or device changes): the result is a view of one of them, rewritten by the
+        next step (the write reads such views as they are)."""
         kept = self._buffers.get(i)
         if kept is None or kept[0].shape != raw.shape or kept[0].dtype != raw.dtype or kept[0].device != raw.device:
             d_g, d_a = raw.shape
@@ -909,9 +908,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                                        kfac_maths.aligned_empty((d_a, d_g), **like))
         mid, work = kept
         for op in kfac_maths.eigen_precondition_right_steps(mid, state["Q_x"], state["Q_g"], scaling, work,
-                                                            source=raw, fresh=True):
-            result = op()
-        return result
+                                                            source=raw):
+            op()
+        return mid
 
     def _scaling(self, i: int, state, locations: int) -> torch.Tensor:
         """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors
@@ -925,19 +924,14 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self._scalings[i] = (L_g, L_x, key, scaling)
         return scaling
 
-    def _clip(self, final, raws) -> list[torch.Tensor]:
-        """published: the sum over tensors of |<final, raw>|, weight and bias apart, then
-        min(sqrt(clipping / norm), 1) (on the host there; here on the device: no sync)"""
-        norm = self._fisher_norm(final, raws)
-        clip = self._hp("clipping", norm).to(norm.dtype)
-        scale = ((clip / norm) ** 0.5).clamp(max=1.0)
-        torch._foreach_mul_(final, scale)  # the directions are this step's own tensors
-        return final
-
-    def _write_all(self, final, full=None) -> None:
-        """Every layer's [d_out, d_in (+1)] direction over its weight and bias gradients in one
-        call of K-FAC's fused writer (its layout; no KL clip). FSDP2 (`full`: the gathered
-        gradients): written over the full gradients, then each rank keeps its own rows."""
+    def _write_all(self, final, shift=None, full=None) -> None:
+        """Every layer's [d_out, d_in (+1)] direction, plus its entry of `shift` (None: 0), over
+        its weight and bias gradients in one call of K-FAC's writer (its layout), which also
+        applies the published clipping (constraint_norm): the factor
+        min(sqrt(clipping / norm), 1), norm the sum over the tensors (each weight, each bias) of
+        |<direction, gradient>|, taken on the device before any gradient is written. FSDP2
+        (`full`: the gathered gradients): written over the full gradients, then each rank keeps
+        its own rows."""
         if full is not None:
             ws = [w for w, _ in full]
             bs = [b if b is not None else w.new_empty(0) for w, b in full]
@@ -951,8 +945,11 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         targets = [t if t.is_contiguous() else t.contiguous() for t in (*ws, *bs)]
         # the directions are in the state dtype (float32 for float16/bfloat16 gradients)
         final = [f.to(w.dtype).unsqueeze(0) for f, w in zip(final, ws)]
+        clipping = self._hp("clipping", ws[0]) if self.constraint_norm else None
+        if shift is not None:
+            shift = shift.to(ws[0].dtype)
         self._writer.kfac_precondition_apply_(targets[:len(ws)], targets[len(ws):], final,
-                                              self._hp("one", ws[0]), None)
+                                              self._hp("one", ws[0]), clipping, shift, True)
         for t, target in zip((*ws, *bs), targets):
             if target is not t:
                 t.copy_(target)
@@ -975,22 +972,11 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         if tensors:  # in place: the covariances and parts now hold the averages
             average_over_ranks(tensors, self.process_group)
 
-    def _fisher_norm(self, final, raws) -> torch.Tensor:
-        # the weight's sum is the whole matrix's less the bias column's: two dot products, no
-        # elementwise product of the matrices
-        total = final[0].new_zeros(())
-        for group, f, r in zip(self.param_groups, final, raws):
-            whole = torch.dot(f.reshape(-1), r.reshape(-1))
-            if len(group["params"]) == 2:
-                bias = torch.dot(f[:, -1], r[:, -1])
-                total = total + (whole - bias).abs() + bias.abs()
-            else:
-                total = total + whole.abs()
-        return total
-
-    def _two_level(self, raws, pres) -> list[torch.Tensor]:
+    def _two_level(self, raws, pres) -> tuple[list[torch.Tensor], torch.Tensor | None] | None:
+        """The two-level directions: the K-FAC directions `pres`, corrected in place, and a
+        per-layer constant the write adds (None: nothing); None without a coarse matrix."""
         if self.coarse_space == "none":  # the first level alone: the paper's K-FAC baseline
-            return pres
+            return pres, None
         states = [self.state[g["params"][0]] for g in self.param_groups]
         if self.published_bugs:
             raws = [self._published_layout(g, r) for g, r in zip(self.param_groups, raws)]
@@ -1003,8 +989,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 average_over_ranks(fx, self.process_group)
             residuals = [r - f - self._hp("damping", p) * p for s, r, f, p in zip(states, raws, fx, pres)]
         vectors = [self._coarse_vectors(s, r, res) for s, r, res in zip(states, raws, residuals)]
-        # one kept vector c * ones per layer: <v, r> is c sum(r) and v y is the scalar c y (no
-        # pass over the ones)
+        # one kept vector c * ones per layer: <v, r> is c sum(r) and v y is the scalar c y,
+        # which the write adds (no pass over the ones, none over the directions)
         constant = self._constant_coarse()
         if constant:
             c = vectors[0][0].reshape(-1)[0]
@@ -1015,15 +1001,14 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             return None
         y = self.f_coarse_inv @ rhs
         if constant:
-            torch._foreach_add_(pres, list((y * c).unbind()))
-            return pres
+            return pres, y * c
         # v_l += y_l r_l for every layer at once (one call per coarse vector of a layer, not
-        # one add per layer): the directions are fresh tensors, updated in place
+        # one add per layer): the directions are this step's own, updated in place
         per_layer = len(vectors[0])
         ys = y.view(-1, per_layer)
         for j in range(per_layer):
             torch._foreach_addcmul_(pres, [vs[j] for vs in vectors], list(ys[:, j].unbind()))
-        return pres
+        return pres, None
 
     def _update_coarse(self, vectors) -> bool:
         """On T_cov steps: assemble F_c from the stored statistics, fold it into the EMA with

@@ -53,19 +53,23 @@ def kfac_eigen_scale_(v: list[torch.Tensor], dg: list[torch.Tensor], da: list[to
 
 def kfac_precondition_apply_(weight_grads: list[torch.Tensor], bias_grads: list[torch.Tensor],
                              precond: list[torch.Tensor], lr: torch.Tensor,
-                             kl_clip: torch.Tensor | None = None) -> None:
+                             kl_clip: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                             abs_terms: bool = False) -> None:
     """Write the preconditioned gradients, KL-clipped, over the gradients.
 
     precond[i] is layer i's preconditioned gradient [groups, d_g, d_a] in its gradients' dtype,
-    the last column its bias when bias_grads[i] is not empty. With kl_clip given,
-    nu = min(1, sqrt(kl_clip / |lr^2 sum_i <precond_i, grad_i>|)) (1 when the sum is 0 or
-    kl_clip is NaN),
-    computed from the gradients before they are overwritten, and every gradient becomes
-    nu * precond; without it, precond."""
+    the last column its bias when bias_grads[i] is not empty; shift[i] (shift None: 0) is added
+    to each of its entries. With kl_clip given, nu = min(1, sqrt(kl_clip / |lr^2 S|)) (1 when S
+    is 0 or kl_clip is NaN), S = sum_i <precond_i + shift_i, grad_i>, or with abs_terms the sum
+    over the tensors (each weight, each bias) of the absolute value of its term; computed from
+    the gradients before they are overwritten, and every gradient becomes
+    nu * (precond + shift); without it, precond + shift."""
     pieces = []
-    for w, b, v in zip(weight_grads, bias_grads, precond):
+    for i, (w, b, v) in enumerate(zip(weight_grads, bias_grads, precond)):
         rows = v.shape[0] * v.shape[1]
         flat = v.reshape(rows, v.shape[2])
+        if shift is not None:
+            flat = flat + shift[i]
         if b.numel():
             pieces.append((w, flat[:, :-1].reshape(w.shape)))
             pieces.append((b, flat[:, -1].reshape(b.shape)))
@@ -76,7 +80,8 @@ def kfac_precondition_apply_(weight_grads: list[torch.Tensor], bias_grads: list[
         acc = torch.float64 if pieces[0][0].dtype == torch.float64 else torch.float32
         vg = torch.zeros((), dtype=acc, device=pieces[0][0].device)
         for g, p in pieces:
-            vg = vg + (p.to(acc) * g.to(acc)).sum()
+            term = (p.to(acc) * g.to(acc)).sum()
+            vg = vg + (term.abs() if abs_terms else term)
         vg = vg * lr.to(acc) ** 2
         scale = kl_clip_scale(vg, kl_clip)
     for g, p in pieces:

@@ -7,6 +7,9 @@
 
 #include <cmath>
 #include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "cpu/vectorize.h"
 #include "kfac_checks.h"
@@ -15,20 +18,64 @@
 namespace cafin {
 namespace {
 
-// sum x[k] * y[k] in double, in kLanes independent partial sums added up at the end: one running
-// sum is a chain of dependent additions (the latency of one add per term); the lanes vectorise.
-template <typename T>
-CAFIN_CPU_CLONES double dot_in_double(const T* __restrict x, const T* __restrict y, int64_t n) {
+// sum (x[k] + shift) * y[k] in double, in kLanes independent partial sums added up at the end:
+// one running sum is a chain of dependent additions (the latency of one add per term); the
+// lanes vectorise. x[k] + shift is rounded to T, as the write rounds it.
+template <bool kShifted, typename T>
+CAFIN_CPU_CLONES double dot_in_double(const T* __restrict x, const T* __restrict y, int64_t n, T shift) {
   constexpr int64_t kLanes = 8;
   double lanes[kLanes] = {};
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
-    for (int64_t j = 0; j < kLanes; ++j) lanes[j] += static_cast<double>(x[k + j]) * static_cast<double>(y[k + j]);
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const T v = kShifted ? T(x[k + j] + shift) : x[k + j];
+      lanes[j] += static_cast<double>(v) * static_cast<double>(y[k + j]);
+    }
   }
   double total = 0.0;
   for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
-  for (; k < n; ++k) total += static_cast<double>(x[k]) * static_cast<double>(y[k]);
+  for (; k < n; ++k) {
+    const T v = kShifted ? T(x[k] + shift) : x[k];
+    total += static_cast<double>(v) * static_cast<double>(y[k]);
+  }
   return total;
+}
+
+// precond entry i's two terms of the clip sum: <V, g> over its weight columns, over its bias
+// column. `ld`: the distance between V's rows.
+template <bool kShifted, typename T>
+std::pair<double, double> clip_terms(const T* vp, const T* w, const T* b, int64_t rows, int64_t ld,
+                                     int64_t wc, bool bias, T shift) {
+  const double weight = at::parallel_reduce(0, rows, std::max<int64_t>(1, kGrainSize / ld), 0.0,
+      [&](int64_t lo, int64_t hi, double acc) {
+        for (int64_t r = lo; r < hi; ++r) acc += dot_in_double<kShifted>(vp + r * ld, w + r * wc, wc, shift);
+        return acc;
+      }, std::plus<double>());
+  double bias_term = 0.0;
+  if (bias) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const T v = kShifted ? T(vp[r * ld + wc] + shift) : vp[r * ld + wc];
+      bias_term += static_cast<double>(v) * static_cast<double>(b[r]);
+    }
+  }
+  return {weight, bias_term};
+}
+
+// g[c] <- (v[c] + shift) * nu for one row (built for each vector width, as dot_in_double).
+template <bool kShifted, typename T>
+CAFIN_CPU_CLONES void scale_row(const T* __restrict v, T* __restrict g, int64_t n, T shift, T nu) {
+  for (int64_t c = 0; c < n; ++c) g[c] = (kShifted ? T(v[c] + shift) : v[c]) * nu;
+}
+
+// g <- (V + shift) * nu over precond entry i's weight and bias columns.
+template <bool kShifted, typename T>
+void write_scaled(const T* vp, T* w, T* b, int64_t rows, int64_t ld, int64_t wc, bool bias, T shift, T nu) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / ld), [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      scale_row<kShifted>(vp + r * ld, w + r * wc, wc, shift, nu);
+      if (bias) b[r] = (kShifted ? T(vp[r * ld + wc] + shift) : vp[r * ld + wc]) * nu;
+    }
+  });
 }
 
 void kfac_factor_ema_cpu(at::TensorList factors, at::TensorList stats, at::TensorList counts,
@@ -101,47 +148,46 @@ void kfac_eigen_scale_cpu(at::TensorList v, at::TensorList dg, at::TensorList da
 
 void kfac_precondition_apply_cpu(at::TensorList weight_grads, at::TensorList bias_grads,
                                  at::TensorList precond, const at::Tensor& lr,
-                                 const std::optional<at::Tensor>& kl_clip) {
-  check_kfac_precondition_apply(weight_grads, bias_grads, precond, lr, kl_clip);
+                                 const std::optional<at::Tensor>& kl_clip,
+                                 const std::optional<at::Tensor>& shift, bool abs_terms) {
+  check_kfac_precondition_apply(weight_grads, bias_grads, precond, lr, kl_clip, shift);
   if (weight_grads.empty()) return;
   AT_DISPATCH_FLOATING_TYPES(weight_grads[0].scalar_type(), "kfac_precondition_apply_", [&] {
+    const size_t n = precond.size();
+    const scalar_t* shifts = shift.has_value() ? shift->const_data_ptr<scalar_t>() : nullptr;
+    auto layout = [&](size_t i) {  // rows, distance between rows, weight columns, bias
+      const bool bias = bias_grads[i].numel() > 0;
+      return std::make_tuple(precond[i].size(0) * precond[i].size(1), kfac_row_stride(precond[i]),
+                             precond[i].size(2) - (bias ? 1 : 0), bias);
+    };
     double scale = 1.0;
     if (kl_clip.has_value()) {
-      // <V, g> over every layer, before any gradient is overwritten (accumulated in double).
-      double dot = 0.0;
-      for (size_t i = 0; i < precond.size(); ++i) {
+      // Every term, before any gradient is overwritten (accumulated in double).
+      std::vector<double> parts(2 * n);
+      for (size_t i = 0; i < n; ++i) {
+        const auto [rows, ld, wc, bias] = layout(i);
         const scalar_t* vp = precond[i].const_data_ptr<scalar_t>();
         const scalar_t* w = weight_grads[i].const_data_ptr<scalar_t>();
         const scalar_t* b = bias_grads[i].const_data_ptr<scalar_t>();
-        const bool bias = bias_grads[i].numel() > 0;
-        const int64_t rows = precond[i].size(0) * precond[i].size(1), cols = precond[i].size(2);
-        const int64_t wc = cols - (bias ? 1 : 0);
-        dot += at::parallel_reduce(0, rows, std::max<int64_t>(1, kGrainSize / cols), 0.0,
-            [&](int64_t lo, int64_t hi, double acc) {
-              for (int64_t r = lo; r < hi; ++r) {
-                acc += dot_in_double(vp + r * cols, w + r * wc, wc);
-                if (bias) acc += double(vp[r * cols + wc]) * double(b[r]);
-              }
-              return acc;
-            }, std::plus<double>());
+        std::tie(parts[2 * i], parts[2 * i + 1]) =
+            shifts != nullptr ? clip_terms<true>(vp, w, b, rows, ld, wc, bias, shifts[i])
+                              : clip_terms<false>(vp, w, b, rows, ld, wc, bias, scalar_t(0));
       }
       const double lr_value = *lr.const_data_ptr<double>();
-      scale = kfac_kl_scale(dot * (lr_value * lr_value), *kl_clip->const_data_ptr<double>());
+      const double total = kfac_clip_sum(parts.data(), static_cast<int64_t>(parts.size()), abs_terms);
+      scale = kfac_kl_scale(total * (lr_value * lr_value), *kl_clip->const_data_ptr<double>());
     }
     const scalar_t nu = static_cast<scalar_t>(scale);
-    for (size_t i = 0; i < precond.size(); ++i) {
+    for (size_t i = 0; i < n; ++i) {
+      const auto [rows, ld, wc, bias] = layout(i);
       const scalar_t* vp = precond[i].const_data_ptr<scalar_t>();
       scalar_t* w = weight_grads[i].mutable_data_ptr<scalar_t>();
       scalar_t* b = bias_grads[i].mutable_data_ptr<scalar_t>();
-      const bool bias = bias_grads[i].numel() > 0;
-      const int64_t rows = precond[i].size(0) * precond[i].size(1), cols = precond[i].size(2);
-      const int64_t wc = cols - (bias ? 1 : 0);
-      at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / cols), [&](int64_t lo, int64_t hi) {
-        for (int64_t r = lo; r < hi; ++r) {
-          for (int64_t c = 0; c < wc; ++c) w[r * wc + c] = vp[r * cols + c] * nu;
-          if (bias) b[r] = vp[r * cols + wc] * nu;
-        }
-      });
+      if (shifts != nullptr) {
+        write_scaled<true>(vp, w, b, rows, ld, wc, bias, shifts[i], nu);
+      } else {
+        write_scaled<false>(vp, w, b, rows, ld, wc, bias, scalar_t(0), nu);
+      }
     }
   });
 }

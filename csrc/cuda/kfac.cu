@@ -4,6 +4,7 @@
 // cafin/reference/kfac.py; arithmetic: kfac_math.h, shared with the CPU kernels.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <tuple>
 
 #include "kfac_checks.h"
 #include "kfac_math.h"
@@ -135,72 +137,108 @@ __device__ __forceinline__ scalar_t* grad_at(scalar_t* w, scalar_t* b, int64_t r
   return c < wc ? w + r * wc + c : b + r;
 }
 
+// precond + shift at (r, c), rounded to scalar_t as the write rounds it (no shift: as it is).
 template <typename scalar_t>
-__global__ void dot_kernel(const scalar_t* __restrict v, scalar_t* w, scalar_t* b, int64_t rows,
-                           int64_t cols, int64_t wc, double* __restrict out) {
-  __shared__ double partial[kThreads];
-  double acc = 0.0;
+__device__ __forceinline__ scalar_t shifted(const scalar_t* __restrict v, int64_t r, int64_t c, int64_t ld,
+                                            const scalar_t* __restrict shift) {
+  return shift == nullptr ? v[r * ld + c] : scalar_t(v[r * ld + c] + *shift);
+}
+
+// One precond entry's two terms of the clip sum, <V, g> over its weight columns and over its
+// bias column, added into out[0] and out[1].
+template <typename scalar_t>
+__global__ void dot_kernel(const scalar_t* __restrict v, const scalar_t* w, const scalar_t* b, int64_t rows,
+                           int64_t cols, int64_t ld, int64_t wc, const scalar_t* __restrict shift,
+                           double* __restrict out) {
+  __shared__ double partial[2][kThreads];
+  double acc[2] = {0.0, 0.0};
   const int64_t total = rows * cols;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(blockDim.x) * gridDim.x) {
     const int64_t r = idx / cols, c = idx - r * cols;
-    acc += static_cast<double>(v[idx]) * static_cast<double>(*grad_at(w, b, r, c, wc));
+    const double g = c < wc ? static_cast<double>(w[r * wc + c]) : static_cast<double>(b[r]);
+    acc[c < wc ? 0 : 1] += static_cast<double>(shifted(v, r, c, ld, shift)) * g;
   }
-  partial[threadIdx.x] = acc;
+  partial[0][threadIdx.x] = acc[0];
+  partial[1][threadIdx.x] = acc[1];
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
-    if (threadIdx.x < stride) partial[threadIdx.x] += partial[threadIdx.x + stride];
+    if (threadIdx.x < stride) {
+      partial[0][threadIdx.x] += partial[0][threadIdx.x + stride];
+      partial[1][threadIdx.x] += partial[1][threadIdx.x + stride];
+    }
     __syncthreads();
   }
-  if (threadIdx.x == 0) atomicAdd(out, partial[0]);
+  if (threadIdx.x == 0) {
+    atomicAdd(out, partial[0][0]);
+    atomicAdd(out + 1, partial[1][0]);
+  }
+}
+
+// The clip factor from every entry's two terms, on the device.
+__global__ void clip_scale_kernel(const double* __restrict parts, int64_t n, bool abs_terms,
+                                  const double* __restrict lr, const double* __restrict kl_clip,
+                                  double* __restrict nu) {
+  *nu = kfac_kl_scale(kfac_clip_sum(parts, n, abs_terms) * (*lr * *lr), *kl_clip);
 }
 
 template <typename scalar_t>
 __global__ void apply_kernel(const scalar_t* __restrict v, scalar_t* w, scalar_t* b, int64_t rows,
-                             int64_t cols, int64_t wc, const double* __restrict dot,
-                             const double* __restrict lr, const double* __restrict kl_clip) {
-  scalar_t nu = scalar_t(1);
-  if (kl_clip != nullptr) nu = static_cast<scalar_t>(kfac_kl_scale(*dot * (*lr * *lr), *kl_clip));
+                             int64_t cols, int64_t ld, int64_t wc, const scalar_t* __restrict shift,
+                             const double* __restrict nu_ptr) {
+  const scalar_t nu = nu_ptr == nullptr ? scalar_t(1) : static_cast<scalar_t>(*nu_ptr);
   const int64_t total = rows * cols;
   for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
        idx += int64_t(blockDim.x) * gridDim.x) {
     const int64_t r = idx / cols, c = idx - r * cols;
-    *grad_at(w, b, r, c, wc) = v[idx] * nu;
+    *grad_at(w, b, r, c, wc) = shifted(v, r, c, ld, shift) * nu;
   }
 }
 
 void kfac_precondition_apply_cuda(at::TensorList weight_grads, at::TensorList bias_grads,
                                   at::TensorList precond, const at::Tensor& lr,
-                                  const std::optional<at::Tensor>& kl_clip) {
-  check_kfac_precondition_apply(weight_grads, bias_grads, precond, lr, kl_clip);
+                                  const std::optional<at::Tensor>& kl_clip,
+                                  const std::optional<at::Tensor>& shift, bool abs_terms) {
+  check_kfac_precondition_apply(weight_grads, bias_grads, precond, lr, kl_clip, shift);
   if (weight_grads.empty()) return;
   const c10::cuda::CUDAGuard guard(weight_grads[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // Every dot product lands before any gradient is written (one stream, launches in order).
-  const at::Tensor dot = at::zeros({}, lr.options());
+  const int64_t n = static_cast<int64_t>(precond.size());
+  // Every term lands before the factor is made, and the factor before any gradient is written
+  // (one stream, launches in order).
+  at::Tensor parts, nu;
+  if (kl_clip.has_value()) {
+    parts = at::zeros({2 * n}, lr.options());
+    nu = at::empty({}, lr.options());
+  }
   AT_DISPATCH_FLOATING_TYPES(weight_grads[0].scalar_type(), "kfac_precondition_apply_", [&] {
-    auto layout = [&](size_t i) {
-      const int64_t rows = precond[i].size(0) * precond[i].size(1), cols = precond[i].size(2);
-      return std::make_pair(rows, cols - (bias_grads[i].numel() > 0 ? 1 : 0));
+    const scalar_t* shifts = shift.has_value() ? shift->const_data_ptr<scalar_t>() : nullptr;
+    auto layout = [&](int64_t i) {  // rows, columns, distance between rows, weight columns
+      const int64_t cols = precond[i].size(2);
+      return std::make_tuple(precond[i].size(0) * precond[i].size(1), cols, kfac_row_stride(precond[i]),
+                             cols - (bias_grads[i].numel() > 0 ? 1 : 0));
     };
     if (kl_clip.has_value()) {
-      for (size_t i = 0; i < precond.size(); ++i) {
-        const auto [rows, wc] = layout(i);
-        const int64_t cols = precond[i].size(2);
+      for (int64_t i = 0; i < n; ++i) {
+        const auto [rows, cols, ld, wc] = layout(i);
         dot_kernel<scalar_t><<<std::min(blocks_for(rows * cols), 1024), kThreads, 0, stream>>>(
-            precond[i].const_data_ptr<scalar_t>(), weight_grads[i].mutable_data_ptr<scalar_t>(),
-            bias_grads[i].mutable_data_ptr<scalar_t>(), rows, cols, wc, dot.mutable_data_ptr<double>());
+            precond[i].const_data_ptr<scalar_t>(), weight_grads[i].const_data_ptr<scalar_t>(),
+            bias_grads[i].const_data_ptr<scalar_t>(), rows, cols, ld, wc,
+            shifts == nullptr ? nullptr : shifts + i, parts.mutable_data_ptr<double>() + 2 * i);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
+      clip_scale_kernel<<<1, 1, 0, stream>>>(parts.const_data_ptr<double>(), 2 * n, abs_terms,
+                                             lr.const_data_ptr<double>(),
+                                             kl_clip->const_data_ptr<double>(), nu.mutable_data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    for (size_t i = 0; i < precond.size(); ++i) {
-      const auto [rows, wc] = layout(i);
-      const int64_t cols = precond[i].size(2);
+    for (int64_t i = 0; i < n; ++i) {
+      const auto [rows, cols, ld, wc] = layout(i);
       apply_kernel<scalar_t><<<blocks_for(rows * cols), kThreads, 0, stream>>>(
           precond[i].const_data_ptr<scalar_t>(), weight_grads[i].mutable_data_ptr<scalar_t>(),
-          bias_grads[i].mutable_data_ptr<scalar_t>(), rows, cols, wc, dot.const_data_ptr<double>(),
-          lr.const_data_ptr<double>(),
-          kl_clip.has_value() ? kl_clip->const_data_ptr<double>() : nullptr);
+          bias_grads[i].mutable_data_ptr<scalar_t>(), rows, cols, ld, wc,
+          shifts == nullptr ? nullptr : shifts + i,
+          kl_clip.has_value() ? nu.const_data_ptr<double>() : nullptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
