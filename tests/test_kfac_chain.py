@@ -135,6 +135,14 @@ class _Net(nn.Module):
         return self.d(torch.tanh(self.c(torch.tanh(self.b(torch.tanh(self.a(h)))))))
 
 
+def _fused(model, inv_dtype, chained=True):
+    """The fused K-FAC of these tests; chained False: the plain products of `_precondition`."""
+    pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=inv_dtype, backend="fused")
+    if not chained:
+        pre._chained = lambda: False
+    return pre
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_fused_step_through_buffers_matches_plain_products(dtype):
     torch.manual_seed(0)
@@ -145,9 +153,7 @@ def test_fused_step_through_buffers_matches_plain_products(dtype):
     grads = {}
     for chained in (True, False):
         model = copy.deepcopy(base)
-        pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=dtype, backend="fused")
-        if not chained:
-            pre._chained = lambda: False  # the plain products of `_precondition`
+        pre = _fused(model, dtype, chained)
         assert [len(members) for members, _ in pre._stacks] == [2]
         got = _mixed_steps(model, pre, batches)
         if chained:
@@ -218,12 +224,11 @@ def test_step_forms_match_plain_products(monkeypatch, dtype, per_layer):
     batches = [(torch.randint(0, 480, (6, 4), generator=gen), torch.randint(0, 5, (6,), generator=gen))
                for _ in range(4)]
     plain_model = copy.deepcopy(base)
-    plain = cafin.KFACPreconditioner(plain_model, damping=1e-2, inv_dtype=dtype, backend="fused")
-    plain._chained = lambda: False
+    plain = _fused(plain_model, dtype, chained=False)
     want = _mixed_steps(plain_model, plain, batches)
     monkeypatch.setattr(kfac_module, "_per_layer_products", lambda device: per_layer)
     model = copy.deepcopy(base)
-    pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=dtype, backend="fused")
+    pre = _fused(model, dtype)
     assert sorted(len(members) for members, _ in pre._stacks) == [2, 2]
     got = _mixed_steps(model, pre, batches)
     assert set(pre._chains) == {("emb",), ("a", "b"), ("p", "q"), ("conv",), ("head",)}
@@ -254,9 +259,7 @@ def test_gradients_of_another_dtype_than_the_decomposition_get_outputs_of_their_
     got = {}
     for chained in (False, True):
         model = copy.deepcopy(base)
-        pre = cafin.KFACPreconditioner(model, damping=1e-2, inv_dtype=torch.float64, backend="fused")
-        if not chained:
-            pre._chained = lambda: False
+        pre = _fused(model, torch.float64, chained)
         got[chained] = _mixed_steps(model, pre, batches)
     assert len(pre._chains) == 5
     for chain in pre._chains.values():
