@@ -33,10 +33,11 @@ RESTORE_BYTES = 4 * F32  # the bench's gradient restore: clone (read, write), co
 # K-FAC, per gradient-matrix element: read the eigenvalue scaling (dgda); the KL-clip sum
 # <v, g> (read v, g); the write (read v, write g).
 KFAC_BYTES = 5 * F32
-# Two-level K-FAC, per gradient-matrix element: read g; the coarse correction v += y r (read,
-# write v); the clip norm <v, g> (read v, g); the write (read v, write g). Its eigenvalue
-# scaling reads two vectors (no per-element bytes).
-TWOLEVEL_BYTES = 7 * F32
+# Two-level K-FAC (nicolaides), per gradient-matrix element: read g (its sum, the coarse
+# right-hand side <c ones, g>); the clip norm <v + c y, g> (read v, g); the write of
+# (v + c y) times the clip factor (read v, write g). Its eigenvalue scaling reads two vectors,
+# the correction c y is one number per layer (no per-element bytes).
+TWOLEVEL_BYTES = 5 * F32
 # DyKAF, per parameter element: read g; read and write theta; the first moment (read, write):
 # 5 x 4 B. A full second moment (parameters without a rank-one one): read and write, 2 x 4 B.
 DYKAF_BYTES, DYKAF_SECOND_MOMENT_BYTES = 5 * F32, 2 * F32

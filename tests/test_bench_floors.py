@@ -65,7 +65,7 @@ def test_dykaf_floor_hand_count():
 def test_twolevel_floor_hand_count():
     f = floors.twolevel(_tiny())
     assert f.flop == 648 + 120 + 2 * 2 * 2  # the first level and the 2 x 2 coarse solve
-    assert f.bytes == 28 * 24 + 36 * 24
+    assert f.bytes == 20 * 24 + 36 * 24
 
 
 def test_floor_ms_and_json():
@@ -88,7 +88,7 @@ def test_member_floors_on_gpt():
     # 16 layers and the 16 x 16 coarse solve; SGD and the restore still over every parameter
     assert twolevel.flop == 4 * per_block + 2 * 16 * 16
     params = sum(p.numel() for p in model.parameters())
-    assert twolevel.bytes == 28 * 4 * sum(a * g for a, g in shapes) + 36 * params
+    assert twolevel.bytes == 20 * 4 * sum(a * g for a, g in shapes) + 36 * params
 
 
 def test_a_member_that_refuses_the_model_is_said_not_raised():
