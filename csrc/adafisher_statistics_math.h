@@ -71,9 +71,4 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE TapWindow tap_window(int64_t out, int64_t stri
   return w;
 }
 
-// The residue class (mod stride) of the input rows a window reads.
-C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t window_residue(const TapWindow& w, int64_t stride) {
-  return w.first % stride;
-}
-
 }  // namespace cafin

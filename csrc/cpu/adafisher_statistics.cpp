@@ -340,106 +340,66 @@ void norm_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x,
 // ------------------------------------------------------------------------------------ conv2d
 //
 // h[(c, i, j)] sums x^2 over the batch, the groups and the input positions tap (i, j) reads, which
-// over all output positions form a lattice window: rows first, first + sh, ..., last of one
-// residue mod sh, and likewise columns. So: X2 = the sum over the batch of x^2, one plane per
-// channel (the single pass over the input), then per plane its row sums per column residue and
-// column sums per row residue, and per tap
-//   window = sum of the window's rows - the excluded lattice columns within the window's rows,
-// where an excluded column within the window's rows is its column sum minus its excluded rows.
-// With padding p and stride 1, a 3x3 tap excludes at most one row and one column: a few dozen
-// additions per tap instead of oh*ow, and no unfold.
+// over all output positions form a lattice window: rows first, first + sh, ..., last, and likewise
+// columns (`tap_window`, the same for every channel of a call). So: X2 = the sum over the batch of
+// x^2, one plane per channel (the single pass over the input), then per plane and kernel column j
+// each row's sum over j's column window, and per tap the sum of those over its row window: only
+// additions, so an overflowed square stays +inf (or the NaN it holds), as in the reference, and no
+// unfold. The planes are taken kTapLanes channels at a time, interleaved ([H, W, lane]), so that
+// every addition is one vector over the channels: per plane alone they are short dependent chains.
+constexpr int64_t kTapLanes = 8;
 
-// sum_k p[k * step] for k < n, in independent lanes (an in-order sum would not vectorise).
-CAFIN_CPU_CLONES double lattice_sum(const double* __restrict p, int64_t n, int64_t step) {
-  constexpr int64_t kLanes = 8;
-  double lanes[kLanes] = {};
-  int64_t k = 0;
-  if (step == 1) {
-    for (; k + kLanes <= n; k += kLanes) {
-      for (int64_t j = 0; j < kLanes; ++j) lanes[j] += p[k + j];
-    }
+// The row and column windows of every kernel row i and column j.
+struct TapPlan {
+  std::vector<TapWindow> rows, cols;
+  explicit TapPlan(const ConvGeometry& g) {
+    for (int64_t i = 0; i < g.kh; ++i) rows.push_back(tap_window(g.out_h, g.sh, i * g.dh - g.top, g.height));
+    for (int64_t j = 0; j < g.kw; ++j) cols.push_back(tap_window(g.out_w, g.sw, j * g.dw - g.left, g.width));
   }
-  double total = 0.0;
-  for (; k < n; ++k) total += p[k * step];
-  for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
-  return total;
-}
-
-struct PlaneScratch {
-  std::vector<double> rows, cols;
 };
 
-// The tap sums of a small plane (the last stages of a network), where the sums the differences
-// need cost more than the windows themselves: the taps of one kernel column share their column
-// window, so each row's sum over it is taken once (kw * H short sums, independent, so they
-// overlap), and each tap adds its rows of those. Only additions: an overflowed square stays +inf.
-void small_plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
-  const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
-  s.rows.resize(H);
+// The kh*kw tap sums of `lanes` (<= kTapLanes) planes interleaved in t ([H, W, kTapLanes]) into
+// taps + l * kh * kw for lane l; `rows` is scratch.
+CAFIN_CPU_CLONES void lane_taps(const double* __restrict t, const ConvGeometry& g, const TapPlan& plan,
+                                std::vector<double>& rows, double* taps, int64_t lanes) {
+  constexpr int64_t L = kTapLanes;
+  const int64_t H = g.height, W = g.width, taps_per = g.kh * g.kw;
+  rows.resize(H * L);
   for (int64_t j = 0; j < g.kw; ++j) {
-    const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
+    const TapWindow wx = plan.cols[j];
     for (int64_t y = 0; y < H; ++y) {
-      const double* row = plane + y * W;
-      double total = 0.0;
-      for (int64_t n = 0; n < wx.count; ++n) total += row[wx.first + n * sw];
-      s.rows[y] = total;
+      double acc[L] = {};
+      const double* row = t + y * W * L;
+      for (int64_t n = 0; n < wx.count; ++n) {
+        for (int64_t l = 0; l < L; ++l) acc[l] += row[(wx.first + n * g.sw) * L + l];
+      }
+      for (int64_t l = 0; l < L; ++l) rows[y * L + l] = acc[l];
     }
     for (int64_t i = 0; i < g.kh; ++i) {
-      const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
-      double total = 0.0;
-      for (int64_t m = 0; m < wy.count; ++m) total += s.rows[wy.first + m * sh];
-      taps[i * g.kw + j] = total;
+      const TapWindow wy = plan.rows[i];
+      double acc[L] = {};
+      for (int64_t m = 0; m < wy.count; ++m) {
+        for (int64_t l = 0; l < L; ++l) acc[l] += rows[(wy.first + m * g.sh) * L + l];
+      }
+      for (int64_t l = 0; l < lanes; ++l) taps[l * taps_per + i * g.kw + j] = acc[l];
     }
   }
 }
 
-// The kh*kw tap sums of one X2 plane (double, [height, width]) into taps.
-void plane_taps(const double* plane, const ConvGeometry& g, PlaneScratch& s, double* taps) {
-  const int64_t H = g.height, W = g.width, sh = g.sh, sw = g.sw;
-  if (H * W <= 64) {
-    small_plane_taps(plane, g, s, taps);
-    return;
-  }
-  s.rows.assign(sw * H, 0.0);
-  s.cols.assign(sh * W, 0.0);
-  for (int64_t y = 0; y < H; ++y) {
-    const double* p = plane + y * W;
-    double* col = s.cols.data() + (y % sh) * W;
-    for (int64_t x = 0; x < W; ++x) col[x] += p[x];
-    for (int64_t rx = 0; rx < sw; ++rx) s.rows[rx * H + y] = lattice_sum(p + rx, (W - rx + sw - 1) / sw, sw);
-  }
-  double all = 0.0;
-  for (const double value : s.rows) all += value;
-  // Squares are >= 0, so the sum is finite exactly when every entry is. Differences of sums would
-  // turn an overflowed (inf) square into NaN: such a plane is summed tap by tap, giving +inf (or
-  // the NaN it holds) like the reference.
-  const bool finite = std::isfinite(all);
-  for (int64_t i = 0; i < g.kh; ++i) {
-    const TapWindow wy = tap_window(g.out_h, sh, i * g.dh - g.top, H);
-    for (int64_t j = 0; j < g.kw; ++j) {
-      const TapWindow wx = tap_window(g.out_w, sw, j * g.dw - g.left, W);
-      double total = 0.0;
-      if (wy.count > 0 && wx.count > 0) {
-        const int64_t ry = window_residue(wy, sh), rx = window_residue(wx, sw);
-        const int64_t excluded_x = (W - rx + sw - 1) / sw - wx.count;
-        const int64_t excluded_y = (H - ry + sh - 1) / sh - wy.count;
-        if (!finite || wy.count * wx.count <= wy.count + excluded_x * (1 + excluded_y)) {
-          for (int64_t y = wy.first; y <= wy.last; y += sh) {
-            for (int64_t x = wx.first; x <= wx.last; x += sw) total += plane[y * W + x];
-          }
-        } else {
-          for (int64_t y = wy.first; y <= wy.last; y += sh) total += s.rows[rx * H + y];
-          auto exclude_column = [&](int64_t x) {
-            total -= s.cols[ry * W + x];
-            for (int64_t y = ry; y < wy.first; y += sh) total += plane[y * W + x];
-            for (int64_t y = wy.last + sh; y < H; y += sh) total += plane[y * W + x];
-          };
-          for (int64_t x = rx; x < wx.first; x += sw) exclude_column(x);
-          for (int64_t x = wx.last + sw; x < W; x += sw) exclude_column(x);
-        }
-      }
-      taps[i * g.kw + j] = total;
+// The taps of channels [c0, c0 + nc) of one call, kTapLanes at a time, reading channel c's X2
+// entry at position p from at(c, p); `lanes` and `rows` are scratch.
+template <typename At>
+void channel_block_taps(At at, int64_t c0, int64_t nc, const ConvGeometry& g, const TapPlan& plan,
+                        std::vector<double>& lanes, std::vector<double>& rows, double* taps) {
+  const int64_t plane = g.height * g.width, taps_per = g.kh * g.kw;
+  lanes.resize(plane * kTapLanes);
+  for (int64_t c = c0; c < c0 + nc; c += kTapLanes) {
+    const int64_t n = std::min(kTapLanes, c0 + nc - c);
+    if (n < kTapLanes) std::fill(lanes.begin(), lanes.end(), 0.0);
+    for (int64_t p = 0; p < plane; ++p) {
+      for (int64_t l = 0; l < n; ++l) lanes[p * kTapLanes + l] = at(c + l, p);
     }
+    lane_taps(lanes.data(), g, plan, rows, taps + c * taps_per, n);
   }
 }
 
@@ -452,7 +412,7 @@ template <typename scalar_t>
 void channel_taps_planar(const scalar_t* x, int64_t batch_stride, int64_t channel_stride,
                          const ConvGeometry& g, double* taps) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t plane = g.height * g.width, taps_per = g.kh * g.kw;
+  const int64_t plane = g.height * g.width;
   // Tiles of up to 32K positions (their partial and double sums fit in L2), at least one per
   // thread when there is enough work.
   const int64_t threads = chunk_count(g.batch * plane * g.channels);
@@ -461,10 +421,10 @@ void channel_taps_planar(const scalar_t* x, int64_t batch_stride, int64_t channe
   const int64_t tiles = (g.channels + per_tile - 1) / per_tile;
   const bool adjacent = channel_stride == plane;  // a tile's planes form one run
   const int64_t grain = std::max<int64_t>(1, kGrainSize / std::max<int64_t>(1, g.batch * plane * per_tile));
+  const TapPlan plan(g);
   at::parallel_for(0, tiles, grain, [&](int64_t first, int64_t last) {
     std::vector<acc_t> part(per_tile * plane, acc_t(0));
-    std::vector<double> x2(per_tile * plane);
-    PlaneScratch scratch;
+    std::vector<double> x2(per_tile * plane), lanes, rows;
     for (int64_t t = first; t < last; ++t) {
       const int64_t c0 = t * per_tile, nc = std::min(per_tile, g.channels - c0);
       std::fill(x2.begin(), x2.end(), 0.0);
@@ -477,7 +437,8 @@ void channel_taps_planar(const scalar_t* x, int64_t batch_stride, int64_t channe
                           g.batch, plane);
         }
       }
-      for (int64_t c = 0; c < nc; ++c) plane_taps(x2.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
+      channel_block_taps([&](int64_t c, int64_t p) { return x2[(c - c0) * plane + p]; }, c0, nc, g, plan,
+                         lanes, rows, taps);
     }
   });
 }
@@ -488,7 +449,7 @@ template <typename scalar_t>
 void channel_taps_channels_last(const scalar_t* x, int64_t batch_stride, const ConvGeometry& g,
                                 double* taps) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t plane = g.height * g.width, block = plane * g.channels, taps_per = g.kh * g.kw;
+  const int64_t plane = g.height * g.width, block = plane * g.channels;
   std::vector<double> x2(block, 0.0);
   const int64_t threads = chunk_count(g.batch * block);
   const int64_t kTile = std::min(kTilePositions, (block + threads - 1) / threads);
@@ -501,19 +462,14 @@ void channel_taps_channels_last(const scalar_t* x, int64_t batch_stride, const C
       add_batch<true>(x2.data() + lo, part.data(), x + lo, batch_stride, g.batch, n);
     }
   });
-  // Planes are gathered eight channels at a time: one pass over a cache line serves them all.
-  constexpr int64_t kGather = 8;
-  const int64_t groups = (g.channels + kGather - 1) / kGather;
-  at::parallel_for(0, groups, std::max<int64_t>(1, kGrainSize / (plane * kGather)), [&](int64_t first, int64_t last) {
-    std::vector<double> planes(kGather * plane);
-    PlaneScratch scratch;
-    for (int64_t q = first; q < last; ++q) {
-      const int64_t c0 = q * kGather, nc = std::min(kGather, g.channels - c0);
-      for (int64_t p = 0; p < plane; ++p) {
-        for (int64_t c = 0; c < nc; ++c) planes[c * plane + p] = x2[p * g.channels + c0 + c];
-      }
-      for (int64_t c = 0; c < nc; ++c) plane_taps(planes.data() + c * plane, g, scratch, taps + (c0 + c) * taps_per);
-    }
+  // Here X2 is already channels-inner: each block of kTapLanes channels is one short run per position.
+  const TapPlan plan(g);
+  const int64_t groups = (g.channels + kTapLanes - 1) / kTapLanes;
+  at::parallel_for(0, groups, std::max<int64_t>(1, kGrainSize / (plane * kTapLanes)), [&](int64_t first, int64_t last) {
+    std::vector<double> lanes, rows;
+    const int64_t c0 = first * kTapLanes, nc = std::min(last * kTapLanes, g.channels) - c0;
+    channel_block_taps([&](int64_t c, int64_t p) { return x2[p * g.channels + c]; }, c0, nc, g, plan, lanes,
+                       rows, taps);
   });
 }
 
