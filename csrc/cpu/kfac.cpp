@@ -18,9 +18,15 @@
 namespace cafin {
 namespace {
 
+// v + shift rounded to T, as the write rounds it (no shift: v as it is).
+template <bool kShifted, typename T>
+C10_ALWAYS_INLINE T shifted(T v, T shift) {
+  return kShifted ? T(v + shift) : v;
+}
+
 // sum (x[k] + shift) * y[k] in double, in kLanes independent partial sums added up at the end:
 // one running sum is a chain of dependent additions (the latency of one add per term); the
-// lanes vectorise. x[k] + shift is rounded to T, as the write rounds it.
+// lanes vectorise.
 template <bool kShifted, typename T>
 CAFIN_CPU_CLONES double dot_in_double(const T* __restrict x, const T* __restrict y, int64_t n, T shift) {
   constexpr int64_t kLanes = 8;
@@ -28,15 +34,13 @@ CAFIN_CPU_CLONES double dot_in_double(const T* __restrict x, const T* __restrict
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) {
-      const T v = kShifted ? T(x[k + j] + shift) : x[k + j];
-      lanes[j] += static_cast<double>(v) * static_cast<double>(y[k + j]);
+      lanes[j] += static_cast<double>(shifted<kShifted>(x[k + j], shift)) * static_cast<double>(y[k + j]);
     }
   }
   double total = 0.0;
   for (int64_t j = 0; j < kLanes; ++j) total += lanes[j];
   for (; k < n; ++k) {
-    const T v = kShifted ? T(x[k] + shift) : x[k];
-    total += static_cast<double>(v) * static_cast<double>(y[k]);
+    total += static_cast<double>(shifted<kShifted>(x[k], shift)) * static_cast<double>(y[k]);
   }
   return total;
 }
@@ -54,8 +58,7 @@ std::pair<double, double> clip_terms(const T* vp, const T* w, const T* b, int64_
   double bias_term = 0.0;
   if (bias) {
     for (int64_t r = 0; r < rows; ++r) {
-      const T v = kShifted ? T(vp[r * ld + wc] + shift) : vp[r * ld + wc];
-      bias_term += static_cast<double>(v) * static_cast<double>(b[r]);
+      bias_term += static_cast<double>(shifted<kShifted>(vp[r * ld + wc], shift)) * static_cast<double>(b[r]);
     }
   }
   return {weight, bias_term};
@@ -64,7 +67,7 @@ std::pair<double, double> clip_terms(const T* vp, const T* w, const T* b, int64_
 // g[c] <- (v[c] + shift) * nu for one row (built for each vector width, as dot_in_double).
 template <bool kShifted, typename T>
 CAFIN_CPU_CLONES void scale_row(const T* __restrict v, T* __restrict g, int64_t n, T shift, T nu) {
-  for (int64_t c = 0; c < n; ++c) g[c] = (kShifted ? T(v[c] + shift) : v[c]) * nu;
+  for (int64_t c = 0; c < n; ++c) g[c] = shifted<kShifted>(v[c], shift) * nu;
 }
 
 // g <- (V + shift) * nu over precond entry i's weight and bias columns.
@@ -73,7 +76,7 @@ void write_scaled(const T* vp, T* w, T* b, int64_t rows, int64_t ld, int64_t wc,
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrainSize / ld), [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       scale_row<kShifted>(vp + r * ld, w + r * wc, wc, shift, nu);
-      if (bias) b[r] = (kShifted ? T(vp[r * ld + wc] + shift) : vp[r * ld + wc]) * nu;
+      if (bias) b[r] = shifted<kShifted>(vp[r * ld + wc], shift) * nu;
     }
   });
 }
