@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Callable
+from functools import partial
 
 import torch
 from torch import nn
@@ -198,14 +198,15 @@ def twolevel_layers(model: nn.Module) -> list[tuple[int, int, int, bool]]:
 EIGENBASIS_LAYERS = {"kfac": kfac_layers, "twolevel": twolevel_layers}
 
 
-def eigenbasis_products(layers, device: torch.device) -> Callable[[], None]:
-    """The eigenbasis products of `layers` ((groups, d_a, d_g, diagonal A) each) and nothing else:
-    random float32 operands (orthogonal bases) in kept, row-aligned buffers, in the
-    right-multiplication form the members' eager steps run
-    (`cafin.maths.kfac.eigen_precondition_right_steps`, its elementwise scaling left out), the
-    products of a layer in a row. Timed in the bench next to
-    the member's step, it measures what the device's GEMMs give at these shapes, which the
-    floor's 512^3 rate does not model."""
+def eigenbasis_products(layers, device: torch.device) -> partial:
+    """The eigenbasis products of `layers` ((groups, d_a, d_g, diagonal A) each) and little else:
+    random float32 operands (orthogonal bases) in kept, row-aligned buffers, one
+    `kfac_eigen_products_` call over every layer's matrices, as the members' eager steps run them
+    (in the right-multiplication form; on the CPU the layers shared out over the threads), with
+    a scaling by ones, one elementwise pass per layer (its arguments: `.args`). Timed in the bench next to the member's
+    step, it measures what the device's GEMMs give at these shapes, which the floor's 512^3 rate
+    does not model."""
+    from cafin import ops
     from cafin.maths import kfac as kfac_maths
     gen = torch.Generator().manual_seed(0)
 
@@ -215,19 +216,14 @@ def eigenbasis_products(layers, device: torch.device) -> Callable[[], None]:
             values = torch.linalg.qr(values)[0]
         return kfac_maths.aligned_empty(shape, dtype=torch.float32, device=device).copy_(values)
 
-    products = []
+    entries = []
     for groups, d_a, d_g, diagonal in layers:
         for _ in range(groups):
             qg, grad = kept(d_g, d_g, orthogonal=True), kept(d_g, d_a)
             qa = None if diagonal else kept(d_a, d_a, orthogonal=True)
             work = kept(d_g, d_a) if diagonal else kept(d_a, d_g)
-            steps = kfac_maths.eigen_precondition_right_steps(grad, qa, qg, torch.ones(()), work)
-            products += [op for op in steps if op.func in (torch.mm, torch.bmm)]
-
-    def run() -> None:
-        for op in products:
-            op()
-    return run
+            entries.append((grad, work, None, qa, qg, torch.ones_like(grad)))
+    return partial(ops.kfac_eigen_products_, *(list(column) for column in zip(*entries)))
 
 
 def member_floors(model: nn.Module, names) -> tuple[list[Floor], dict[str, str]]:

@@ -97,6 +97,13 @@ TORCH_LIBRARY(cafin, m) {
       "kfac_precondition_apply_(Tensor(a!)[] weight_grads, Tensor(b!)[] bias_grads, Tensor[] precond, "
       "Tensor lr, Tensor? kl_clip=None, Tensor? shift=None, bool abs_terms=False) -> ()",
       {at::Tag::pt2_compliant_tag});
+  // The eigenbasis products of many layers: grads[i] <- Q_G ((Q_G^T S Q_A) * dgda) Q_A^T, S
+  // sources[i] (None: grads[i]), Q_A = I where qa[i] is None; works[i] is scratch. On the CPU
+  // the layers are shared out over the threads, each layer's products on one.
+  m.def(
+      "kfac_eigen_products_(Tensor(a!)[] grads, Tensor(b!)[] works, Tensor?[] sources, Tensor?[] qa, "
+      "Tensor[] qg, Tensor[] dgda) -> ()",
+      {at::Tag::pt2_compliant_tag});
   // DyKAF (semantics: cafin/reference/dykaf.py). Every scalar is a 0-dim float64 tensor.
   // The rank-one second moment l r^T of each rotated gradient gp (one projector-splitting step
   // towards beta2 V + (1 - beta2) gp^2).

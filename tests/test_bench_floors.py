@@ -105,13 +105,21 @@ def test_sgemm_rate():
 @pytest.mark.parametrize("name", ["kfac", "twolevel"])
 def test_eigenbasis_products_alone_do_the_floors_gemm_flops(name):
     """The bench's "GEMMs alone" row runs exactly the products the member's floor counts (the
-    coarse solve aside), and writes only its own buffers."""
+    coarse solve aside): its one `kfac_eigen_products_` call, whose products the reference op
+    runs as torch products that the flop counter sees (the same multiply-adds in another
+    association), and its results are the reference's."""
     from torch.utils.flop_counter import FlopCounterMode
+    from cafin import reference
     model = gpt(vocab=32, dim=16, depth=2, heads=2, context=8)
     layers = floors.EIGENBASIS_LAYERS[name](model)
     run = floors.eigenbasis_products(layers, torch.device("cpu"))
+    grads = run.args[0]
+    want_grads = [g.clone() for g in grads]
     with FlopCounterMode(display=False) as counter:
-        run()
+        reference.kfac_eigen_products_(want_grads, *run.args[1:])
+    run()
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     want = sum(floors.eigenbasis_flops(*layer) for layer in layers)
     assert counter.get_total_flops() == want
     floor = floors.FLOORS[name](model)

@@ -710,6 +710,20 @@ class TestKFACOps:
         ops.kfac_precondition_apply_(ws, bs, [_padded(v, 2) for v in vs], torch.tensor(1.0, dtype=torch.float64),
                                      torch.tensor(1e-3, dtype=torch.float64), torch.randn(3), True)
 
+    def test_kfac_eigen_products_(self):
+        ops.kfac_eigen_products_(*_products_args(False))
+
+
+def _products_args(requires_grad: bool):
+    """kfac_eigen_products_'s arguments: a stack with Q_A reading its own gradient, a matrix with
+    a diagonal A reading another source."""
+    def q(n, *lead):
+        return torch.linalg.qr(torch.randn(*lead, n, n))[0].requires_grad_(requires_grad)
+    grads = [torch.randn(2, 3, 4), torch.empty(5, 6)]
+    works = [torch.empty(2, 4, 3), torch.empty(5, 6)]
+    sources = [None, torch.randn(5, 6, requires_grad=requires_grad)]
+    return grads, works, sources, [q(4, 2), None], [q(3, 2), q(5)], [torch.rand(2, 3, 4), torch.rand(5, 6)]
+
 
 def test_opcheck_with_inputs_that_require_grad():
     """opcheck's autograd-registration check runs only when an input requires grad: the
@@ -724,6 +738,7 @@ def test_opcheck_with_inputs_that_require_grad():
     vs = [v.requires_grad_() for v in vs]
     torch.library.opcheck(torch.ops.cafin.kfac_precondition_apply_.default,
                           (ws, bs, vs, torch.tensor(0.1, dtype=torch.float64), None))
+    torch.library.opcheck(torch.ops.cafin.kfac_eigen_products_.default, _products_args(True))
 
 
 generate_opcheck_tests(

@@ -1,5 +1,5 @@
 """K-FAC's eager fused step runs its eigenbasis products through kept, row-aligned buffers
-(cafin.maths.kfac.eigen_precondition_into, batched; eigen_precondition_right_into, per layer on
+(cafin.maths.kfac.eigen_precondition_into, batched; the op kfac_eigen_products_, per layer on
 the CPU): the same numbers as the plain products, and nothing allocated per step."""
 from __future__ import annotations
 
@@ -69,53 +69,91 @@ def test_into_matches_plain_products(dtype, shape, diagonal):
     assert torch.equal(out16, got.to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 4, 6), (3, 7, 13), (2, 10, 1), (1, 1, 5), (1, 17, 129)])
-@pytest.mark.parametrize("diagonal", [False, True])
-def test_right_products_match_plain_products(dtype, shape, diagonal):
-    """Every product a multiplication by an eigenbasis on the right: the plain products' numbers,
-    on matrices (one group, torch.mm) and on stacks (torch.bmm); the bound operations follow
-    their operands' storage from call to call."""
-    gen = torch.Generator().manual_seed(sum(shape) + diagonal)
+def _entry(shape, dtype, diagonal, gen, *, stacked=True, with_source=False):
+    """One entry of kfac_eigen_products_ (grad, work, source, qa, qg, dgda) with random operands,
+    and the float64 oracle of its result (the products as they are, in float64). qg is given as
+    a transposed view (any strides are read), grad row-aligned."""
     groups, d_g, d_a = shape
-    qg = _orthogonal(groups, d_g, dtype, gen)
+    qg = _orthogonal(groups, d_g, dtype, gen).mT.contiguous().mT
     qa = None if diagonal else _orthogonal(groups, d_a, dtype, gen)
     dgda = torch.rand(groups, d_g, d_a, dtype=torch.float64, generator=gen).to(dtype) + 0.5
-    grad = torch.randn(groups, d_g, d_a, dtype=torch.float64, generator=gen).to(dtype)
-    v = qg.double().mT @ grad.double()
+    g = torch.randn(groups, d_g, d_a, dtype=torch.float64, generator=gen).to(dtype)
+    v = qg.double().mT @ g.double()
     if qa is not None:
         v = v @ qa.double()
     v = qg.double() @ (v * dgda.double())
     oracle = v if qa is None else v @ qa.double().mT
-    want = kfac_maths.eigen_precondition(grad, qa, qg, dgda=dgda)
+    work = torch.empty((groups, d_g, d_a) if diagonal else (groups, d_a, d_g), dtype=dtype)
+    grad = kfac_maths.aligned_empty(shape, dtype=dtype, device="cpu")
+    source = None
+    if with_source:
+        source = g
+        grad.fill_(math.nan)  # not read: every product writes before it is read
+    else:
+        grad.copy_(g)
+    entry = [grad, work, source, qa, qg, dgda]
+    if not stacked:
+        entry = [None if t is None else t[0] for t in entry]
+        oracle = oracle[0]
+    return entry, oracle
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_eigen_products_match_plain_products(dtype, threads):
+    """kfac_eigen_products_ (each product a multiplication by an eigenbasis on the right, the
+    entries shared out over the threads on the CPU) gives the plain products' numbers, and the
+    reference op's, on matrices and stacks of awkward sizes, with Q_A or diagonal, reading the
+    gradient or another source (left as it is)."""
+    gen = torch.Generator().manual_seed(7)
+    shapes = [(1, 4, 6), (3, 7, 13), (2, 10, 1), (1, 1, 5), (1, 17, 129), (2, 33, 9)]
+    entries, oracles, sources = [], [], []
+    for k, shape in enumerate(shapes):
+        for diagonal in (False, True):
+            entry, oracle = _entry(shape, dtype, diagonal, gen, stacked=k % 2 == 0, with_source=k % 3 == 1)
+            entries.append(entry)
+            oracles.append(oracle)
+            sources.append(None if entry[2] is None else entry[2].clone())
+    args = [list(column) for column in zip(*entries)]
+    want = [g.clone() if s is None else torch.empty_like(g) for g, s in zip(args[0], args[2])]
+    cafin.reference.kfac_eigen_products_(want, [w.clone() for w in args[1]], *args[2:])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        cafin.ops.kfac_eigen_products_(*args)
+    finally:
+        torch.set_num_threads(before)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
-    work_shape = shape if diagonal else (groups, d_a, d_g)
-    buf = kfac_maths.aligned_empty(shape, dtype=dtype, device="cpu").copy_(grad)
-    work = kfac_maths.aligned_empty(work_shape, dtype=dtype, device="cpu")
-    got = kfac_maths.eigen_precondition_right_into(buf, qa, qg, dgda, work)
-    assert got is buf
-    torch.testing.assert_close(got.double(), oracle, rtol=tol, atol=tol)
-    eps = torch.finfo(dtype).eps  # equal up to float rounding (BLAS may block the products apart)
-    torch.testing.assert_close(got, want, rtol=16 * eps, atol=16 * eps * want.abs().max().item())
-    # one group as matrices, bound once and run twice on new data in the same storage
-    grad0, buf0, work0 = grad[0], torch.empty(d_g, d_a, dtype=dtype), torch.empty(work_shape[1:], dtype=dtype)
-    qa0 = None if qa is None else qa[0]
-    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0)
-    for scale in (1.0, -3.0):
-        buf0.copy_(grad0 * scale)
-        for op in steps:
-            op()
-        torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
-    # reading another source: the source is left as it is, the result is in the buffer
-    source = grad0.clone()
-    steps = kfac_maths.eigen_precondition_right_steps(buf0, qa0, qg[0], dgda[0], work0, source=source)
-    for scale in (2.0, -1.0):
-        source.copy_(grad0 * scale)
-        buf0.fill_(math.nan)  # not read: every product writes before it is read
-        for op in steps:
-            op()
-        assert torch.equal(source, grad0 * scale)
-        torch.testing.assert_close(buf0.double(), oracle[0] * scale, rtol=tol, atol=tol * abs(scale))
+    eps = torch.finfo(dtype).eps
+    for got, oracle, expected, source, kept in zip(args[0], oracles, want, args[2], sources):
+        torch.testing.assert_close(got.double(), oracle, rtol=tol, atol=tol)
+        torch.testing.assert_close(got, expected, rtol=16 * eps, atol=16 * eps * expected.abs().max().item())
+        if source is not None:
+            assert torch.equal(source, kept)
+
+
+@pytest.mark.parametrize("index, edit, message", [
+    (1, lambda e: e.__setitem__(4, e[4][:, :-1]), r"qg\[1\] has shape"),
+    (0, lambda e: e.__setitem__(1, e[1].mT), r"works\[0\] has shape"),
+    (1, lambda e: e.__setitem__(5, e[5].double()), r"dgda\[1\] has dtype"),
+    (0, lambda e: e.__setitem__(3, e[3][0]), r"qa\[0\] has 2 dims"),
+    (1, lambda e: e.__setitem__(2, e[2][:, 1:]), r"sources\[1\] has shape"),
+    (0, lambda e: (e.__setitem__(3, None), e.__setitem__(1, e[0])), r"works\[0\] must be a tensor of its own"),
+    (1, lambda e: e.__setitem__(0, e[0].half()), r"grads\[1\] has dtype"),
+])
+def test_eigen_products_bad_arguments(index, edit, message):
+    """A bad entry is named, and nothing is written, the entries before it included."""
+    gen = torch.Generator().manual_seed(3)
+    entries = [_entry((2, 5, 7), torch.float32, False, gen, with_source=k == 1)[0] for k in range(2)]
+    edit(entries[index])
+    args = [list(column) for column in zip(*entries)]
+    before = [t.clone() for t in args[0] + args[1]]
+    with pytest.raises(RuntimeError, match=message):
+        cafin.ops.kfac_eigen_products_(*args)
+    for t, b in zip(args[0] + args[1], before):
+        torch.testing.assert_close(t, b, rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="works has 1 entries but grads has 2"):
+        cafin.ops.kfac_eigen_products_(args[0], args[1][:1], *args[2:])
 
 
 class _Net(nn.Module):

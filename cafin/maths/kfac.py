@@ -9,14 +9,11 @@ inverse a vector.
 """
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
-
 import torch
 
 __all__ = [
     "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
-    "eigen_precondition_into", "eigen_precondition_right_into", "eigen_precondition_right_steps",
+    "eigen_precondition_into",
     "aligned_empty", "rows_equally_spaced",
     "inverse_precondition", "kl_clip_scale",
     "diagonal_factor_ema_", "diagonal_eigenvalues", "diagonal_damped_inverse",
@@ -116,40 +113,6 @@ def eigen_precondition_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: tor
         torch.bmm(qg, grad, out=work)
         torch.bmm(work, qa.mT, out=grad)
     return out.copy_(grad)
-
-
-def eigen_precondition_right_steps(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
-                                   dgda: torch.Tensor, work: torch.Tensor, *,
-                                   source: torch.Tensor | None = None) -> list[Callable[[], torch.Tensor]]:
-    """The operations of `eigen_precondition_right_into` as calls with their operands bound
-    (the transposed views made once): a caller that keeps the buffers runs them on every step
-    (`for op in steps: op()`) without making any view. `source`: the first product reads it
-    instead of grad (left as it is); the result is in grad either way."""
-    mm = torch.mm if grad.dim() == 2 else torch.bmm
-    source = grad if source is None else source
-    if qa is None:
-        return [partial(mm, qg.mT, source, out=work), partial(work.mul_, dgda), partial(mm, qg, work, out=grad)]
-    return [partial(mm, source.mT, qg, out=work), partial(mm, work.mT, qa, out=grad), partial(grad.mul_, dgda),
-            partial(mm, grad.mT, qg.mT, out=work), partial(mm, work.mT, qa.mT, out=grad)]
-
-
-def eigen_precondition_right_into(grad: torch.Tensor, qa: torch.Tensor | None, qg: torch.Tensor,
-                                  dgda: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
-    """`eigen_precondition(grad, qa, qg, dgda=dgda)` in place of `grad`, every product written
-    as a multiplication by an eigenbasis on the right, the previous result read transposed:
-    X^T = grad^T Q_G, Y = X Q_A, Y (*) dgda, Z^T = Y^T Q_G^T, V = Z Q_A^T. These are
-    `eigen_precondition`'s products in its association, laid out differently: on one CPU core
-    MKL ran them 10-20 % faster than the products written as they are where a width is a bias
-    column's (129, 513), with the same numbers up to float rounding. With qa None (Q_A = I) the
-    two products are written as they are: Q_G^T grad into work, scaled, Q_G (...) back into
-    grad. No allocation.
-
-    grad [(groups,) d_g, d_a] in the decomposition's dtype, overwritten by the result (returned);
-    work [(groups,) d_a, d_g] (qa given) or [(groups,) d_g, d_a] (qa None); matrices use
-    torch.mm, stacks over groups torch.bmm. Both best row-aligned (`aligned_empty`)."""
-    for op in eigen_precondition_right_steps(grad, qa, qg, dgda, work):
-        op()
-    return grad
 
 
 def inverse_precondition(grad: torch.Tensor, a_inv: torch.Tensor, g_inv: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_precondition_apply_"]
+__all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_eigen_products_", "kfac_precondition_apply_"]
 
 
 def _check(cond: bool, msg, exc: type = ValueError) -> None:
@@ -72,6 +72,29 @@ def kfac_eigen_scale_(v: Sequence[torch.Tensor], dg: Sequence[torch.Tensor], da:
 @torch.library.register_fake("cafin::kfac_eigen_scale_")
 def _kfac_eigen_scale_fake(v, dg, da, damping):
     torch._check(len(dg) == len(v) and len(da) == len(v))
+    return None
+
+
+def kfac_eigen_products_(grads: Sequence[torch.Tensor], works: Sequence[torch.Tensor],
+                         sources: Sequence[torch.Tensor | None], qa: Sequence[torch.Tensor | None],
+                         qg: Sequence[torch.Tensor], dgda: Sequence[torch.Tensor]) -> None:
+    """grads[i] <- Q_G ((Q_G^T S Q_A) * dgda[i]) Q_A^T for every entry, S = sources[i] (None:
+    grads[i] as it is), Q_A = qa[i] (None: the identity), Q_G = qg[i]; works[i] is scratch
+    ([(groups,) d_a, d_g] with Q_A, else the shape of grads[i]). Entries are matrices
+    [d_g, d_a] or stacks [groups, d_g, d_a], float32 or float64. The products are ATen's GEMMs;
+    on the CPU each entry's products run on one thread and the entries are shared out over the
+    threads (a product of a few hundred rows gains little from MKL's own threads)."""
+    if not torch.compiler.is_compiling():
+        _lengths([("grads", grads), ("works", works), ("sources", sources), ("qa", qa), ("qg", qg),
+                  ("dgda", dgda)])
+    if not grads:
+        return
+    torch.ops.cafin.kfac_eigen_products_(list(grads), list(works), list(sources), list(qa), list(qg), list(dgda))
+
+
+@torch.library.register_fake("cafin::kfac_eigen_products_")
+def _kfac_eigen_products_fake(grads, works, sources, qa, qg, dgda):
+    torch._check(len(works) == len(grads) and len(sources) == len(grads) and len(qa) == len(grads))
     return None
 
 

@@ -848,24 +848,33 @@ class KFACPreconditioner(Preconditioner):
         precond: dict[str, torch.Tensor] = {}
         names = {layer.name for layer in active if self.assignment.is_grad_worker(layer.name)}
         chained = self._chained()
+        chains: list[tuple[list[Layer], _Chain]] = []
+        chained_names: set[str] = set()
         for members, stacked in self._stacks:
             if not all(layer.name in names for layer in members):
                 continue
             if len({self._grads(layer)[0].dtype for layer in members}) > 1:
                 continue
             if chained:
-                pieces = self._chain(members, stacked)
-            else:
-                v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
-                                       members[0].module.weight.device)
-                pieces = v.split([self._state[layer.name].A.shape[0] for layer in members])
-            for layer, piece in zip(members, pieces):
+                chains.append((members, self._chain(members, stacked)))
+                chained_names.update(layer.name for layer in members)
+                continue
+            v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
+                                   members[0].module.weight.device)
+            for layer, piece in zip(members, v.split([self._state[layer.name].A.shape[0] for layer in members])):
                 precond[layer.name] = piece
         for layer in active:
-            if layer.name in names and layer.name not in precond:
+            if layer.name in names and layer.name not in precond and layer.name not in chained_names:
                 second = self._state[layer.name].second
-                precond[layer.name] = (self._chain([layer], second)[0] if chained else self._precondition(
-                    self._grad(layer), second, layer.module.weight.device))
+                if chained:
+                    chains.append(([layer], self._chain([layer], second)))
+                else:
+                    precond[layer.name] = self._precondition(self._grad(layer), second,
+                                                             layer.module.weight.device)
+        self._run_chains([chain for _, chain in chains])
+        for members, chain in chains:
+            for layer, piece in zip(members, chain.pieces):
+                precond[layer.name] = piece
         return precond
 
     def _chained(self) -> bool:
@@ -877,12 +886,12 @@ class KFACPreconditioner(Preconditioner):
                 and self.compute_eigenvalue_outer_product and not torch.compiler.is_compiling()
                 and not capturing())
 
-    def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """The preconditioned gradients [groups, d_g, d_a] of `layers` (one, or a stack sharing
-        the second-order data `s`), in their gradients' dtype, one view per layer of a buffer
-        kept from step to step (`_Chain`): the gradients copied into row-aligned matrices (no
-        concatenation), the products of `_precondition` written into kept buffers (no
-        allocation), in the form `_per_layer_products` picks for the device."""
+    def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> _Chain:
+        """The kept buffers (`_Chain`) of `layers` (one, or a stack sharing the second-order data
+        `s`), with the layers' gradients copied into its row-aligned matrices (no
+        concatenation); `_run_chains` then writes the products of `_precondition` into kept
+        buffers (no allocation), and each chain's `pieces` are its layers' preconditioned
+        gradients [groups, d_g, d_a] in their gradients' dtype."""
         w = self._grads(layers[0])[0]
         key = tuple(layer.name for layer in layers)
         chain = self._chains.get(key)
@@ -890,17 +899,28 @@ class KFACPreconditioner(Preconditioner):
             chain = _Chain(layers, [self._state[layer.name].A.shape[0] for layer in layers], s,
                            self.inv_dtype, w)
             self._chains[key] = chain
-        if chain.per_layer:  # each layer's gradients copied in, then its products
-            for layer, into, steps in zip(layers, chain.into, chain.steps):
-                _copy_into(self._grads(layer), into)
-                for op in steps:
-                    op()
-            return chain.pieces
         for layer, into in zip(layers, chain.into):
             _copy_into(self._grads(layer), into)
-        kfac_maths.eigen_precondition_into(chain.grad, s.get("qa"), s["qg"], s["dgda"], chain.work,
-                                           chain.outs[0])
-        return chain.pieces
+        return chain
+
+    def _run_chains(self, chains: list[_Chain]) -> None:
+        """The products of the chains, in the form `_per_layer_products` picks for the device:
+        the per-layer ones in one `kfac_eigen_products_` call per device (on the CPU it shares
+        the layers out over the threads), then their copies out."""
+        per_layer: dict[torch.device, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
+        for chain in chains:
+            if chain.per_layer:
+                per_layer[chain.grad.device].extend(chain.products)
+                continue
+            qa, qg, dgda = chain.sources
+            kfac_maths.eigen_precondition_into(chain.grad, qa, qg, dgda, chain.work, chain.outs[0])
+        for device, products in per_layer.items():
+            grads, works, qa, qg, dgda = zip(*products)
+            self._impl_for(device, self.inv_dtype).kfac_eigen_products_(
+                grads, works, [None] * len(grads), qa, qg, dgda)
+        for chain in chains:
+            for copy in chain.copies:
+                copy()
 
     def _share_preconditioned_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
         """MEM_OPT and HYBRID_OPT: within this rank's row (one rank of every column), each
@@ -1249,9 +1269,9 @@ class _Chain:
     gradients).
 
     Batched form (`per_layer` False): one `out` [groups, d_g, d_a] of the whole chain. Per-layer
-    form: each layer's operations with the operands bound, `steps` (the products of
-    `eigen_precondition_right_steps` on its matrices for one group, else stacks, then any copy
-    of the result out); `work` is then [groups, d_a, d_g] with both eigenbases. Its piece is
+    form: each layer's operands of `kfac_eigen_products_`, `products` (grad, work, qa, qg, dgda:
+    its matrices for one group, else stacks), and any copy of its result out, `copies`; `work`
+    is then [groups, d_a, d_g] with both eigenbases. Its piece is
     its rows of `grad` as they are where the gradients have the decomposition's dtype (the
     write reads row-aligned rows), else an output of its own: [groups, d_a, d_g] for a weight
     stored transposed (`factors.weight_is_transposed`: the kernel then writes it in that
@@ -1271,7 +1291,8 @@ class _Chain:
         self.outs = [] if self.per_layer else [torch.empty((groups, d_g, d_a), **out_like)]
         self.into: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.pieces: list[torch.Tensor] = []
-        self.steps: list[list[Callable[[], torch.Tensor]]] = []
+        self.products: list[tuple[torch.Tensor, ...]] = []
+        self.copies: list[Callable[[], torch.Tensor]] = []
         offset = 0
         for layer, n in zip(layers, sizes):
             rows = slice(offset, offset + n)
@@ -1283,20 +1304,19 @@ class _Chain:
             pick = (lambda t, i=rows.start: t[i]) if n == 1 else (lambda t, r=rows: t[r])  # noqa: E731
             qa, qg, dgda, grad, work = (None if t is None else pick(t)
                                         for t in (*self.sources, self.grad, self.work))
-            steps = kfac_maths.eigen_precondition_right_steps(grad, qa, qg, dgda, work)
+            self.products.append((grad, work, qa, qg, dgda))
             if factors.weight_is_transposed(layer.module):
                 out = torch.empty((n, d_a, d_g), **out_like)
-                steps.append(partial(out.copy_, self.grad[rows].mT))
+                self.copies.append(partial(out.copy_, self.grad[rows].mT))
                 self.pieces.append(out.mT)
                 self.outs.append(out)
             elif like.dtype == inv_dtype:  # the result as it lies (the write reads aligned rows)
                 self.pieces.append(self.grad[rows])
             else:
                 out = torch.empty((n, d_g, d_a), **out_like)
-                steps.append(partial(out.copy_, self.grad[rows]))
+                self.copies.append(partial(out.copy_, self.grad[rows]))
                 self.pieces.append(out)
                 self.outs.append(out)
-            self.steps.append(steps)
 
     def fits(self, w: torch.Tensor, s: dict[str, torch.Tensor]) -> bool:
         """Whether these buffers serve gradients like `w` and the second-order tensors `s`."""

@@ -32,6 +32,7 @@ cost) and the results reach every rank in one exchange per (device, dtype).
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 import warnings
 from typing import Any
 
@@ -130,7 +131,7 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         self.dropped_statistics = 0  # steps whose statistics (or coarse matrix) were non-finite
         self._sizes: dict[tuple, torch.Tensor] = {}
         self._scalings: dict[int, tuple] = {}  # eager: layer -> its kept `_scaling`
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: layer -> `_products` buffers
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: layer -> `_product_buffers`
         self._constant_vectors: dict[tuple, torch.Tensor] = {}  # eager: nicolaides' vectors
         self._ones = self._create_ones()
         self.f_coarse = None
@@ -882,35 +883,35 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         """Every layer's first-level (K-FAC) direction, per location for convolutions. Eager, the
         eigenvalues' division and the per-location one are one kept scaling (`_scaling`), and
         the products run through kept buffers (`_products`)."""
-        pres = []
-        compiling = torch.compiler.is_compiling()
+        if torch.compiler.is_compiling():
+            pres = []
+            for group, state, raw in zip(self.param_groups, states, raws):
+                p = self._kfac_inverse(state, raw)
+                locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
+                pres.append(p / state["num_locations"] if locations else p)
+            return pres
+        products: dict[tuple, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
         for i, (group, state, raw) in enumerate(zip(self.param_groups, states, raws)):
             locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
-            if compiling:
-                p = self._kfac_inverse(state, raw)
-                pres.append(p / state["num_locations"] if locations else p)
-                continue
             scaling = self._scaling(i, state, state["num_locations"] if locations else 1)
-            pres.append(self._products(i, state, raw, scaling))
-        return pres
+            mid, work = self._product_buffers(i, raw)
+            products[(raw.device, raw.dtype)].append((mid, work, raw, state["Q_x"], state["Q_g"], scaling))
+        for entries in products.values():
+            ops.kfac_eigen_products_(*zip(*entries))
+        return [self._buffers[i][0] for i in range(len(raws))]
 
-    def _products(self, i: int, state, raw: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
-        """Q_g ((Q_g^T raw Q_x) * scaling) Q_x^T of layer i, in K-FAC's right-multiplication
-        form (`eigen_precondition_right_steps`: on a CPU core MKL runs it faster on a bias
-        column's widths), into two row-aligned buffers kept from step to step (remade when the
-        shape, dtype or device changes): the result is a view of one of them, rewritten by the
-        next step (the write reads such views as they are)."""
+    def _product_buffers(self, i: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's two row-aligned buffers of its products Q_g ((Q_g^T raw Q_x) * scaling)
+        Q_x^T (`kfac_eigen_products_`, in K-FAC's right-multiplication form), kept from step to
+        step (remade when the shape, dtype or device changes): the result is the first, rewritten
+        by the next step (the write reads it as it lies)."""
         kept = self._buffers.get(i)
         if kept is None or kept[0].shape != raw.shape or kept[0].dtype != raw.dtype or kept[0].device != raw.device:
             d_g, d_a = raw.shape
             like = dict(dtype=raw.dtype, device=raw.device)
             kept = self._buffers[i] = (kfac_maths.aligned_empty((d_g, d_a), **like),
                                        kfac_maths.aligned_empty((d_a, d_g), **like))
-        mid, work = kept
-        for op in kfac_maths.eigen_precondition_right_steps(mid, state["Q_x"], state["Q_g"], scaling, work,
-                                                            source=raw):
-            op()
-        return mid
+        return kept
 
     def _scaling(self, i: int, state, locations: int) -> torch.Tensor:
         """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors

@@ -9,7 +9,8 @@ from .adafisher import (  # noqa: F401
     norm_input_stats_, sumsq_stats_,
 )
 from .singd import singd_diag_step_, singd_factor_step_, singd_momentum_  # noqa: F401
-from .kfac import kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_  # noqa: F401
+from .kfac import (  # noqa: F401
+    kfac_eigen_products_, kfac_eigen_scale_, kfac_factor_ema_, kfac_precondition_apply_)
 from .dykaf import (  # noqa: F401
     dykaf_adam_precondition_, dykaf_apply_, dykaf_precondition_, dykaf_rank_one_,
     dykaf_split_normalize_, dykaf_split_scale_,

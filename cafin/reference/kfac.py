@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ..maths.kfac import kl_clip_scale
+from ..maths.kfac import eigen_precondition, kl_clip_scale
 
-__all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_precondition_apply_"]
+__all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_eigen_products_", "kfac_precondition_apply_"]
 
 
 def _due(step, interval):
@@ -49,6 +49,15 @@ def kfac_eigen_scale_(v: list[torch.Tensor], dg: list[torch.Tensor], da: list[to
     """v[i] [groups, m, n] <- v[i] / (dg[i][:, :, None] * da[i][:, None, :] + damping)."""
     for x, g, a in zip(v, dg, da):
         x.div_(g.unsqueeze(-1) * a.unsqueeze(-2) + damping.to(x.dtype))
+
+
+def kfac_eigen_products_(grads: list[torch.Tensor], works: list[torch.Tensor],
+                         sources: list[torch.Tensor | None], qa: list[torch.Tensor | None],
+                         qg: list[torch.Tensor], dgda: list[torch.Tensor]) -> None:
+    """grads[i] <- Q_G ((Q_G^T S Q_A) * dgda[i]) Q_A^T, S = sources[i] (None: grads[i]), Q_A = I
+    where qa[i] is None; works[i] is scratch (left as the products leave it in the fused op)."""
+    for g, source, q_a, q_g, d in zip(grads, sources, qa, qg, dgda):
+        g.copy_(eigen_precondition(g if source is None else source, q_a, q_g, dgda=d))
 
 
 def kfac_precondition_apply_(weight_grads: list[torch.Tensor], bias_grads: list[torch.Tensor],
