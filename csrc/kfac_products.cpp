@@ -2,8 +2,8 @@
 // (MKL, cuBLAS), on any device. Its point is the CPU: there each layer's chain of products runs
 // on one thread and the layers are shared out over the threads. MKL splits one product over the
 // threads, which on the 100-500-wide products of a layer gains little from a second thread; two
-// layers at once, one per thread, run each at the one-thread rate. Semantics:
-// cafin/reference/kfac.py.
+// layers at once, one per thread, run each at the one-thread rate. A layer too large to share
+// out keeps MKL's threads. Semantics: cafin/reference/kfac.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -63,26 +63,42 @@ void entry_products(const at::Tensor& grad, const at::Tensor& work, const at::Te
   mm(grad, work.mT(), q_a.mT());  // V = Z Q_A^T
 }
 
-// The entries of each thread: largest first, each to the thread with the least work so far
-// (the multiply-adds of its products). Fixed by the shapes and the thread count.
-std::vector<std::vector<int64_t>> share_out(const at::TensorList grads, const at::TensorList qg,
-                                            int64_t threads) {
-  std::vector<double> cost(grads.size());
-  for (size_t i = 0; i < grads.size(); ++i) {
-    const double d_g = qg[i].size(-1), d_a = grads[i].size(-1);
-    cost[i] = static_cast<double>(grads[i].numel()) * (d_g + d_a);
-  }
-  std::vector<int64_t> order(grads.size());
+// The multiply-adds of entry i's products.
+double entry_cost(const at::Tensor& grad, const at::Tensor& qg) {
+  return static_cast<double>(grad.numel()) * static_cast<double>(qg.size(-1) + grad.size(-1));
+}
+
+// How the entries run on `threads` threads: `alone`, one after the other with every thread on
+// each product, the entries too large to share out (each larger than its share of what is left:
+// one thread would hold up the others); `bins`, the rest, one list per thread, largest first,
+// each to the thread with the least work so far. Fixed by the shapes and the thread count.
+struct Plan {
+  std::vector<int64_t> alone;
+  std::vector<std::vector<int64_t>> bins;
+};
+
+Plan share_out(const at::TensorList grads, const at::TensorList qg, int64_t threads) {
+  const int64_t n = static_cast<int64_t>(grads.size());
+  std::vector<double> cost(n);
+  double left = 0.0;
+  for (int64_t i = 0; i < n; ++i) left += cost[i] = entry_cost(grads[i], qg[i]);
+  std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost[a] > cost[b]; });
-  std::vector<std::vector<int64_t>> bins(threads);
-  std::vector<double> load(threads, 0.0);
-  for (const int64_t i : order) {
-    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
-    bins[t].push_back(i);
-    load[t] += cost[i];
+  Plan plan;
+  size_t k = 0;
+  for (; k < order.size() && cost[order[k]] * threads > left; ++k) {
+    plan.alone.push_back(order[k]);
+    left -= cost[order[k]];
   }
-  return bins;
+  plan.bins.resize(threads);
+  std::vector<double> load(threads, 0.0);
+  for (; k < order.size(); ++k) {
+    const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+    plan.bins[t].push_back(order[k]);
+    load[t] += cost[order[k]];
+  }
+  return plan;
 }
 
 void kfac_eigen_products(at::TensorList grads, at::TensorList works, const OptionalTensors& sources,
@@ -123,11 +139,12 @@ void kfac_eigen_products(at::TensorList grads, at::TensorList works, const Optio
     for (size_t k = 0; k < n; ++k) run(static_cast<int64_t>(k));
     return;
   }
+  const Plan plan = share_out(grads, qg, threads);
+  for (const int64_t k : plan.alone) run(k);
   // Inside the parallel region MKL and ATen run single-threaded.
-  const auto bins = share_out(grads, qg, threads);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     for (int64_t t = first; t < last; ++t) {
-      for (const int64_t k : bins[t]) run(k);
+      for (const int64_t k : plan.bins[t]) run(k);
     }
   });
 }
