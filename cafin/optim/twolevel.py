@@ -32,8 +32,8 @@ cost) and the results reach every rank in one exchange per (device, dtype).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 import warnings
+from collections import defaultdict
 from typing import Any
 
 import torch
@@ -882,7 +882,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     def _kfac_directions(self, states, raws) -> list[torch.Tensor]:
         """Every layer's first-level (K-FAC) direction, per location for convolutions. Eager, the
         eigenvalues' division and the per-location one are one kept scaling (`_scaling`), and
-        the products run through kept buffers (`_products`)."""
+        the products of every layer are one `kfac_eigen_products_` call per device and dtype,
+        into kept buffers (`_product_buffers`)."""
         if torch.compiler.is_compiling():
             pres = []
             for group, state, raw in zip(self.param_groups, states, raws):
