@@ -83,7 +83,7 @@ def _entry(shape, dtype, diagonal, gen, *, stacked=True, with_source=False):
         v = v @ qa.double()
     v = qg.double() @ (v * dgda.double())
     oracle = v if qa is None else v @ qa.double().mT
-    work = torch.empty((groups, d_g, d_a) if diagonal else (groups, d_a, d_g), dtype=dtype)
+    work = torch.zeros((groups, d_g, d_a) if diagonal else (groups, d_a, d_g), dtype=dtype)
     grad = kfac_maths.aligned_empty(shape, dtype=dtype, device="cpu")
     source = None
     if with_source:
