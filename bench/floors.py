@@ -203,9 +203,9 @@ def eigenbasis_products(layers, device: torch.device) -> partial:
     random float32 operands (orthogonal bases) in kept, row-aligned buffers, one
     `kfac_eigen_products_` call over every layer's matrices, as the members' eager steps run them
     (in the right-multiplication form; on the CPU the layers shared out over the threads), with
-    a scaling by ones, one elementwise pass per layer (its arguments: `.args`). Timed in the bench next to the member's
-    step, it measures what the device's GEMMs give at these shapes, which the floor's 512^3 rate
-    does not model."""
+    a scaling by ones, one elementwise pass per layer; the call's arguments are its `.args`.
+    Timed in the bench next to the member's step, it measures what the device's GEMMs give at
+    these shapes, which the floor's 512^3 rate does not model."""
     from cafin import ops
     from cafin.maths import kfac as kfac_maths
     gen = torch.Generator().manual_seed(0)

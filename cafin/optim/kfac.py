@@ -848,33 +848,31 @@ class KFACPreconditioner(Preconditioner):
         precond: dict[str, torch.Tensor] = {}
         names = {layer.name for layer in active if self.assignment.is_grad_worker(layer.name)}
         chained = self._chained()
-        chains: list[tuple[list[Layer], _Chain]] = []
-        chained_names: set[str] = set()
+        chains: list[_Chain] = []  # their pieces go into precond now; `_run_chains` fills them
         for members, stacked in self._stacks:
             if not all(layer.name in names for layer in members):
                 continue
             if len({self._grads(layer)[0].dtype for layer in members}) > 1:
                 continue
             if chained:
-                chains.append((members, self._chain(members, stacked)))
-                chained_names.update(layer.name for layer in members)
-                continue
-            v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
-                                   members[0].module.weight.device)
-            for layer, piece in zip(members, v.split([self._state[layer.name].A.shape[0] for layer in members])):
+                chains.append(self._chain(members, stacked))
+                pieces = chains[-1].pieces
+            else:
+                v = self._precondition(torch.cat([self._grad(layer) for layer in members]), stacked,
+                                       members[0].module.weight.device)
+                pieces = v.split([self._state[layer.name].A.shape[0] for layer in members])
+            for layer, piece in zip(members, pieces):
                 precond[layer.name] = piece
         for layer in active:
-            if layer.name in names and layer.name not in precond and layer.name not in chained_names:
+            if layer.name in names and layer.name not in precond:
                 second = self._state[layer.name].second
                 if chained:
-                    chains.append(([layer], self._chain([layer], second)))
+                    chains.append(self._chain([layer], second))
+                    precond[layer.name] = chains[-1].pieces[0]
                 else:
                     precond[layer.name] = self._precondition(self._grad(layer), second,
                                                              layer.module.weight.device)
-        self._run_chains([chain for _, chain in chains])
-        for members, chain in chains:
-            for layer, piece in zip(members, chain.pieces):
-                precond[layer.name] = piece
+        self._run_chains(chains)
         return precond
 
     def _chained(self) -> bool:

@@ -891,15 +891,17 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
                 locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
                 pres.append(p / state["num_locations"] if locations else p)
             return pres
+        pres = []
         products: dict[tuple, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
         for i, (group, state, raw) in enumerate(zip(self.param_groups, states, raws)):
             locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
             scaling = self._scaling(i, state, state["num_locations"] if locations else 1)
             mid, work = self._product_buffers(i, raw)
             products[(raw.device, raw.dtype)].append((mid, work, raw, state["Q_x"], state["Q_g"], scaling))
+            pres.append(mid)  # written by the call below
         for entries in products.values():
             ops.kfac_eigen_products_(*zip(*entries))
-        return [self._buffers[i][0] for i in range(len(raws))]
+        return pres
 
     def _product_buffers(self, i: int, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer i's two row-aligned buffers of its products Q_g ((Q_g^T raw Q_x) * scaling)
