@@ -1,6 +1,10 @@
 """cafin inside PyTorch Lightning: a cafin optimizer from configure_optimizers under automatic
 optimization (closures) and K-FAC through PreconditionerCallback train exactly as a plain loop
-does, and a resume from a Lightning checkpoint continues bit-identically."""
+does, and a resume from a Lightning checkpoint continues bit-identically. Every test runs under both
+namespaces, `lightning.pytorch` and `pytorch_lightning`, each with its own callback class."""
+import importlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,11 +13,20 @@ import cafin
 REASON = "the integrations extra is not installed (pip install -e '.[integrations]')"
 
 
-@pytest.fixture(scope="module")
-def pl():
-    pytest.importorskip("lightning", reason=REASON)
-    import lightning.pytorch
-    return lightning.pytorch
+NAMESPACES = {"lightning.pytorch": "cafin.integrations.lightning",
+              "pytorch_lightning": "cafin.integrations.pytorch_lightning"}
+
+
+@pytest.fixture(scope="module", params=list(NAMESPACES))
+def pl(request):
+    """The namespace's Trainer, callbacks and LightningModule, with cafin's callback for it."""
+    pytest.importorskip(request.param, reason=REASON)
+    namespace = importlib.import_module(request.param)
+    callbacks = importlib.import_module(f"{request.param}.callbacks")
+    callback = importlib.import_module(NAMESPACES[request.param]).PreconditionerCallback
+    return SimpleNamespace(Trainer=namespace.Trainer, LightningModule=namespace.LightningModule,
+                           ModelCheckpoint=callbacks.ModelCheckpoint, Callback=callbacks.Callback,
+                           PreconditionerCallback=callback)
 
 
 def batches():
@@ -105,9 +118,8 @@ def assert_equal(a, b):
 
 def fit(pl, kind, steps, ckpt_path=None, extra=(), **kwargs):
     mod = module(pl, kind)
-    from cafin.integrations.lightning import PreconditionerCallback
     pre = preconditioner(kind, mod)
-    callbacks = [PreconditionerCallback(pre)] if pre is not None else []
+    callbacks = [pl.PreconditionerCallback(pre)] if pre is not None else []
     run = trainer(pl, steps, callbacks + list(extra), **kwargs)
     run.fit(mod, loader(), ckpt_path=ckpt_path)
     return run, mod, callbacks
@@ -127,8 +139,7 @@ def test_trains_exactly_as_a_plain_loop(pl, kind):
 def test_resume_is_bit_identical(pl, kind, tmp_path):
     """6 steps straight, saving a checkpoint at step 3 (ModelCheckpoint: a checkpoint written
     during training carries the loops' state), then a new Trainer on a new model resumes it."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    saver = pl.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
     _, straight, first = fit(pl, kind, 6, extra=[saver], enable_checkpointing=True)
     path = str(tmp_path / "epoch=0-step=3.ckpt")
     saved = torch.load(path, weights_only=True)["callbacks"]
@@ -144,8 +155,15 @@ def test_resume_is_bit_identical(pl, kind, tmp_path):
                 assert torch.equal(value, second[0].preconditioner.state_dict()["layers"][name][key]), (name, key)
 
 
+def test_the_callback_is_the_namespace_s_own(pl):
+    """Each namespace's Trainer takes only its own Callbacks: the class for it derives from it."""
+    callback = pl.PreconditionerCallback(cafin.KFACPreconditioner(network()))
+    assert isinstance(callback, pl.Callback)
+    assert callback.state_key == "PreconditionerCallback[KFACPreconditioner]"
+
+
 def test_clear_errors(pl):
-    from cafin.integrations.lightning import PreconditionerCallback
+    PreconditionerCallback = pl.PreconditionerCallback
     with pytest.raises(TypeError, match="preconditioner"):
         PreconditionerCallback(cafin.AdaFisher(network()))
     mod = module(pl, "kfac")
