@@ -264,7 +264,7 @@ class CoreOptimizer(torch.optim.Optimizer):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups"):
             if key not in state_dict:
-                raise ValueError(f"not a {type(self).__name__} checkpoint: missing '{key}'")
+                raise ValueError(f"not a checkpoint of {type(self).__name__}: missing '{key}'")
         record = self._checkpoint_record(state_dict)
         saved_groups = state_dict["param_groups"]
         if not isinstance(saved_groups, (list, tuple)):
@@ -473,7 +473,7 @@ class CurvatureOptimizer(CoreOptimizer):
             return state_dict["curvature"]
         if saved_groups and isinstance(saved_groups[0], dict) and "curvature" in saved_groups[0]:
             return saved_groups[0]["curvature"]
-        raise ValueError(f"not a {type(self).__name__} checkpoint: missing 'curvature'")
+        raise ValueError(f"not a checkpoint of {type(self).__name__}: missing 'curvature'")
 
     def _checkpoint_state(self, saved_state: Any, index_to_param: dict, curvature: Any) -> dict:
         k = curvature.get("k") if isinstance(curvature, dict) else None
