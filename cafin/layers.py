@@ -63,21 +63,38 @@ def register(layer_type: LayerType) -> None:
     _REGISTRY.append(layer_type)
 
 
-def layer_type_of(module: nn.Module) -> LayerType | None:
-    for entry in _REGISTRY:
+# The layer types of the published AdaFisher (AtlasAnalyticsLab/AdaFisher), which hooks only
+# these; `published_layers=True` restricts AdaFisher to them. Subclasses count (the published code
+# compares class names, which misses subclasses: a fix cafin keeps in both layer sets).
+PUBLISHED_TYPES = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm)
+
+
+def _entries(published: bool) -> list[LayerType]:
+    if not published:
+        return _REGISTRY
+    return [entry for entry in _REGISTRY
+            if entry.matches is None and entry.module_type in PUBLISHED_TYPES]
+
+
+def layer_type_of(module: nn.Module, published: bool = False) -> LayerType | None:
+    """The registered type of `module` (the first entry that accepts it), or None; with
+    `published`, only among the published layer types."""
+    for entry in _entries(published):
         if entry.accepts(module):
             return entry
     return None
 
 
-def supported_types() -> list[type]:
-    """The module types in AdaFisher's registry (those matched by isinstance)."""
-    return [entry.module_type for entry in _REGISTRY if entry.matches is None]
+def supported_types(published: bool = False) -> list[type]:
+    """The module types in AdaFisher's registry (those matched by isinstance); with `published`,
+    those of the published layer set."""
+    return [entry.module_type for entry in _entries(published) if entry.matches is None]
 
 
-def supported_names() -> list[str]:
-    """What AdaFisher's registry supports, by name (for messages)."""
-    return [entry.label for entry in _REGISTRY]
+def supported_names(published: bool = False) -> list[str]:
+    """What AdaFisher's registry supports, by name (for messages); with `published`, the
+    published layer set."""
+    return [entry.label for entry in _entries(published)]
 
 
 @dataclass(eq=False)
@@ -86,21 +103,47 @@ class RegisteredLayer(discovery.Layer):
     kind: LayerType
 
 
-def discover(model: nn.Module, optimised) -> list[RegisteredLayer]:
+def discover(model: nn.Module, optimised, published: bool = False) -> list[RegisteredLayer]:
     """The layers of `model` whose type is registered and that own optimised parameters (the
     core's discovery, each layer's parameters named by its type's `h_offsets`).
 
-    Raises ValueError naming the first such layer whose type refuses it (`LayerType.refuse`)."""
-    layers = discovery.discover(model, optimised, accept=lambda m: layer_type_of(m) is not None,
-                                names=lambda m: layer_type_of(m).h_offsets(m))
-    registered = []
-    for layer in layers:
-        kind = layer_type_of(layer.module)
-        why = kind.refuse(layer.module) if kind.refuse is not None else None
+    `published`: the published layer set. Only `PUBLISHED_TYPES` take statistics, and a parameter
+    gets curvature only from the first module that holds it (in `named_modules()` order, where
+    `model.parameters()` lists it), when that module is of a published type: the published code
+    pairs parameters with layers in that order, so a decoder tied to an Embedding is met as the
+    Embedding's weight and takes no curvature (not the decoder's, which the first-supported-module
+    rule would give it).
+
+    Raises ValueError naming the first such layer whose type refuses it (`LayerType.refuse`); in
+    either layer set, for every module of a registered type that first holds an optimised
+    parameter (an Embedding with sparse=True has no dense update even without curvature)."""
+    optimised = list(optimised)
+    first = _first_holders(model, optimised)
+    for name, module in first.values():
+        kind = layer_type_of(module)
+        why = kind.refuse(module) if kind is not None and kind.refuse is not None else None
         if why is not None:
-            raise ValueError(f"layer '{layer.name}' ({type(layer.module).__name__}): {why}")
-        registered.append(RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params, kind))
-    return registered
+            raise ValueError(f"layer '{name}' ({type(module).__name__}): {why}")
+    if published:
+        optimised = [p for p in optimised
+                     if p in first and layer_type_of(first[p][1], published=True) is not None]
+    layers = discovery.discover(model, optimised,
+                                accept=lambda m: layer_type_of(m, published) is not None,
+                                names=lambda m: layer_type_of(m, published).h_offsets(m))
+    return [RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params,
+                            layer_type_of(layer.module, published)) for layer in layers]
+
+
+def _first_holders(model: nn.Module, optimised: list) -> dict:
+    """Optimised parameter -> (name, module) of the first module in `named_modules()` order that
+    registers it."""
+    wanted = set(optimised)
+    first: dict = {}
+    for name, module in model.named_modules():
+        for p in module._parameters.values():
+            if p is not None and p in wanted and p not in first:
+                first[p] = (name, module)
+    return first
 
 
 # ------------------------------------------------------------------------------------ Linear

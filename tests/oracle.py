@@ -8,7 +8,12 @@ differentiate with respect to), and one `torch.autograd.grad` call returns the p
 and the output gradients together. The Conv2d statistic is a loop over kernel offsets over an
 explicitly padded input (honouring padding_mode, string padding and dilation), checked against the
 module's own output. Beyond the published layer types it takes nn.Embedding, as a Linear without
-bias on the explicit one-hot input whose weight is stored transposed.
+bias on the explicit one-hot input whose weight is stored transposed; `published_layers=True` takes
+the published layer types only (Linear, Conv2d, BatchNorm2d, LayerNorm), and a parameter then
+gets curvature only from the first module that registers it, when that module is of one of them:
+the published code walks `model.parameters()`, which lists a parameter where it is first
+registered, beside its list of hooked layers, so a decoder tied to an Embedding (listed as the
+Embedding's weight) takes F~ = 1.
 
 Usage: `oracle = Oracle(model64, decoupled=..., TCov=..., lr=..., ...)`, then once per step
 `oracle.step(lambda: loss_of(model64, batch))`. `oracle.factors[module]` holds {"S": ..., "H": ...},
@@ -23,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-SUPPORTED = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm, nn.Embedding)
+PUBLISHED = (nn.Linear, nn.Conv2d, nn.BatchNorm2d, nn.LayerNorm)
+SUPPORTED = PUBLISHED + (nn.Embedding,)
 MINMAX_EPS = 1e-6
 
 
@@ -192,8 +198,9 @@ def adafisher_update(p, g, st, f_tilde, lr, beta, wd, decoupled):
 
 class Oracle:
     def __init__(self, model: nn.Module, groups=None, *, decoupled: bool, lr=1e-3, beta=0.9,
-                 Lambda=1e-3, gamma=0.8, TCov=100, weight_decay=0.0):
+                 Lambda=1e-3, gamma=0.8, TCov=100, weight_decay=0.0, published_layers=False):
         self.model = model
+        self.published_layers = published_layers
         self.decoupled = decoupled
         self.gamma = gamma
         self.TCov = TCov
@@ -217,9 +224,18 @@ class Oracle:
 
     def owners(self) -> dict[int, tuple[nn.Module, str]]:
         """id(param) -> (module, "weight" | "bias"): the first supported module in
-        model.modules() order that holds the (optimised) parameter."""
+        model.modules() order that holds the (optimised) parameter; with published_layers, the
+        first module of any type that registers it, if it is of a published type."""
         optimised = {id(p) for g in self.groups for p in g["params"]}
         owner: dict[int, tuple[nn.Module, str]] = {}
+        if self.published_layers:
+            first: dict[int, tuple[nn.Module, str]] = {}
+            for m in self.model.modules():
+                for role, p in m._parameters.items():
+                    if p is not None and id(p) in optimised and id(p) not in first:
+                        first[id(p)] = (m, role)
+            return {i: (m, role) for i, (m, role) in first.items()
+                    if isinstance(m, PUBLISHED) and role in ("weight", "bias")}
         for m in self.model.modules():
             if not isinstance(m, SUPPORTED):
                 continue

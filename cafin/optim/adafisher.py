@@ -48,7 +48,7 @@ class AdaFisher(CurvatureOptimizer):
         "Lambda": (0.0, math.inf, True, True, torch.float64),
         "weight_decay": (0.0, math.inf, False, True, torch.float64),
     }
-    checkpoint_settings = ("TCov", "gamma")
+    checkpoint_settings = ("TCov", "gamma", "published_layers")
     finite_state = ("exp_avg", "fisher_S", "fisher_H", "stat_S", "stat_H")
 
     decoupled_weight_decay = False
@@ -60,7 +60,7 @@ class AdaFisher(CurvatureOptimizer):
                  Lambda: float = 1e-3, gamma: float = 0.8, TCov: int = 100,
                  weight_decay: float = 0.0, *, params: Iterable | None = None,
                  backend: str = "fused", statistics: str = "per_step", process_group=None,
-                 grad_scaler: torch.amp.GradScaler | None = None):
+                 grad_scaler: torch.amp.GradScaler | None = None, published_layers: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; "
                             "cafin optimizers take the model first (parameters go in params=)")
@@ -75,6 +75,11 @@ class AdaFisher(CurvatureOptimizer):
                              "GradScaler's overflow check: use statistics='per_step' with grad_scaler")
         if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
+        if not isinstance(published_layers, bool):
+            raise TypeError("published_layers must be a bool (True: only the published code's "
+                            "Linear, Conv2d, BatchNorm2d and LayerNorm take curvature), got "
+                            f"{type(published_layers).__name__} {published_layers!r}")
+        self.published_layers = published_layers
         self.statistics = statistics
         self.grad_scaler = grad_scaler
         self.gamma = gamma
@@ -137,7 +142,8 @@ class AdaFisher(CurvatureOptimizer):
         state tensor eagerly (a compiled or captured step needs them to exist) and hook the
         modules that own optimised parameters."""
         # Discovery refuses unsupported layer options: before anything is changed.
-        layers = discover(self.model, [p for g in self.param_groups for p in g["params"]])
+        layers = discover(self.model, [p for g in self.param_groups for p in g["params"]],
+                          published=self.published_layers)
         self.remove_hooks()
         kept = {id(layer.module): layer.anchor for layer in self._curvature}
         self._curvature = layers
@@ -149,7 +155,7 @@ class AdaFisher(CurvatureOptimizer):
                 self._owner[p] = (layer, offsets[pname], pname in layer.kind.transposed)
         if not self._curvature:
             warnings.warn(f"{type(self).__name__}: the model has no optimised parameter in a "
-                          f"supported layer ({', '.join(supported_names())}); "
+                          f"supported layer ({', '.join(supported_names(self.published_layers))}); "
                           "every parameter uses F~ = 1", UserWarning, stacklevel=3)
         for group in self.param_groups:
             for p in group["params"]:
@@ -450,6 +456,20 @@ class AdaFisher(CurvatureOptimizer):
         return loss
 
     # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_state(self, saved_state, index_to_param, curvature):
+        # Factors saved under the other layer set belong to other layers: refused by name
+        # before the core's layout check. Where both sets give this model the same layers the
+        # factors fit, and the core warns that the constructor's setting wins.
+        saved = curvature.get("published_layers", False) if isinstance(curvature, dict) else False
+        if saved != self.published_layers and curvature.get("layout") != self._layout():
+            raise ValueError(
+                f"checkpoint was saved with published_layers={saved}, this optimizer has "
+                f"published_layers={self.published_layers}: the two layer sets give this model "
+                "different curvature layers (True leaves an Embedding, Conv1d, Conv3d, "
+                "transformers Conv1D or a registered layer type without curvature); build the "
+                f"optimizer with published_layers={saved} to load it")
+        return super()._checkpoint_state(saved_state, index_to_param, curvature)
+
     def _layout(self) -> list[list]:
         return [[r.name, module_class(r.module).__name__, r.kind.s_size(r.module), r.kind.h_size(r.module)]
                 for r in self._curvature]
@@ -487,6 +507,14 @@ _ADAFISHER_ARGS = rf"""
         {_process_group_doc}
             The factors are averaged once per curvature update, in one collective.
         {_grad_scaler_doc}
+        published_layers (bool, optional): True restricts the curvature to the published
+            code's layer set, Linear, Conv2d, BatchNorm2d and LayerNorm (and subclasses), for
+            its numbers on models with other layers: an Embedding's weight (tied to a decoder
+            or not), Conv1d, Conv3d and transformers' Conv1D then use :math:`\tilde F = 1`, as
+            there; a parameter held by several modules takes curvature only from the first, so
+            a decoder tied to an Embedding gets none, as there. Checkpoints record it; one whose
+            layers differ is refused under the other setting; keyword only (default: False:
+            every layer above takes curvature)
 
     lr, beta, Lambda and weight_decay are kept as 0-dim tensors on the parameters' device, so
     schedulers update them in place (or assign numbers) and a compiled step does not recompile.
