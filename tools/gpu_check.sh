@@ -1,21 +1,71 @@
 #!/usr/bin/env bash
 # The GPU check, for one H200 (sm_90) with torch 2.11+ and CUDA 13, no network, no expecttest or
-# scikit-learn (no test it runs needs them). It checks its prerequisites, installs cafin
-# (`pip install --no-deps --no-build-isolation -e .`, TORCH_CUDA_ARCH_LIST=9.0), runs every test
-# marked `cuda` in every test file (`pytest -m cuda`, in groups whose time limits are sized for what
-# they run, cold inductor compiles included; two lanes at once: the compiling groups, and the rest),
-# then the bench's quick mode on CUDA alone, and ends with a summary. Each step's limit is cut to
-# what is left of a total budget (460 s by default), so the check ends within 8 minutes.
-# Logs (one per step), JUnit XML, the bench JSON and the summary go to LOGDIR.
+# scikit-learn (no test it runs needs them). One command, within 8 minutes:
+#   prereq  checks its prerequisites and names what is missing;
+#   build   installs cafin (`pip install --no-deps --no-build-isolation -e .`,
+#           TORCH_CUDA_ARCH_LIST=9.0) from a clean build and checks the CUDA kernels are there;
+#   tests   every test marked `cuda` in every test file (`pytest -m cuda`), each file in exactly
+#           one group (see `groups`; `--groups` lists them), the groups in two lanes at once;
+#   models  `python -m bench.gpu_models`: every member on a torchvision ResNet-18 and a
+#           HuggingFace GPT-2, eager and captured in a CUDA graph, against AdamW(fused), with the
+#           captured-vs-eager error and finiteness per row (models.json, its table in summary.txt);
+#   bench   `python -m bench --quick --device cuda`, alone, with `--published PATH` when the
+#           published AdaFisher.py is given (the CAFIN paper's comparison; bench.json).
+# Each step's limit is cut to what is left of a total budget (460 s by default), so the check
+# ends within 8 minutes. LOGDIR ends with four files: summary.txt, models.json, bench.json and
+# logs.tar.gz (one log per step, the JUnit XML, the table as text).
 #
-#   bash tools/gpu_check.sh LOGDIR        (GPU_CHECK_BUDGET=seconds to change the budget)
+#   bash tools/gpu_check.sh LOGDIR [PUBLISHED_ADAFISHER_PY]
+#   bash tools/gpu_check.sh --groups      (lists the test groups and their files; needs no GPU)
+# Environment: GPU_CHECK_PUBLISHED=PATH (the same as the second argument), GPU_CHECK_BUDGET=seconds,
+# PYTHON (default python3), MAX_JOBS (default 16).
 set -u
-logs=${1:?usage: tools/gpu_check.sh LOGDIR}
-mkdir -p "$logs"
+invoked=$PWD  # relative paths given are relative to here
+cd "$(dirname "$0")/.." || exit 2
+absolute() { case $1 in /*) echo "$1" ;; *) echo "$invoked/$1" ;; esac; }
+
+# groups: prints "GROUP FILE" for every test file; each file is in exactly one group (a case per
+# file), so every cuda-marked test runs once. ops: small kernel tests and generated opcheck tests.
+# mixed: short training runs. graphs: captures and cold reduce-overhead compiles. members: every
+# member's step captured and compiled with reduce-overhead. compile: cold compiles of steps and of
+# a model's forward and backward. others: every other file.
+groups() {
+  local f
+  for f in tests/test_*.py; do
+    case $f in
+      tests/test_ops.py) echo "ops $f" ;;
+      tests/test_mixed_precision.py) echo "mixed $f" ;;
+      tests/test_compile.py) echo "compile $f" ;;
+      tests/test_cuda_graphs_members.py) echo "members $f" ;;
+      tests/*cuda_graphs*.py) echo "graphs $f" ;;
+      *) echo "others $f" ;;
+    esac
+  done
+}
+
+files_of() { groups | awk -v g="$1" '$1 == g { print $2 }'; }
+
+if [[ ${1:-} == --groups ]]; then
+  groups
+  exit 0
+fi
+
+logs=${1:?usage: tools/gpu_check.sh LOGDIR [PUBLISHED_ADAFISHER_PY]   (or --groups)}
+published=${2:-${GPU_CHECK_PUBLISHED:-}}
+if [[ -n $published ]]; then
+  published=$(absolute "$published")
+  if [[ ! -f $published ]]; then
+    echo "tools/gpu_check.sh: the published AdaFisher file $published does not exist" >&2
+    exit 2
+  fi
+fi
+logs=$(absolute "$logs")
+mkdir -p "$logs" || exit 2
 logs=$(cd "$logs" && pwd)
-rm -f "$logs"/*.result
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16}
+work=$logs/logs  # every step's log until the end packs them into logs.tar.gz
+rm -rf "$work" "$logs/logs.tar.gz" "$logs/summary.txt" "$logs/bench.json" "$logs/models.json"
+mkdir -p "$work" || exit 2
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST=9.0 FORCE_CUDA=1 MAX_JOBS=${MAX_JOBS:-16} HF_HUB_OFFLINE=1
 py=${PYTHON:-python3}
 begin=$(date +%s)
 deadline=$((begin + ${GPU_CHECK_BUDGET:-460}))
@@ -23,11 +73,11 @@ order=()  # step names, in the order the summary lists them
 
 now() { date +%s; }
 
-note() {  # note NAME RESULT SECONDS DETAIL: one line in $logs/NAME.result
-  printf '%s\t%s\t%s\n' "$2" "$3" "$4" >"$logs/$1.result"
+note() {  # note NAME RESULT SECONDS DETAIL: one line in $work/NAME.result
+  printf '%s\t%s\t%s\n' "$2" "$3" "$4" >"$work/$1.result"
 }
 
-# run NAME LIMIT CMD...: runs CMD, its output in $logs/NAME.log, under LIMIT seconds or what is left
+# run NAME LIMIT CMD...: runs CMD, its output in $work/NAME.log, under LIMIT seconds or what is left
 # of the budget; sets rc (124: out of time, 125: not started, the budget being spent) and elapsed.
 run() {
   local name=$1 limit=$2
@@ -36,31 +86,35 @@ run() {
   ((left < limit)) && limit=$left
   elapsed=0
   if ((limit < 15)); then
-    echo "not run: the budget is spent" >"$logs/$name.log"
+    echo "not run: the budget is spent" >"$work/$name.log"
     rc=125
     return
   fi
   local start
   start=$(now)
-  timeout --kill-after=10 "$limit" "$@" >"$logs/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" >"$work/$name.log" 2>&1
   rc=$?
   elapsed=$(($(now) - start))
   if ((rc == 124 || rc == 137)); then
-    echo "TIMEOUT after ${limit} s" >>"$logs/$name.log"
+    echo "TIMEOUT after ${limit} s" >>"$work/$name.log"
     rc=124
   fi
 }
 
-# pytest_step NAME LIMIT FILES...: the cuda-marked tests of FILES.
+# pytest_step NAME LIMIT: the cuda-marked tests of the group NAME's files.
 pytest_step() {
-  local name=$1 limit=$2
-  shift 2
+  local name=$1 limit=$2 files
+  mapfile -t files < <(files_of "$name")
+  if ((${#files[@]} == 0)); then
+    note "$name" ok 0 "no test files in this group"
+    return
+  fi
   run "$name" "$limit" "$py" -m pytest -q -p no:cacheprovider -m cuda -rfEs \
-    --junitxml="$logs/$name.xml" "$@"
+    --junitxml="$work/$name.xml" "${files[@]}"
   local line skips
-  line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran" "$logs/$name.log" |
+  line=$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected|error)|no tests ran" "$work/$name.log" |
          tail -n 1 | sed -E 's/=//g; s/^ +| +$//g')
-  skips=$(grep -c "^SKIPPED" "$logs/$name.log")
+  skips=$(grep -c "^SKIPPED" "$work/$name.log")
   case $rc in
     0) if ((skips > 0)); then note "$name" WARN "$elapsed" "$line (a GPU is here: nothing should skip)"
        else note "$name" ok "$elapsed" "$line"; fi ;;
@@ -71,7 +125,7 @@ pytest_step() {
   esac
 }
 
-passed() { [[ -f $logs/$1.result && $(cut -f1 "$logs/$1.result") == ok ]]; }
+passed() { [[ -f $work/$1.result && $(cut -f1 "$work/$1.result") == ok ]]; }
 
 # ------------------------------------------------------------------------------- prerequisites
 {
@@ -120,6 +174,9 @@ for module in ("pytest", "pip"):
     need(importlib.util.find_spec(module) is not None, module, module)
 if importlib.util.find_spec("rich") is None:
     print("NOTE: rich is missing: the bench step will fail")
+for module, rows in (("torchvision", "ResNet-18"), ("transformers", "GPT-2")):
+    if importlib.util.find_spec(module) is None:
+        print(f"NOTE: {module} is missing: the models table's {rows} rows will say so")
 gpu = "no GPU"
 if shutil.which("nvidia-smi"):
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -130,12 +187,12 @@ if missing:
     print("MISSING: " + "; ".join(missing))
     sys.exit(2)
 EOF
-} >"$logs/prereq.log" 2>&1
+} >"$work/prereq.log" 2>&1
 prereq_rc=$?
 if ((prereq_rc == 0)); then
-  note prereq ok $(($(now) - begin)) "$(grep '^found:' "$logs/prereq.log" | cut -c8-)"
+  note prereq ok $(($(now) - begin)) "$(grep '^found:' "$work/prereq.log" | cut -c8-)"
 else
-  note prereq FAIL $(($(now) - begin)) "$(grep -E '^MISSING' "$logs/prereq.log" || tail -n 1 "$logs/prereq.log")"
+  note prereq FAIL $(($(now) - begin)) "$(grep -E '^MISSING' "$work/prereq.log" || tail -n 1 "$work/prereq.log")"
 fi
 order+=(prereq)
 
@@ -143,7 +200,8 @@ order+=(prereq)
 if passed prereq; then
   order+=(build)
   # A clean build: an extension left in place (a CPU-only one, say) looks up to date to setuptools.
-  stale=$(ls -d build cafin/_C*.so 2>/dev/null | tr '\n' ' ')
+  stale=""
+  for path in build cafin/_C*.so; do [[ -e $path ]] && stale+="$path "; done
   [[ -n $stale ]] && rm -rf build cafin/_C*.so
   # Cold: the .cu files (about a minute each) and the C++ files, compiled in parallel.
   run build 300 bash -c "echo 'removed stale build outputs: ${stale:-none}'; \
@@ -154,43 +212,56 @@ if passed prereq; then
 import torch, cafin
 assert cafin.cuda_kernels_built(), 'cafin was built without its CUDA kernels'
 print('CUDA kernels built, from', cafin.__file__, 'on', torch.cuda.get_device_name())"
-    if ((rc == 0)); then note build ok "$build_time" "$(tail -n 1 "$logs/kernels.log")"
-    else note build FAIL "$build_time" "$(tail -n 1 "$logs/kernels.log")"; fi
+    if ((rc == 0)); then note build ok "$build_time" "$(tail -n 1 "$work/kernels.log")"
+    else note build FAIL "$build_time" "$(tail -n 1 "$work/kernels.log")"; fi
   else
     note build "$( ((build_rc == 124)) && echo TIMEOUT || echo FAIL)" "$build_time" \
-         "$(grep -m 1 -E 'error:|ERROR:' "$logs/build.log" || tail -n 1 "$logs/build.log")"
+         "$(grep -m 1 -E 'error:|ERROR:' "$work/build.log" || tail -n 1 "$work/build.log")"
   fi
 fi
 
-# ------------------------------------------------------------------------------- tests
+# ------------------------------------------------------------------------------- tests, models, bench
 if passed build; then
-  # Limits, about twice what a group takes on one H200. ops: some 220 small kernel tests and the
-  # generated opcheck tests (AOT tracing, no inductor). mixed: some 80 short training runs. graphs:
-  # 2 captures and 2 cold reduce-overhead compiles. compile: 2 cold compiles of a step and one of a
-  # model's forward and backward. others: whatever any other test file marks cuda.
-  others=()
-  for f in tests/test_*.py; do
-    case $f in
-      tests/test_ops.py | tests/test_cuda_graphs.py | tests/test_mixed_precision.py | tests/test_compile.py) ;;
-      *) others+=("$f") ;;
-    esac
-  done
-  order+=(ops mixed others graphs compile)
-  # Two lanes: inductor compiles use the CPU cores, the other groups mostly wait on small kernels.
-  (pytest_step ops 150 tests/test_ops.py
-   pytest_step mixed 150 tests/test_mixed_precision.py
-   pytest_step others 90 "${others[@]}") &
-  (pytest_step graphs 150 tests/test_cuda_graphs.py
-   pytest_step compile 180 tests/test_compile.py) &
+  groups >"$work/groups.log"
+  order+=(ops mixed others graphs members compile)
+  # Two lanes of about two minutes each on one H200 (limits: about twice what a group takes).
+  # Inductor compiles use the CPU cores, the other groups mostly wait on small kernels.
+  (pytest_step ops 150
+   pytest_step mixed 150
+   pytest_step others 120
+   pytest_step graphs 200) &
+  (pytest_step members 240
+   pytest_step compile 180) &
   wait
+
+  order+=(models)
+  # Alone: its timings need an idle GPU. The table stops starting rows 40 s before the limit (its
+  # longest row, DyKAF on the GPT-2, takes about 30 s), so it ends with its JSON written.
+  limit=180 left=$((deadline - $(now)))
+  ((left < limit)) && limit=$left
+  run models "$limit" "$py" -m bench.gpu_models --device cuda --out "$logs/models.json" \
+    --budget-s $((limit > 60 ? limit - 40 : 20))
+  table=$(grep -E "^table: " "$work/models.log" | tail -n 1)
+  case $rc in
+    0) if [[ $table =~ [1-9][0-9]*\ not\ run ]]; then note models WARN "$elapsed" "$table"
+       else note models ok "$elapsed" "$table"; fi ;;
+    1) note models FAIL "$elapsed" "${table:-no table}: see the table below" ;;
+    124) note models TIMEOUT "$elapsed" "limit reached; models.json has the rows done" ;;
+    125) note models "NOT RUN" 0 "budget spent" ;;
+    *) note models FAIL "$elapsed" "$(tail -n 1 "$work/models.log")" ;;
+  esac
+
   order+=(bench)
   # Alone, so that its timings see an idle machine.
-  run bench 120 "$py" -m bench --quick --device cuda --json "$logs/bench.json"
+  bench_args=(--quick --device cuda --json "$logs/bench.json")
+  [[ -n $published ]] && bench_args+=(--published "$published")
+  run bench 140 "$py" -m bench "${bench_args[@]}"
+  with=${published:+, published AdaFisher: $published}
   case $rc in
-    0) note bench ok "$elapsed" "bench.json written" ;;
+    0) note bench ok "$elapsed" "bench.json written${with}" ;;
     124) note bench TIMEOUT "$elapsed" "limit reached" ;;
     125) note bench "NOT RUN" 0 "budget spent" ;;
-    *) note bench FAIL "$elapsed" "$(tail -n 1 "$logs/bench.log")" ;;
+    *) note bench FAIL "$elapsed" "$(tail -n 1 "$work/bench.log")${with}" ;;
   esac
 fi
 
@@ -205,20 +276,47 @@ total=$(($(now) - begin))
   else
     echo "== cafin GPU check: FAIL in ${failed[*]} (${total} s) =="
   fi
-  grep -m 1 "^env:" "$logs/prereq.log"
+  grep -m 1 "^env:" "$work/prereq.log"
   for name in "${order[@]}"; do
-    if [[ -f $logs/$name.result ]]; then
-      IFS=$'\t' read -r result seconds detail <"$logs/$name.result"
+    if [[ -f $work/$name.result ]]; then
+      IFS=$'\t' read -r result seconds detail <"$work/$name.result"
     else
       result="NO RESULT" seconds=0 detail="see $name.log"
     fi
     printf '%-8s %-8s %4ss  %s\n' "$name" "$result" "$seconds" "${detail:0:110}"
   done
-  problems=$(grep -h -E "^(FAILED|ERROR|SKIPPED) " "$logs"/*.log 2>/dev/null | cut -c1-160)
+  problems=$(grep -h -E "^(FAILED|ERROR|SKIPPED) " "$work"/*.log 2>/dev/null | cut -c1-160)
   if [[ -n $problems ]]; then
     echo "-- failing (or, with a GPU here, skipped) tests, the first of $(echo "$problems" | wc -l) lines:"
     echo "$problems" | head -n 10
   fi
-  echo "logs: $logs/<step>.log"
-} | tee "$logs/summary.txt"
+  if [[ -f $logs/models.json ]]; then
+    echo "-- the models table (models.json):"
+    "$py" -m bench.gpu_models --print "$logs/models.json" 2>&1 | cut -c1-150
+  fi
+  if [[ -f $logs/bench.json ]]; then
+    echo "-- the bench's whole training step (bench.json):"
+    "$py" - "$logs/bench.json" <<'EOF' 2>&1 | cut -c1-150
+import json, sys
+run = json.load(open(sys.argv[1]))
+for r in run.get("whole_step", []):
+    over = r.get("overhead_vs_adamw")
+    print(f"  {r['optimizer']:<10} {r['variant']:<15} cycle {r['cycle_ms'] or float('nan'):9.2f} ms"
+          f"  vs AdamW {'-' if over is None else f'{over:+.1%}'}")
+for s in run.get("skipped", []):
+    if s.get("error") or s.get("variant") == "published":
+        print(f"  {'error' if s.get('error') else 'note'}: {s['optimizer']} {s['variant']} "
+              f"({s['phase']}): {s['reason']}")
+EOF
+  fi
+  echo "logs: $logs/logs.tar.gz (<step>.log, <group>.xml, groups.log); models.json, bench.json"
+} >"$work/summary.txt"
+cp "$work/summary.txt" "$logs/summary.txt"
+# At most a handful of files come back from a GPU machine: the logs go in one archive.
+if tar -czf "$logs/logs.tar.gz" -C "$logs" logs 2>"$logs/tar.err"; then
+  rm -rf "$work" "$logs/tar.err"
+else
+  echo "could not pack the logs ($(head -c 200 "$logs/tar.err")): they are in $work" >>"$logs/summary.txt"
+fi
+cat "$logs/summary.txt"
 ((${#failed[@]} == 0))
