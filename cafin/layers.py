@@ -114,24 +114,31 @@ def discover(model: nn.Module, optimised, published: bool = False) -> list[Regis
     Embedding's weight and takes no curvature (not the decoder's, which the first-supported-module
     rule would give it).
 
-    Raises ValueError naming the first such layer whose type refuses it (`LayerType.refuse`); in
-    either layer set, for every module of a registered type that first holds an optimised
-    parameter (an Embedding with sparse=True has no dense update even without curvature)."""
+    Raises ValueError naming the first such layer whose type refuses it (`LayerType.refuse`);
+    with `published`, the first module of a registered type that first holds an optimised
+    parameter and refuses it (an Embedding with sparse=True has no dense update even without
+    curvature)."""
     optimised = list(optimised)
-    first = _first_holders(model, optimised)
-    for name, module in first.values():
-        kind = layer_type_of(module)
-        why = kind.refuse(module) if kind is not None and kind.refuse is not None else None
-        if why is not None:
-            raise ValueError(f"layer '{name}' ({type(module).__name__}): {why}")
     if published:
+        first = _first_holders(model, optimised)
+        for name, module in first.values():
+            _check_refused(name, module)
         optimised = [p for p in optimised
                      if p in first and layer_type_of(first[p][1], published=True) is not None]
     layers = discovery.discover(model, optimised,
                                 accept=lambda m: layer_type_of(m, published) is not None,
                                 names=lambda m: layer_type_of(m, published).h_offsets(m))
+    for layer in layers:
+        _check_refused(layer.name, layer.module)
     return [RegisteredLayer(layer.name, layer.module, layer.anchor, layer.params,
                             layer_type_of(layer.module, published)) for layer in layers]
+
+
+def _check_refused(name: str, module: nn.Module) -> None:
+    kind = layer_type_of(module)
+    why = kind.refuse(module) if kind is not None and kind.refuse is not None else None
+    if why is not None:
+        raise ValueError(f"layer '{name}' ({type(module).__name__}): {why}")
 
 
 def _first_holders(model: nn.Module, optimised: list) -> dict:
