@@ -125,3 +125,44 @@ def test_compiled_model_with_hooks_matches_eager(device, backend):
     model = copy.deepcopy(base)
     cafin.AdaFisher(model, TCov=1, backend=backend)
     assert torch._dynamo.explain(model)(x).graph_break_count == 0
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS, ids=lambda c: c.__name__)
+def test_compiled_step_mutates_only_static_aligned_inputs(cls, monkeypatch):
+    """What inductor's CUDA graph trees (mode="reduce-overhead") ask of the compiled step, read from
+    the graph inductor compiles on the CPU: every input the step mutates (parameters, moments,
+    factors, statistics, step counts, the step counter) is a static input at a 16-byte aligned
+    address. A mutated input that is not static, or whose address is not aligned (the trees then
+    drop it from the static inputs), makes inductor run the step without CUDA graphs
+    ("skipping cudagraphs due to mutated inputs"): step counts packed 4 bytes apart did that."""
+    from torch._inductor import output_code
+    from torch._inductor.utils import ALIGNMENT
+
+    calls = []
+    call = output_code.CompiledFxGraph.__call__
+
+    def recording_call(self, inputs):
+        static = set(self.fx_kwargs["static_input_idxs"] or ())
+        calls.append([(i, i in static, inputs[i].data_ptr() % ALIGNMENT == 0)
+                      for i in sorted(self.mutated_input_idxs)])
+        return call(self, inputs)
+
+    monkeypatch.setattr(output_code.CompiledFxGraph, "__call__", recording_call)
+    torch.manual_seed(0)
+    model = small_model()
+    opt = make_optimizer(cls, model, "fused", TCov=2)
+    assert all(opt.state[p]["step"].data_ptr() % ALIGNMENT == 0 for p in model.parameters())
+    step = torch.compile(opt.step, fullgraph=True)
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        for i, (x, y) in enumerate(batches(3)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                opt.step() if i == 0 else step()
+    assert calls and all(calls), "no compiled step ran, or it mutated nothing"
+    n_params = len(list(model.parameters()))
+    for mutated in calls:
+        assert len(mutated) >= 2 * n_params  # at least the parameters and their moments
+        bad = [(i, "not static" if not static else "unaligned") for i, static, aligned in mutated
+               if not (static and aligned)]
+        assert not bad, f"mutated inputs inductor's CUDA graphs would refuse: {bad}"

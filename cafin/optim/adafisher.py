@@ -36,6 +36,8 @@ _BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
 _OP_SETTINGS = ("lr", "beta", "weight_decay", "Lambda")  # in the op's order
 _grad_of = operator.attrgetter("grad")
+# A group's step counts are rows of this many float32 (16 bytes): `_pack_step_counts`.
+_COUNT_LANES = 4
 
 
 class AdaFisher(CurvatureOptimizer):
@@ -182,15 +184,22 @@ class AdaFisher(CurvatureOptimizer):
         counts (their values kept), so that the usual step, where every parameter has a gradient,
         advances them with one add instead of one per parameter. Each parameter's `step` stays a
         0-dim float32 tensor of its own to every reader; a step where some parameters have no
-        gradient advances the others' views one by one."""
+        gradient advances the others' views one by one.
+
+        The counts are rows of `_COUNT_LANES` float32 (16 bytes), each `step` the first lane of
+        its row, so every count sits at a 16-byte aligned address like a tensor of its own:
+        inductor's CUDA graphs take a mutated input in place only if it is static and aligned to
+        16 bytes (an unaligned one is not static to them, and a compiled step that advances it
+        runs without CUDA graphs). The other lanes are advanced with the row and never read."""
         for group in self.param_groups:
             by_device: dict[torch.device, list[torch.Tensor]] = {}
             for p in group["params"]:
                 by_device.setdefault(p.device, []).append(p)
             for params in by_device.values():
                 counts = torch.stack([self.state[p]["step"] for p in params])
+                counts = counts.unsqueeze(1).repeat(1, _COUNT_LANES)
                 for i, p in enumerate(params):
-                    self.state[p]["step"] = counts[i]
+                    self.state[p]["step"] = counts[i, 0]
 
     def _copied_from(self, original: "AdaFisher") -> None:
         super()._copied_from(original)
@@ -554,17 +563,21 @@ class _StepTensors:
 
 def _whole_counts(steps: list) -> list | None:
     """The tensors of counts that `steps` are views of, when the views cover each of them
-    exactly once (as `_pack_step_counts` makes them): adding to those advances exactly these
-    steps. None otherwise (a parameter dropped from the group, a count replaced)."""
+    exactly once, one per row (as `_pack_step_counts` makes them): adding to those advances
+    exactly these steps. None otherwise (a parameter dropped from the group, a count replaced)."""
     counts: dict[int, tuple[torch.Tensor, set]] = {}
     for t in steps:
         base = t._base
-        if base is None or t.dim() != 0 or base.dim() != 1 or base.stride() != (1,):
+        if (base is None or t.dim() != 0 or base.dim() != 2 or base.shape[1] != _COUNT_LANES
+                or not base.is_contiguous()):
             return None
-        counts.setdefault(id(base), (base, set()))[1].add(t.storage_offset() - base.storage_offset())
-    if sum(base.numel() for base, _ in counts.values()) != len(steps):
+        row, lane = divmod(t.storage_offset() - base.storage_offset(), _COUNT_LANES)
+        if lane != 0:
+            return None
+        counts.setdefault(id(base), (base, set()))[1].add(row)
+    if sum(base.shape[0] for base, _ in counts.values()) != len(steps):
         return None
-    if any(offsets != set(range(base.numel())) for base, offsets in counts.values()):
+    if any(rows_ != set(range(base.shape[0])) for base, rows_ in counts.values()):
         return None
     return [base for base, _ in counts.values()]
 
