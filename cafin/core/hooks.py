@@ -3,6 +3,7 @@ statistics, holding the member weakly, safe with in-place activations, activatio
 and copies of the model."""
 from __future__ import annotations
 
+import importlib
 import warnings
 import weakref
 
@@ -13,6 +14,18 @@ from .discovery import Layer
 
 # Which live owner hooks which module, so a second optimizer on the same model is not silent.
 _HOOKED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+# Whether Dynamo traces a tensor hook on an intermediate tensor by rewriting it into an
+# autograd.Function (torch 2.11's `_ApplyBackwardHook`). That rewrite fails on a model with two
+# hooked layers or more: its output is a view of its input, and autograd refuses the in-place op
+# of a ReLU(inplace=True) after the layer on a view made inside a custom Function; and it moves
+# every graph node the hook depends on to just after the hooked tensor, so the step tensor that
+# all the layers' hooks share ends up after the earlier layers' uses of it. There a compiled
+# forward takes the gradient through `_GradTap` instead. Later Dynamo traces a tensor hook as a
+# higher-order op, which has neither problem.
+_DYNAMO_REWRITES_TENSOR_HOOKS = hasattr(importlib.import_module("torch._dynamo.variables.tensor"),
+                                        "_ApplyBackwardHook")
 
 
 def _inert(*args, **kwargs) -> None:
@@ -65,8 +78,28 @@ class _ForwardHook:
                 target = base
             else:
                 target = returned = output.clone()
-        target.register_hook(_GradHook(self, step, output.shape))
+        hook = _GradHook(self, step, output.shape)
+        if _DYNAMO_REWRITES_TENSOR_HOOKS and torch.compiler.is_compiling():
+            return _GradTap.apply(output, hook)
+        target.register_hook(hook)
         return returned
+
+
+class _GradTap(torch.autograd.Function):
+    """The output-gradient hook as an autograd.Function, for a forward torch.compile traces where
+    Dynamo's own rewrite of tensor hooks fails (`_DYNAMO_REWRITES_TENSOR_HOOKS`). Its output is
+    a copy of the layer's output, which in-place successors may write; the gradient that reaches
+    it is handed to the hook, then passed on unchanged."""
+
+    @staticmethod
+    def forward(ctx, output, hook):
+        ctx.hook = hook
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hook(grad)
+        return grad, None
 
 
 def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
