@@ -37,6 +37,11 @@ def _check_scalar_tensor(t, name, device, dtype=None):
         _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
 
 
+def _capturing() -> bool:
+    from ..core import runtime  # imported here: cafin.core imports the ops
+    return runtime.capturing()
+
+
 def _hyperparameter(value, name, device, dtype, valid, rule):
     """A 0-dim `dtype` tensor on `device`. A Python number is checked and wrapped (a convenience
     for direct calls: optimizers keep their hyperparameters as tensors). A tensor's value is
@@ -45,7 +50,7 @@ def _hyperparameter(value, name, device, dtype, valid, rule):
         _check(valid(float(value)), f"{name} must be {rule}, got {value}")
         return torch.tensor(float(value), dtype=dtype, device=device)
     _check_scalar_tensor(value, name, device, dtype)
-    if value.device.type == "cpu" and not torch.compiler.is_compiling():
+    if value.device.type == "cpu" and not torch.compiler.is_compiling() and not _capturing():
         _check(valid(float(value)), f"{name} must be {rule}, got {float(value)}")
     return value
 

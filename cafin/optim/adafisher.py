@@ -24,8 +24,8 @@ from torch import nn
 
 from .. import ops, reference
 from ..core import (
-    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, check_int, check_range,
-    distributed, run_closure, to_device,
+    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, capturing, check_int,
+    check_range, distributed, run_closure, to_device,
 )
 from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
@@ -358,7 +358,7 @@ class AdaFisher(CurvatureOptimizer):
         skipped = self._skipped.counter(device)
         # NaN statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
-        watch = device.type == "cpu" and not torch.compiler.is_compiling()
+        watch = device.type == "cpu" and not torch.compiler.is_compiling() and not capturing()
         before = float(skipped) if watch else 0.0
         gamma = self._as_tensor(self.gamma, device, torch.float64)
         self._impl.fisher_average_(factors, stats, skipped, gamma, grad_side,

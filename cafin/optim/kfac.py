@@ -458,6 +458,8 @@ class KFACPreconditioner(Preconditioner):
         """Warn of the statistics dropped since the last report (by this step's fold or by the
         hooks' folds of its passes), where reading the count costs no sync: CPU counters, eager
         steps. On CUDA the count is `skipped_factor_updates`."""
+        if capturing():  # a read of the count: the next eager step reports it
+            return
         total = self._skipped.total(cpu_only=True)
         if total > self._skipped_reported:
             warnings.warn(f"KFACPreconditioner: {total - self._skipped_reported} factor statistic(s) "

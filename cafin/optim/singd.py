@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from ..core.modules import is_transposed_linear
 from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
-                         check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
+                         capturing, check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
 from ..maths import singd as singd_maths
 from .. import ops
 from .kaisa import greedy_assignment
@@ -539,7 +539,7 @@ class SINGD(CurvatureOptimizer):
         dropped ones without a sync (eager), a RuntimeWarning says how many."""
         if not items:
             return
-        watch = [] if torch.compiler.is_compiling() else [
+        watch = [] if torch.compiler.is_compiling() or capturing() else [
             c for d, c in self._skipped.counts.items() if d.type == "cpu"]
         before = sum(float(c) for c in watch)
         if self.backend == "fused":
