@@ -163,17 +163,23 @@ def _capture_pool_bytes(model, opt, x, y) -> int:
 
 @needs_cuda
 def test_graph_pool_with_statistics_is_the_pool_without():
-    """A captured channels_last step with TCov=100 reserves what the same step without statistics
-    hooks reserves, up to one 2 MiB small-allocation segment (the scratch): an input copy per
-    statistic (4 MiB activations here) would show as 20 MiB large-pool segments."""
+    """A captured step with TCov=100 on channels_last activations reserves what the same step
+    without statistics hooks reserves, up to one 2 MiB small-allocation segment (the scratch): an
+    input copy per statistic (4 MiB activations here) would show as 20 MiB large-pool segments.
+    The parameters stay contiguous (AdaFisher refuses others); the input is channels_last, so
+    the convolutions' outputs, which the BatchNorms and the second convolution take statistics
+    of, are channels_last too."""
     torch.manual_seed(0)
     base = nn.Sequential(
         nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
         nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-    ).cuda().to(memory_format=torch.channels_last)
+    ).cuda()
     x = torch.randn(32, 32, 32, 32, device="cuda").contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 10, (32,), device="cuda")
+    with torch.no_grad():
+        activation = base[0](x)
+    assert activation.is_contiguous(memory_format=torch.channels_last) and not activation.is_contiguous()
     pools = {}
     for with_stats in (True, False):
         model = copy.deepcopy(base)
