@@ -1,6 +1,7 @@
 // Index arithmetic of the curvature statistics, shared by the CPU and the CUDA kernels: how an input
 // is viewed as [outer, channels, inner] through its strides (so no kernel needs a contiguous copy),
-// and which input rows and columns one Conv2d kernel tap reads over all output positions.
+// how a layout whose dims do not merge is walked element by element, and which input rows and
+// columns one Conv2d kernel tap reads over all output positions.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +48,50 @@ inline StridedView strided_view(const at::Tensor& x, int64_t start_dim, int64_t 
   const bool c = merge_dims(x, end_dim, x.dim(), v.inner, v.inner_stride);
   v.ok = a && b && c;
   return v;
+}
+
+// ------------------------------------------------------------------------------------ dim walks
+
+// Dims of x walked element by element through their strides, for a layout `strided_view` cannot
+// merge: element `index` (row-major over the walked dims) sits at offset(index). Size-1 dims are
+// dropped and adjacent dims that merge are merged, so `dims` is small for any real layout.
+constexpr int kMaxWalkDims = 25;  // torch's own limit on the dims of a tensor its kernels index
+
+struct DimWalk {
+  int dims = 0;
+  int64_t count = 1;  // elements walked
+  int64_t size[kMaxWalkDims];
+  int64_t stride[kMaxWalkDims];
+
+  C10_HOST_DEVICE C10_ALWAYS_INLINE int64_t offset(int64_t index) const {
+    int64_t off = 0;
+    for (int d = dims - 1; d >= 0; --d) {
+      const int64_t i = index % size[d];
+      index /= size[d];
+      off += i * stride[d];
+    }
+    return off;
+  }
+};
+
+// Appends dims [first, last) of x to w (slowest first); false when w would need more than
+// kMaxWalkDims dims.
+inline bool walk_dims(DimWalk& w, const at::Tensor& x, int64_t first, int64_t last) {
+  for (int64_t d = first; d < last; ++d) {
+    const int64_t n = x.size(d);
+    w.count *= n;
+    if (n == 1) continue;
+    if (w.dims > 0 && w.stride[w.dims - 1] == x.stride(d) * n) {  // d continues the previous dim
+      w.size[w.dims - 1] *= n;
+      w.stride[w.dims - 1] = x.stride(d);
+      continue;
+    }
+    if (w.dims == kMaxWalkDims) return false;
+    w.size[w.dims] = n;
+    w.stride[w.dims] = x.stride(d);
+    ++w.dims;
+  }
+  return true;
 }
 
 // ------------------------------------------------------------------------------------ conv2d taps

@@ -1,8 +1,8 @@
 // CUDA kernels of the curvature statistics. Each kernel reads the optional step tensor itself and
 // does nothing off-interval, so a captured graph replays the same launches every step; the host
-// side of a call reads strides and allocates only a small scratch (never a copy of the input, for
-// any layout the views below cover: contiguous, channels_last, most slices), so a step that is not
-// due costs two tiny launches per op.
+// side of a call reads strides and allocates only a small scratch (never a copy of the input, in
+// any layout: the kernels read it through its strides), so a step that is not due costs two tiny
+// launches per op.
 // Reductions run in a fixed order (per-thread sums in index order, then fixed shuffle and
 // shared-memory trees, then one block per channel over the partial sums in index order): no
 // atomics, so results are bit-identical from run to run and the ops are deterministic under
@@ -142,6 +142,28 @@ __global__ void run_partials_kernel(const scalar_t* x, int64_t outer, int64_t ch
   }
 }
 
+// Any layout (dims that merge into no [outer, channels, inner] view): element (c, r) of channel c
+// and rest index r (the outer then the inner dims, row-major) at channels.offset(c) +
+// rest.offset(r); a warp per segment of one channel's rest, item = segment.
+template <bool kSquare, typename scalar_t, typename acc_t>
+__global__ void walk_partials_kernel(const scalar_t* x, DimWalk channels, DimWalk rest, acc_t* partial,
+                                     Gate gate) {
+  if (!is_due(gate)) return;
+  const int64_t segments = (rest.count + kSegment - 1) / kSegment;
+  const int64_t work = channels.count * segments;
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; w < work; w += warps) {
+    const int64_t segment = w % segments, c = w / segments;
+    const int64_t lo = segment * kSegment, hi = std::min(rest.count, lo + kSegment);
+    const scalar_t* data = x + channels.offset(c);
+    acc_t acc = 0;
+    for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[rest.offset(k)]);
+    acc = warp_sum(acc);
+    if (lane == 0) partial[segment * channels.count + c] = acc;
+  }
+}
+
 enum class Finish { kMean, kSquaredSum, kRaw };
 
 // Block c: s = the sum of channel c's partials (fixed order), then stat[c] += s / divisor (kMean),
@@ -195,26 +217,48 @@ __global__ void finish_norm_input_kernel(stat_t* stat, const acc_t* sums, int64_
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "cafin_statistics", __VA_ARGS__)
 
 // The partial sums of x viewed [outer, channels, inner], launched on `stream`; returns the scratch
-// they are written to and how to read it. A layout no view covers is read from a contiguous copy,
-// freed at return: the caching allocator reuses it only after this stream's queued work.
+// they are written to and how to read it. The input is read where it is, whatever its layout.
 struct Partials {
   at::Tensor data;
   int64_t items, width, per_channel;
 };
 
 template <bool kSquare, typename scalar_t, typename acc_t>
+Partials walk_partials(const at::Tensor& x, const DimWalk& channels, const DimWalk& rest, const Gate& gate,
+                       cudaStream_t stream) {
+  const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
+  const int64_t segments = (rest.count + kSegment - 1) / kSegment;
+  Partials p;
+  p.width = channels.count;
+  p.per_channel = 1;
+  p.items = segments;
+  p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
+  walk_partials_kernel<kSquare><<<grid_for(channels.count * segments, kWarps), kThreads, 0, stream>>>(
+      x.const_data_ptr<scalar_t>(), channels, rest, p.data.mutable_data_ptr<acc_t>(), gate);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return p;
+}
+
+template <bool kSquare, typename scalar_t, typename acc_t>
 Partials channel_partials(const at::Tensor& x, int64_t start_dim, int64_t end_dim, const Gate& gate,
                           cudaStream_t stream) {
-  StridedView v = strided_view(x, start_dim, end_dim);
-  at::Tensor input = x;
+  const StridedView v = strided_view(x, start_dim, end_dim);
   const bool columns = v.channel_stride == 1 || v.channels == 1;
   const bool block = v.inner_stride == 1 && v.channel_stride == v.inner && v.inner < 32;
   if (!v.ok || !(columns || block || v.inner_stride == 1)) {
-    input = x.contiguous();  // an arbitrary layout: read a copy (the only allocation of its size)
-    v = strided_view(input, start_dim, end_dim);
+    // No view the kernels below read: walk the dims through their strides.
+    DimWalk channels, rest;
+    if (walk_dims(channels, x, start_dim, end_dim) && walk_dims(rest, x, 0, start_dim) &&
+        walk_dims(rest, x, end_dim, x.dim())) {
+      return walk_partials<kSquare, scalar_t, acc_t>(x, channels, rest, gate, stream);
+    }
+    // More unmergeable dims than a walk holds (beyond what torch's own kernels index): a
+    // contiguous copy, freed at return (the caching allocator reuses it only after this
+    // stream's queued work).
+    return channel_partials<kSquare, scalar_t, acc_t>(x.contiguous(), start_dim, end_dim, gate, stream);
   }
   const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
-  const scalar_t* data = input.const_data_ptr<scalar_t>();
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
   Partials p;
   if ((v.channel_stride == 1 || v.channels == 1) && !(v.inner_stride == 1 && v.inner >= 32)) {
     // Channels innermost: columns are channels, rows are (outer, inner).
