@@ -292,6 +292,8 @@ def test_markdown(quick_run):
     assert "| AdaFisher reference (cafin, plain PyTorch) |" in text
     assert "| whole training step, ms |" in text and "per iteration, TCov 100" in text
     assert text.count("| AdamW AdamW(fused=True) |") == 2  # the step and the whole step
+    assert "Speed-up: against cafin's plain-PyTorch reference (--published PATH adds" in text
+    assert "against the published code" not in text
     for t in data["targets"]:
         assert f"| {t['target']} | {t['measured']} | {t['goal']} | {t['verdict']} |" in text
 
@@ -325,6 +327,23 @@ def test_published_stand_in(tmp_path):
         assert "fused step vs published" in names
         assert any(n.startswith("fused statistics vs published") for n in names)
     assert "published (your copy)" in proc.stdout
+
+
+def test_published_code_that_raises_is_never_claimed(tmp_path):
+    """A published copy whose step raises is a skipped row, and the notes under the tables say
+    that it raised and what the speed-ups are against instead."""
+    stand_in = tmp_path / "AdaFisher.py"
+    stand_in.write_text(STAND_IN.replace("self.steps += 1", "raise RuntimeError('published step broke')"))
+    out = tmp_path / "bench.json"
+    proc = _bench("--quick", "--model", "mlp", "--device", "cpu", "--published", str(stand_in),
+                  "--phases", "step", "--variants", "published,reference", "--json", str(out),
+                  "--markdown", str(out.with_suffix(".md")), env={"STAND_IN_LOG": str(tmp_path / "log")})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    skipped = json.loads(out.read_text())["skipped"]
+    assert any(s["variant"] == "published" and "published step broke" in s["reason"] for s in skipped)
+    text = out.with_suffix(".md").read_text()
+    assert "against the published code" not in text and "against the published code" not in proc.stdout
+    assert "the published code given for adafisher raised" in text
 
 
 def test_published_errors(tmp_path, capsys):
