@@ -691,9 +691,10 @@ def format_row(r: dict) -> str:
 
 def render(table: dict, width: int = 160) -> str:
     cfg = table["config"]
-    lines = [f"every member, eager and captured ({cfg['capture'] or 'no capture here'}); curvature every "
-             f"{cfg['curvature_every']}, inverses every {cfg['inverse_every']}; {cfg['steps']} timed steps "
-             f"after {cfg['warmup']} warm-up; ms are medians; x: over AdamW(fused)'s eager iteration"]
+    lines = [f"every member, eager and captured ({cfg['capture'] or 'no capture here'}) on {cfg['device']}",
+             f"curvature every {cfg['curvature_every']}, inverses every {cfg['inverse_every']}; "
+             f"{cfg['steps']} timed steps after {cfg['warmup']} warm-up; medians",
+             f"x: over {BASELINE}'s eager iteration; capt.err: captured vs eager parameters, max relative"]
     for m in table["models"]:
         lines.append(f"[{m['model']}] {m['description'] or m['error']}")
         lines.append(f"{'member':<23}{'eager ms':>9} {'x':>6} {'capt. ms':>9} {'x':>6} {'capt.err':>9} "
