@@ -14,7 +14,8 @@ namespace cafin {
 // ------------------------------------------------------------------------------------ strided views
 
 // x as [outer, channels, inner] with one stride per part. `ok` is false when the dims of a part
-// cannot be merged into one stride (then the kernels read a contiguous copy). Zero strides
+// cannot be merged into one stride (then the CUDA kernels walk its dims, `DimWalk`, and the CPU
+// kernels read a contiguous copy on a step that is due). Zero strides
 // (expanded inputs) merge too: the element at a merged index is the same either way.
 struct StridedView {
   int64_t outer = 1, channels = 1, inner = 1;
