@@ -41,7 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..core import EigendecompositionWarning, Real, average_over_ranks, check_int, discover, distributed, unwrap
+from ..core import (EigendecompositionWarning, Real, average_over_ranks, capturing, check_int, discover,
+                   distributed, unwrap)
 from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
 from ..factors import factor_sizes, input_rows
@@ -395,6 +396,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             gy = gy.reshape(-1, gy.shape[-1])
         if m.bias is not None:
             rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
+        elif not isinstance(m, nn.Conv2d):
+            # a Linear's rows are its input: stored rows are written in place by compiled and
+            # captured steps, so they get memory of their own
+            rows = rows.clone()
         return rows, gy, T
 
     def _store(self, stats, gate):
@@ -408,8 +413,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             state = self.state[group["params"][0]]
             if gate is not None and "x" in state and state["x"].shape == rows.shape \
                     and state["gy"].shape == gy.shape:
-                rows, gy = torch.where(gate, rows, state["x"]), torch.where(gate, gy, state["gy"])
-            state["x"], state["gy"], state["num_locations"] = rows, gy, T
+                # written in place: a compiled or captured step's state keeps its storage
+                state["x"].copy_(torch.where(gate, rows, state["x"]))
+                state["gy"].copy_(torch.where(gate, gy, state["gy"]))
+            else:
+                state["x"], state["gy"] = rows, gy
+            state["num_locations"] = T
             self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
         return gate
 
@@ -761,6 +770,13 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         if closure is not None:
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
+        if not torch.compiler.is_compiling() and capturing():  # before the counter latches
+            raise RuntimeError(
+                "TwoLevelKFAC's step cannot be captured in a CUDA graph: on T_inv steps it "
+                "decomposes its factors with torch.linalg.eigh inside the step, and eigh checks "
+                "its result on the host on CUDA (a sync, which a capture forbids); the choice of "
+                "step is a torch.cond, which eager code decides on the host. Run the step eagerly, "
+                "or compile it with torch.compile(step, fullgraph=True) after one eager step")
         if self._steps.host_due(1) is None:  # compiled (device-gated): in-place updates, no undo
             self._step(update_params)
             return
@@ -920,6 +936,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors
         at the same versions (a decomposition replaces them, or writes them in place)."""
         L_g, L_x = state["L_g"], state["L_x"]
+        if torch.compiler.is_compiling() or self._steps.device_gated:
+            # the device decides: a host-side cache would be a decision frozen in a graph
+            return torch.outer(L_g, L_x).mul_(locations).reciprocal_()
         key = (L_g._version, L_x._version, locations)
         kept = self._scalings.get(i)
         if kept is not None and kept[0] is L_g and kept[1] is L_x and kept[2] == key:
