@@ -42,6 +42,11 @@ class Trainer:
     plain_ms: list[float] = field(default_factory=list)
     curvature_ms: list[float] = field(default_factory=list)
     first_s: float = 0.0
+    # What the iteration reads and writes, kept alive as long as the trainer: a CUDA graph's
+    # replay holds no reference to the model, the optimizer or their tensors, so without this
+    # they would be freed once built, their memory handed to the next trainer's model, and every
+    # replay would write this trainer's step into that model.
+    keep: tuple = ()
 
 
 def _median(xs: list[float]) -> float:
@@ -65,7 +70,9 @@ def _plain_iteration(name, model, x, y, zero_grad, step) -> Callable[[], None]:
 
 def _captured_iteration(name, model, opt, x, y, device) -> tuple[Callable[[], None], int]:
     """A whole iteration captured in a CUDA graph after `warmup` eager iterations on a side stream
-    (as torch.cuda.graph asks); returns the replay and the iterations already run."""
+    (as torch.cuda.graph asks); returns the replay and the iterations already run. The replay
+    reads and writes the model's and the optimizer's memory without holding them: the caller
+    keeps them alive (`Trainer.keep`)."""
     warmup = 3
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
@@ -113,7 +120,8 @@ def trainers(ctx: Context) -> list[Trainer]:
                 zero = (lambda o=opt: o.zero_grad(set_to_none=True))
                 if variant == "cuda-graph":
                     iterate, done = _captured_iteration(name, model, opt, ctx.x, ctx.y, device)
-                    out.append(Trainer(member.name, variant, iterate, k=done))
+                    out.append(Trainer(member.name, variant, iterate, k=done,
+                                       keep=(model, opt, iterate.__self__)))
                     continue
                 step = opt.step
                 if variant == "fused-compiled":
@@ -123,7 +131,8 @@ def trainers(ctx: Context) -> list[Trainer]:
                         with torch.no_grad():
                             compiled()
                 out.append(Trainer(member.name, variant,
-                                   _plain_iteration(name, model, ctx.x, ctx.y, zero, step)))
+                                   _plain_iteration(name, model, ctx.x, ctx.y, zero, step),
+                                   keep=(model, opt)))
             except Exception as exc:
                 run.skipped.append(_failure(name, member.name, variant, exc))
     return out

@@ -96,6 +96,11 @@ def one_sided(L: torch.Tensor, g: torch.Tensor, left: bool) -> torch.Tensor:
     return L + (g @ g.T if left else g.T @ g)
 
 
+def one_sided_(L: torch.Tensor, g: torch.Tensor, left: bool) -> torch.Tensor:
+    """`one_sided` written into L (the same sum, the same rounding)."""
+    return L.add_(g @ g.T if left else g.T @ g)
+
+
 def one_sided_start(n: int, like: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(n, dtype=like.dtype, device=like.device)
     return eye / (eye.norm() * ONE_SIDED_START)

@@ -25,6 +25,8 @@ import torch
 
 from .. import ops, reference
 from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real
+from ..core.runtime import capturing
+from ..core.steps import StepCounter
 from ..maths import dykaf as dykaf_maths
 from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
@@ -34,6 +36,11 @@ from .dykaf_owners import refresh_owners
 _BACKENDS = {"fused": ops, "reference": reference}
 _KINDS = ("kron2d", "kron4d", "ema")
 _BETA = Real(0.0, 1.0, high_open=True, dtype=torch.float64)
+# A parameter whose first gradient was dropped (inf/NaN in it or in the factors it gives, or an
+# eigendecomposition that failed) tries again after 2^(drops - 1) - 1 skipped steps, at most
+# _MAX_WAIT: the next step after the first drop, then after 1, 3, 7, ... steps, so that a model
+# gone non-finite does not pay the 100-iteration start on every step.
+_MAX_WAIT = 63
 # Constructor arguments that are not group settings.
 _SETTINGS = {
     "backend": Choice(*_BACKENDS),
@@ -92,6 +99,12 @@ class DyKAF(CoreOptimizer):
         self._impl = _BACKENDS[backend]
         self.process_group = process_group
         self._owners = owners  # None: every rank refreshes every parameter
+        # The latch of device-decided steps: once a step is compiled or captured in a CUDA graph,
+        # no decision reads a host count (the refresh is decided from `device_step`).
+        self._steps = StepCounter()
+        self._dropped = 0  # first gradients dropped (skipped_factor_updates)
+        # parameter -> [drops, steps left to skip] while its state waits for a usable gradient
+        self._waits: dict[torch.Tensor, list[int]] = {}
         super().__init__(params, defaults)
         self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
                                       "DyKAF") is not None
@@ -119,14 +132,17 @@ class DyKAF(CoreOptimizer):
             return "kron4d"
         return "ema"
 
-    def _init_state(self, p: torch.Tensor, g: torch.Tensor, group) -> None:
+    def _init_state(self, p: torch.Tensor, g: torch.Tensor, group) -> str | None:
         """Build a parameter's state from its first gradient. The state is installed only when
-        complete: factors that are not finite (e.g. a power iteration on a gradient so small that
-        its squares underflow) or an eigendecomposition that fails also in float64 leave the
-        parameter without state, with a warning, and its next step starts over."""
+        complete; returns None when it is, else why it is not: a gradient holding inf/NaN,
+        factors that are not finite (e.g. a power iteration on a gradient so small that its
+        squares underflow) or an eigendecomposition that fails also in float64. The caller
+        drops that gradient (`_drop_start`)."""
         state: dict[str, Any] = {}
         work = state_dtype(p.dtype)
         g = g.to(work).contiguous()
+        if not bool(torch.isfinite(g).all()):  # before the power iterations, which cost ~100 GEMMs
+            return "holds inf/NaN"
         shampoo_beta = float(group["shampoo_beta"])
         beta = shampoo_beta if shampoo_beta >= 0 else float(group["betas"][1])
         state["step"] = 0
@@ -146,28 +162,54 @@ class DyKAF(CoreOptimizer):
             state["exp_avg_sq"] = torch.zeros_like(state["exp_avg"])
         factors = self._first_factors(p, g, group, kind, beta)
         kept = [f for f in factors if f is not None]
-        where = f"DyKAF: parameter of shape {tuple(p.shape)}"
         if kept and not bool(torch.stack([torch.isfinite(f).all() for f in kept]).all()):
-            warnings.warn(f"{where}: its first factors are not finite (a gradient too small or too "
-                          "large for the power iteration in this dtype?); its state is not built, "
-                          "the next step starts over", UserWarning, stacklevel=2)
-            return
+            return ("gives factors that are not finite (a gradient too small or too large for "
+                    "the power iteration in this dtype?)")
         try:
             bases = [None if f is None else dykaf_maths.eigenbasis(f) for f in factors]
         except torch.linalg.LinAlgError as e:  # eigenbasis has already retried in float64
-            warnings.warn(f"{where}: the eigendecomposition of its first factors failed ({e}); "
-                          "its state is not built, the next step starts over",
-                          UserWarning, stacklevel=2)
-            return
+            return f"gives factors whose eigendecomposition failed ({e})"
+        stacked = self.backend == "fused" and kind == "kron2d" and all(f is not None for f in factors)
+        if stacked:
+            # The batched GEMMs read row-major bases (see _stack): made so here, once; every
+            # refresh is then copied into these buffers (the other kinds' projections keep the
+            # layout eigh and QR give, and their numbers with it).
+            bases = [Q.contiguous() for Q in bases]
         state["factors"] = factors
         state["bases"] = bases
-        if self.backend == "fused" and kind == "kron2d" and all(f is not None for f in factors):
+        if stacked:
             # the rotated moment's buffer (see _update), in the state from the start so that a
             # checkpoint template made from a fresh optimizer (torch.distributed.checkpoint) holds it
             state["exp_avg_rot"] = torch.zeros_like(state["exp_avg"])
             state["exp_avg_rot_step"] = -1
         # In place: under FSDP2 the parameter and its full-size stand-in share this dict.
         self.state[p].update(state)
+        return None
+
+    def _drop_start(self, p: torch.Tensor, why: str) -> None:
+        """A first gradient that cannot start the parameter's state: dropped (nothing is
+        written), counted (`skipped_factor_updates`), warned of, and the parameter waits before
+        its next try (_MAX_WAIT)."""
+        wait = self._waits.setdefault(p, [0, 0])
+        wait[0] += 1
+        wait[1] = min(2 ** (wait[0] - 1) - 1, _MAX_WAIT)
+        self._dropped += 1
+        warnings.warn(f"DyKAF: parameter of shape {tuple(p.shape)}: its first gradient {why}; "
+                      f"dropped (its drop {wait[0]}, {self._dropped} in all): its state is not "
+                      f"built, and it tries again with the gradient of {wait[1] + 1} step(s) "
+                      "from now", RuntimeWarning, stacklevel=6)
+
+    @property
+    def skipped_factor_updates(self) -> int:
+        """First gradients dropped because they (or the factors they gave) held inf/NaN, or
+        because the eigendecomposition of their factors failed: the parameter then keeps no
+        state and tries again later (backing off: 1, 2, 4, ... up to 64 steps apart)."""
+        return self._dropped
+
+    def _gated(self) -> bool:
+        """Whether this step decides on the device (compiled, captured, or any step after one
+        of those): then no decision reads a host count or a value that changes between steps."""
+        return self._steps.host_due(1) is None
 
     def _first_factors(self, p: torch.Tensor, g: torch.Tensor, group, kind: str,
                        beta: float) -> list[torch.Tensor | None]:
@@ -241,12 +283,27 @@ class DyKAF(CoreOptimizer):
                     continue
                 state = self.state[p]
                 if "step" not in state:
+                    if capturing():
+                        raise RuntimeError(
+                            f"DyKAF: a parameter of shape {tuple(p.shape)} has no state yet, and "
+                            "building it (eigendecompositions, host checks of its first gradient) "
+                            "cannot be captured in a CUDA graph: run eager steps until every "
+                            "parameter has state (its first step with a finite gradient), then "
+                            "capture")
+                    wait = self._waits.get(p)
+                    if wait is not None and wait[1] > 0:  # backing off after a dropped gradient
+                        wait[1] -= 1
+                        continue
                     # A zero first gradient gives the power iterations (and the "zeros" start)
                     # no direction to start from: wait for a non-zero one (published for "kron").
                     if ((group["init"] in ("kron", "zeros") or p.dim() == 4)
                             and not bool(p.grad.any())):
                         continue
-                    self._init_state(p, p.grad, group)
+                    why = self._init_state(p, p.grad, group)
+                    if why is not None:
+                        self._drop_start(p, why)
+                    else:
+                        self._waits.pop(p, None)
                     continue  # the first step only builds state, as published
                 active.append(p)
             by_device: dict[torch.device, list[torch.Tensor]] = {}
@@ -265,23 +322,25 @@ class DyKAF(CoreOptimizer):
         beta1, beta2 = self._hyperparameter(group, "betas", device, torch.float64)
         states = [self.state[p] for p in params]
         grads = [p.grad.to(st["exp_avg"].dtype).contiguous() for p, st in zip(params, states)]
+        gated = self._gated()
         # fused: matrices of one shape rotate (and split their factors) in batched GEMMs, with
         # the split's elementwise work in two ops
         stacks = self._stacks(params, states) if self.backend == "fused" else []
         alone = sorted(set(range(len(params))) - {i for idx, _, _ in stacks for i in idx})
         rotated = self._rotate_gradients(group, params, states, grads, stacks, alone)
-        if not torch.compiler.is_compiling():
+        if not gated:
             for st in states:
                 st["step"] += 1
         # The same count on the device: bias corrections read it there, so a compiled step
-        # holds no symbolic step count in its graph (the host count only decides refreshes).
+        # holds no symbolic step count in its graph, and device-decided steps decide their
+        # refreshes from it.
         torch._foreach_add_([st["device_step"] for st in states], 1.0)
         moments, stacked_moments = self._update_moments(group, params, states, grads, rotated,
-                                                        stacks, alone, beta1)
+                                                        stacks, alone, beta1, gated)
         self._precondition(group, states, rotated, moments, beta2)
         updates = self._rotate_back(group, params, states, moments, stacks, stacked_moments, alone)
-        self._apply_updates(group, params, states, updates, lr, beta1, beta2)
-        self._update_all_factors(group, params, states, grads, stacks)
+        self._apply_updates(group, params, states, updates, lr, beta1, beta2, gated)
+        self._update_all_factors(group, params, states, grads, stacks, gated)
 
     def _rotate_gradients(self, group, params, states, grads, stacks, alone) -> list:
         """The gradients in the eigenbases (stacked matrices of one shape in one batched GEMM)."""
@@ -294,25 +353,25 @@ class DyKAF(CoreOptimizer):
                 rotated[i] = x
         return rotated
 
-    def _update_moments(self, group, params, states, grads, rotated, stacks, alone, beta1):
+    def _update_moments(self, group, params, states, grads, rotated, stacks, alone, beta1,
+                        gated):
         """exp_avg's average of the gradients, and its rotation into the eigenbases: (the rotated
         moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
         keep, take = _scalars_like(exp_avgs, beta1)
-        _average_(exp_avgs, grads, keep, take)
+        _average_(exp_avgs, grads, keep, take, host=not gated)
         moments: list = [None] * len(params)
         for i in alone:
             moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
         stacked_moments = []
-        compiling = torch.compiler.is_compiling()
         for idx, QL, QR in stacks:
             # The rotated moment Q_L^T exp_avg Q_R is kept between refreshes: rotating is linear,
             # so it follows the same average as exp_avg, from the rotated gradient, without the
             # two GEMMs of a projection (equal up to rounding). "exp_avg_rot_step" is the step it
             # belongs to (-1: none); a host int, so a checkpoint resumes on the same path.
-            # Compiled steps advance no host count: they always project.
-            cached = not compiling and all(states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1
-                                           for i in idx)
+            # Device-decided steps advance no host count: they always project.
+            cached = not gated and all(states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1
+                                       for i in idx)
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
                 _average_(caches, [rotated[i] for i in idx], keep, take)
@@ -323,7 +382,7 @@ class DyKAF(CoreOptimizer):
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
                 st = states[i]
-                if compiling or _refresh_due(st):
+                if gated or _refresh_due(st):
                     st["exp_avg_rot_step"] = -1  # no host count, or the bases change after this step
                     continue
                 if not cached:
@@ -361,18 +420,19 @@ class DyKAF(CoreOptimizer):
                 updates[i] = x
         return updates
 
-    def _apply_updates(self, group, params, states, updates, lr, beta1, beta2) -> None:
+    def _apply_updates(self, group, params, states, updates, lr, beta1, beta2, gated) -> None:
         """Apply the updates to the parameters (step size, bias correction, weight decay)."""
         impl = self._impl
-        # Parameters share one step size and one apply call when their step counts agree (the
-        # usual case); no dict keyed by the count, which would make a compiled step specialise
-        # on its value and recompile every step.
-        counts = [st["step"] for st in states]
-        if all(t == counts[0] for t in counts):
-            calls = [(counts[0], list(range(len(states))))]
+        # Eagerly, parameters share one step size and one apply call when their host step counts
+        # agree (the usual case); no dict keyed by the count, which would make a compiled step
+        # specialise on its value and recompile every step. A device-decided step reads no host
+        # count: one call per parameter, each with its own device count.
+        counts = [st["step"] for st in states] if not gated else None
+        if counts is not None and all(t == counts[0] for t in counts):
+            calls = [list(range(len(states)))]
         else:
-            calls = [(t, [i]) for i, t in enumerate(counts)]
-        for t, idx in calls:
+            calls = [[i] for i in range(len(states))]
+        for idx in calls:
             step_size = lr
             if group["correct_bias"]:
                 t = states[idx[0]]["device_step"]
@@ -388,16 +448,15 @@ class DyKAF(CoreOptimizer):
                 if q is not p:
                     p.copy_(q)
 
-    def _update_all_factors(self, group, params, states, grads, stacks) -> None:
-        """Update the Kronecker factors from the gradients: stacks in one batched split; on a
-        CPU, eagerly, each matrix by `proj_split_matrix_` (host scalars: a compiled step keeps
-        the batched form, whose scalars stay on the device)."""
-        per_matrix = not torch.compiler.is_compiling()
+    def _update_all_factors(self, group, params, states, grads, stacks, gated) -> None:
+        """Update the Kronecker factors from the gradients, in place: stacks in one batched
+        split; on a CPU, eagerly, each matrix by `proj_split_matrix_` (host scalars: a
+        device-decided step keeps the batched form, whose scalars stay on the device)."""
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
-            if per_matrix and not self._batched(params[idx[0]].device):
+            if not gated and not self._batched(params[idx[0]].device):
                 (i,) = idx
-                states[i]["factors"] = list(dykaf_maths.proj_split_matrix_(
+                _write_(states[i]["factors"], dykaf_maths.proj_split_matrix_(
                     *states[i]["factors"], grads[i], beta))
                 continue
             U, V = dykaf_maths.proj_split_batched(
@@ -405,10 +464,10 @@ class DyKAF(CoreOptimizer):
                 _stack([states[i]["factors"][1] for i in idx]),
                 _stack([grads[i] for i in idx]), beta, self._impl)
             for i, u, v in zip(idx, U.unbind(0), V.unbind(0)):
-                states[i]["factors"] = [u, v]
+                _write_(states[i]["factors"], (u, v))
         done = {i for idx, _, _ in stacks for i in idx}
         for i, (p, g, st) in enumerate(zip(params, grads, states)):
-            self._update_factors(p, g, st, group, split=i not in done)
+            self._update_factors(p, g, st, group, gated, split=i not in done)
 
     def _project(self, x, state, p, group, back: bool = False, copy: bool = True) -> torch.Tensor:
         bases = state["bases"]
@@ -441,36 +500,35 @@ class DyKAF(CoreOptimizer):
                 key = (tuple(p.shape), st["exp_avg"].dtype, p.device, st["shampoo_beta"])
                 batched = self._batched(p.device)
                 groups.setdefault(key if batched else (i,), []).append(i)
-                # The GEMMs read row-major bases (see _stack); a refresh leaves LAPACK's
-                # column-major ones: made row-major once here, not copied on every step.
-                # (Not while compiling: there the refresh's two branches keep QR's layout.)
-                bases = st["bases"]
-                for k, Q in enumerate(bases):
-                    if not Q.is_contiguous() and not torch.compiler.is_compiling():
-                        bases[k] = Q.contiguous()
+                # The GEMMs read row-major bases (see _stack): the bases are made row-major and
+                # every refresh is copied into them (a checkpoint may bring column-major ones,
+                # which _stack then copies; the state's buffers are never replaced).
         return [(idx, _stack([states[i]["bases"][0] for i in idx]),
                  _stack([states[i]["bases"][1] for i in idx]))
                 for idx in groups.values()]
 
-    def _update_factors(self, p, g, state, group, split: bool = True) -> None:
+    def _update_factors(self, p, g, state, group, gated: bool, split: bool = True) -> None:
+        """Update one parameter's factors in place, then refresh its eigenbases when due."""
         beta, factors, kind = state["shampoo_beta"], state["factors"], state["kind"]
         if kind == "kron2d" and not split:
             pass  # split already, batched with the other matrices of its shape
         elif kind == "kron2d":
             L, R = factors
             if L is not None and R is not None:
-                state["factors"] = list(dykaf_maths.proj_split(L, R, g, beta))
+                _write_(factors, dykaf_maths.proj_split(L, R, g, beta))
             else:
-                state["factors"] = [None if L is None else dykaf_maths.one_sided(L, g, True),
-                                    None if R is None else dykaf_maths.one_sided(R, g, False)]
+                for F, left in ((L, True), (R, False)):
+                    if F is not None:
+                        dykaf_maths.one_sided_(F, g, left)
         elif kind == "kron4d":
-            state["factors"] = dykaf_maths.tensor_proj_split(factors, g, beta, self.published_bugs)
+            _write_(factors, dykaf_maths.tensor_proj_split(factors, g, beta, self.published_bugs))
         else:
             merged = self._merged_shape(p, group)
             self._ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)
-        if torch.compiler.is_compiling():
-            # A compiled step cannot branch on a host count without recompiling for each value:
-            # the refresh is a torch.cond on the device count.
+        if gated:
+            # A device-decided step reads no host count (a compiled one would recompile for each
+            # value, a captured one would replay the value of its capture): the refresh is
+            # decided from the device count.
             due = torch.fmod(state["device_step"], state["precondition_frequency"]) == 0
             self._refresh(p, state, group, due)
         elif _refresh_due(state):
@@ -479,8 +537,11 @@ class DyKAF(CoreOptimizer):
     def _refresh(self, p, state, group, due: torch.Tensor | None = None) -> None:
         """The eigenbasis refresh (one power step and QR, float32), with the second moment's
         entries permuted along with the basis columns; with `due` (a device bool) the old basis
-        and order are kept where it is false. With a process_group an eager refresh waits for
-        the end of the step, where its owner rank makes it and shares it (cafin.optim.dykaf_owners)."""
+        and order are kept where it is false: while compiling a torch.cond (the QR runs only on
+        due steps), otherwise (a CUDA-graph capture, whose eager torch.cond would read `due` on
+        the host) the refresh runs on every step and torch.where keeps the old basis where it is
+        not due. With a process_group an eager refresh waits for the end of the step, where its
+        owner rank makes it and shares it (cafin.optim.dykaf_owners)."""
         if due is None and self._owners is not None:
             self._owners.defer(p, state, group)
             return
@@ -490,14 +551,16 @@ class DyKAF(CoreOptimizer):
                 new.append(None)
             elif due is None:
                 new.append(dykaf_maths.refresh_basis(factor, basis))
-            else:  # the QR runs only on due steps, the branch taken on the device
+            elif torch.compiler.is_compiling():  # the branch taken on the device
                 new.append(torch.cond(due, dykaf_maths.refresh_basis, _keep_basis, (factor, basis)))
+            else:
+                new.append(_blend_refresh(factor, basis, due))
         self._install_refresh(p, state, group, new)
 
     def _install_refresh(self, p, state, group, new: list) -> None:
-        """Write a refresh into the state: new[k] = (basis, order) for each mode with a basis
-        (None for the others); the second moment follows each new order."""
-        bases = list(state["bases"])
+        """Write a refresh into the state, in place: new[k] = (basis, order) for each mode with
+        a basis (None for the others); the second moment follows each new order."""
+        bases = state["bases"]
         merged = self._merged_shape(p, group)
         v = state.get("exp_avg_sq")
         if v is not None and merged is not None:
@@ -505,15 +568,15 @@ class DyKAF(CoreOptimizer):
         for k, refreshed in enumerate(new):
             if refreshed is None:
                 continue
-            bases[k], order = refreshed
+            basis, order = refreshed
+            bases[k].copy_(basis)
             if "l" in state:
-                key = "l" if k == 0 else "r"
-                state[key] = state[key].index_select(0, order.to(state[key].device))
+                moment = state["l" if k == 0 else "r"]
+                moment.copy_(moment.index_select(0, order.to(moment.device)))
             else:
                 v = v.index_select(k, order)
         if v is not None:
-            state["exp_avg_sq"] = self._from_merged(v, p).contiguous() if merged is not None else v
-        state["bases"] = bases
+            state["exp_avg_sq"].copy_(self._from_merged(v, p) if merged is not None else v)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -710,14 +773,32 @@ def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Ten
 
 
 def _average_(xs: list[torch.Tensor], ys: list[torch.Tensor], keep: torch.Tensor,
-              take: torch.Tensor) -> None:
-    """xs <- keep xs + take ys. On a CPU, outside a compiled step, take is read on the host (no
-    sync there) and added as alpha: one pass, no temporary; elsewhere the foreach product."""
+              take: torch.Tensor, host: bool = True) -> None:
+    """xs <- keep xs + take ys. On a CPU, with `host` (eager, not device-decided) and outside a
+    compiled step, take is read on the host (no sync there) and added as alpha: one pass, no
+    temporary; elsewhere the foreach product."""
     torch._foreach_mul_(xs, keep)
-    if xs[0].device.type == "cpu" and not torch.compiler.is_compiling():
+    if host and xs[0].device.type == "cpu" and not torch.compiler.is_compiling():
         torch._foreach_add_(xs, ys, alpha=take.item())
     else:
         torch._foreach_add_(xs, torch._foreach_mul(ys, take))
+
+
+def _write_(olds: list, news) -> None:
+    """Write new factors into the state's buffers (the same storage from step to step, as a
+    CUDA graph's replays need); a new value that is its old buffer (written in place) stays."""
+    for old, new in zip(olds, news):
+        if old is not None and new is not old:
+            old.copy_(new)
+
+
+def _blend_refresh(factor: torch.Tensor, basis: torch.Tensor,
+                   due: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The refresh of a device-decided step outside a compile: made on every step, kept where
+    `due` (a 0-dim device bool) is true, else the basis as it is and the identity order."""
+    new, order = dykaf_maths.refresh_basis(factor, basis)
+    keep = torch.arange(basis.shape[1], device=basis.device)
+    return torch.where(due, new, basis), torch.where(due, order, keep)
 
 
 def _keep_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,8 +42,11 @@ def dykaf_rank_one_(ls: Sequence[torch.Tensor], rs: Sequence[torch.Tensor],
         l_new = _unit(l_new, l_new.norm(), guard)
         r_new = scale * r_hat + (1 - b) * (sq.T @ l_hat)
         r_new = _unit(r_new, r_new.norm(), guard)
+        # l'^T gp^2 r' as l' . (gp^2 r'): a vector-matrix product would be a GEMM whose result
+        # matmul squeezes in place, a change of shape that a recorded capture (tests/capture.py)
+        # cannot replay
         c = (b * (l_new @ l_hat) * (r_new @ r_hat) * l_norm * r_norm
-             + (1 - b) * (l_new @ sq @ r_new))
+             + (1 - b) * (l_new @ (sq @ r_new)))
         root = c.sqrt()
         l.copy_(l_new * root)
         r.copy_(r_new * root)
