@@ -113,7 +113,10 @@ def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], o
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    return graph.replay
+
+    def replay(step=step):  # holds the optimizer: the graph writes its memory without holding it
+        graph.replay()
+    return replay
 
 
 # --------------------------------------------------------------------------------- the run
