@@ -97,12 +97,17 @@ class Missing(Exception):
     """A model whose package is not installed: its rows say so."""
 
 
+def _missing(package: str, exc: ImportError, rows: str) -> str:
+    if exc.name == package:
+        return f"{package} is not installed; pip install {package} for the {rows} rows"
+    return f"{package} cannot be imported ({type(exc).__name__}: {exc}), so there are no {rows} rows"
+
+
 def resnet18_spec(tiny: bool) -> ModelSpec:
     try:
         import torchvision
     except ImportError as exc:
-        raise Missing(f"torchvision is not installed ({exc}); pip install torchvision "
-                      "for the ResNet-18 rows") from None
+        raise Missing(_missing("torchvision", exc, "ResNet-18")) from None
     batch, side = (8, 16) if tiny else (128, 32)
     blocks = [1, 1, 1, 1] if tiny else [2, 2, 2, 2]
 
@@ -129,8 +134,7 @@ def gpt2_spec(tiny: bool) -> ModelSpec:
         import transformers
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError as exc:
-        raise Missing(f"transformers is not installed ({exc}); pip install transformers "
-                      "for the GPT-2 rows") from None
+        raise Missing(_missing("transformers", exc, "GPT-2")) from None
     if tiny:
         layers, dim, heads, vocab, context, batch = 2, 32, 2, 101, 16, 4
     else:
