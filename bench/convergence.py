@@ -31,6 +31,14 @@ The rest of the family, each with its published recommended usage (bench/members
   SOAP (heavyball)  heavyball.SOAP's defaults, eager (heavyball's compile switched off: inductor
                     would compile for minutes on 2 cores); only when heavyball imports
 
+The peers a user would compare with (--optimizers peers): SOAP above, and
+
+  Muon + AdamW      torch.optim.Muon as its documentation prescribes (bench/peers.py, MuonAdamW):
+                    lr 0.02, momentum 0.95, nesterov, ns_steps 5, wd 0.1 on the hidden filter
+                    conv2 (flattened to 32 x 144; the stem conv1 and the classifier fc are the
+                    input and output layers, which go to AdamW), AdamW with the AdamW row's
+                    settings on everything else
+
 A run whose loss turns NaN stops there and is reported as diverged (DyKAF's published usage
 does on this CNN at batch 32, after its first refresh; the published TensorDyKAF computes the same
 numbers and diverges at the same step; at batch 64 both train).
@@ -58,7 +66,7 @@ Fused vs reference (AdaFisher, same seed and batches), three numbers:
 (bench/autoencoder.py); `--task text` a byte-level GPT on the Python standard library's sources,
 every member against AdamW (bench/text_task.py). Flags of this task (cnn, the default): --epochs N, --seeds N, --quick (1 seed, 3 epochs), --batch-size, --eval-every, --tcov,
 --threads, --optimizers NAME,... (name prefixes or families: adafisher, kfac, singd, dykaf,
-baselines), --plot PATH (PNG, one column per family), --json PATH.
+peers, baselines), --plot PATH (PNG, one column per family), --json PATH.
 """
 from __future__ import annotations
 
@@ -81,7 +89,7 @@ import cafin
 
 from .members import kfac as kfac_member
 from .members import twolevel as twolevel_member
-from .peers import soap, soap_available
+from .peers import MUON_TEXT, muon_adamw, muon_routes, soap, soap_available
 
 TARGET_ACCURACY = 0.95
 DEFAULT_EPOCHS = 10
@@ -153,7 +161,7 @@ def make_model(seed: int) -> DigitsCNN:
 # ----------------------------------------------------------------------------------- optimizers
 FAMILIES = {  # family key (also an --optimizers name) -> plot panel title
     "adafisher": "AdaFisher", "kfac": "K-FAC and two-level K-FAC", "singd": "SINGD and IKFAC",
-    "dykaf": "DyKAF and SOAP", "baselines": "baselines"}
+    "dykaf": "DyKAF and SOAP", "peers": "peers: Muon and SOAP", "baselines": "baselines"}
 
 
 @dataclass(frozen=True)
@@ -164,6 +172,7 @@ class OptimizerSpec:
     backend: str | None = None  # for the cafin optimizers
     family: str = "baselines"  # a key of FAMILIES
     default: bool = True  # in a run without --optimizers
+    peer: bool = False  # a published optimizer a user would compare with (--optimizers peers)
 
 
 def fused_available() -> bool:
@@ -208,6 +217,18 @@ def optimizer_specs(tcov: int = DEFAULT_TCOV,
                       lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)),
     ]
     return specs
+
+
+def muon_spec() -> OptimizerSpec:
+    """torch.optim.Muon on the CNN's hidden filter (conv2, flattened to 32 x 144: the stem conv1
+    and the classifier fc go to AdamW, as Muon's documentation prescribes) and AdamW with the
+    AdamW row's settings on everything else."""
+    routes = muon_routes(DigitsCNN())
+    on_muon = ", ".join(n for n, r in routes.items() if r == "muon")
+    return OptimizerSpec(
+        "Muon + AdamW (torch)", f"{MUON_TEXT} on {on_muon} (flattened); AdamW lr 1e-3, "
+        "β (0.9, 0.999), wd 1e-2 on the rest",
+        lambda m: muon_adamw(m, dict(lr=1e-3, weight_decay=1e-2)), None, "peers", peer=True)
 
 
 # Two-level K-FAC on the CNN: the settings of the autoencoder task (bench/autoencoder.py),
@@ -257,7 +278,8 @@ def family_specs(backend: str, batch_size: int = DEFAULT_BATCH_SIZE) -> list[Opt
         specs.append(OptimizerSpec(
             "SOAP (heavyball)", "heavyball defaults: lr 3e-3, betas (0.9, 0.95), shampoo_beta "
             "0.95, wd 0.01, precondition_frequency 2; eager (heavyball's compile off)",
-            lambda m: soap(m.parameters(), eager=True), None, "dykaf"))
+            lambda m: soap(m.parameters(), eager=True), None, "dykaf", peer=True))
+    specs.append(muon_spec())
     return specs
 
 
@@ -270,14 +292,14 @@ def _singd(model: nn.Module, backend: str, kwargs: dict):
 
 def select(specs: Sequence[OptimizerSpec], names: str | None) -> list[OptimizerSpec]:
     """Filter by comma-separated, case-insensitive prefixes of the names ('adafisher (f', 'sgd',
-    'two-level') or family keys ('kfac', 'singd', 'dykaf', 'adafisher', 'baselines'). No names:
-    the default rows."""
+    'two-level') or family keys ('kfac', 'singd', 'dykaf', 'adafisher', 'peers', 'baselines';
+    'peers' is Muon and SOAP). No names: the default rows."""
     if not names:
         return [s for s in specs if s.default]
     wanted = [n.strip().lower() for n in names.split(",") if n.strip()]
 
     def matches(spec: OptimizerSpec, w: str) -> bool:
-        return spec.name.lower().startswith(w) or spec.family == w
+        return spec.name.lower().startswith(w) or spec.family == w or (w == "peers" and spec.peer)
 
     chosen = [s for s in specs if any(matches(s, w) for w in wanted)]
     unknown = [w for w in wanted if not any(matches(s, w) for s in specs)]
@@ -489,7 +511,7 @@ def summarise(spec: OptimizerSpec, runs: list[RunResult], epochs: int) -> dict:
                             "reached": len(reached), "runs": len(runs),
                             "per_seed": [r.steps_to_target for r in runs]},
         "diverged_at": [r.diverged_at for r in runs],
-        "family": spec.family,
+        "family": spec.family, "peer": spec.peer,
         "step_ms_median": statistics.median(r.median_step_ms for r in runs),
         "opt_step_ms_median": statistics.median(r.median_opt_ms for r in runs),
         "cpu_step_ms_median": statistics.median(r.median_cpu_ms for r in runs),
@@ -512,7 +534,7 @@ def run_benchmark(epochs: int = DEFAULT_EPOCHS, seeds: int = DEFAULT_SEEDS,
     specs = select(optimizer_specs(tcov, batch_size), optimizers)
     notes = []
     soap_ok, why_no_soap = soap_available()
-    if not soap_ok and (not optimizers or any(w.strip().lower() in ("dykaf", "soap")
+    if not soap_ok and (not optimizers or any(w.strip().lower() in ("dykaf", "soap", "peers")
                                               for w in optimizers.split(","))):
         notes.append(f"no SOAP rows: {why_no_soap}")
     if not fused_available():
@@ -742,7 +764,9 @@ def plot(results: dict, path: str) -> None:
         ax_acc, ax_loss = axes[0][col], axes[1][col]
         for j, name in enumerate(baselines):
             draw(ax_acc, ax_loss, name, dict(color=greys[j % 3], lw=1.0, ls=(0, (2, 2))), None)
-        members = [r["optimizer"] for r in rows if r["family"] == family]
+        # the peers' column holds every peer (SOAP also stays beside DyKAF in its own column)
+        members = [r["optimizer"] for r in rows
+                   if r["family"] == family or (family == "peers" and r.get("peer"))]
         for i, name in enumerate(members):
             dashed = "reference" in name or "bf16" in name or name.startswith("AdaFisherW")
             style = dict(color=colors(i), lw=1.6, ls=(0, (5, 3)) if dashed else "-")
@@ -785,7 +809,8 @@ def main(argv: list[str]) -> int:
         prog="python -m bench convergence",
         description="Train a small CNN on scikit-learn's digits with the family (AdaFisher fused "
                     "and reference, AdaFisherW, K-FAC, two-level K-FAC, SINGD, IKFAC, DyKAF), "
-                    "heavyball's SOAP when installed, Adam, AdamW and SGD; report test accuracy, "
+                    "the peers torch.optim.Muon (+ AdamW) and heavyball's SOAP (when installed), "
+                    "Adam, AdamW and SGD; report test accuracy, "
                     "steps to 95 %, step time and AdaFisher's fused-vs-reference difference. "
                     "--task autoencoder: the two-level K-FAC paper's autoencoder experiment "
                     "(its own flags: --task autoencoder --help).")

@@ -38,6 +38,15 @@ few values were tried only to check that the defaults train at all):
   two-level K-FAC  the digits task's settings, on the transformer blocks (it preconditions no
                    Embedding, and the head is the embedding's weight); SGD on every parameter
 
+The peers a user would compare with (bench/peers.py), on the same batches and budget:
+
+  Muon + AdamW     torch.optim.Muon as its documentation prescribes: lr 0.02, momentum 0.95,
+                   nesterov, ns_steps 5, wd 0.1 on the blocks' Linear weights (attention's qkv and
+                   output projections, the MLP); AdamW's row settings on the token embedding
+                   (and so the tied head), the position table, the biases and the LayerNorms
+  SOAP (heavyball) heavyball.SOAP's defaults (lr 3e-3, betas (0.9, 0.95), shampoo_beta 0.95, wd
+                   0.01, precondition_frequency 2), eager; only when heavyball imports
+
 Budgets: every member trains `--steps` steps; the wall-clock budget is AdamW's training time for
 those steps (or `--budget` seconds), and a member that has not used it after `--steps` steps
 trains on until it has (at most `MAX_STEP_FACTOR` times the steps). Training time counts
@@ -72,6 +81,7 @@ from .measure import PreconditionedSGD
 from .members import kfac as kfac_member
 from .members import twolevel as twolevel_member
 from .models import GPT
+from .peers import MUON_TEXT, muon_adamw, soap, soap_available
 
 SPLIT_SEED = 0
 HELDOUT_FRACTION = 0.1
@@ -238,7 +248,20 @@ def member_specs(batch_size: int, backend: str | None = None) -> list[MemberSpec
         MemberSpec("two-level K-FAC (nicolaides)", f"damping 0.1, T_cov = T_inv = 10, α 0.95, constraint_norm, "
                    f"clipping 1e-2; SGD lr {sgd_lr:g} momentum 0.9",
                    lambda m: twolevel_member.sgd(m, sgd_lr, "nicolaides", backend=backend, **TWOLEVEL)),
-    ]
+    ] + peer_specs()
+
+
+def peer_specs() -> list[MemberSpec]:
+    """torch's Muon (with AdamW's row settings on what Muon's documentation gives to AdamW) and
+    heavyball's SOAP on its defaults, eager (when heavyball imports)."""
+    specs = [MemberSpec("Muon + AdamW (torch)", f"{MUON_TEXT} on the blocks' Linear weights; AdamW "
+                        "lr 1e-3, betas (0.9, 0.99), wd 0.1 on the rest",
+                        lambda m: muon_adamw(m, ADAMW))]
+    if soap_available()[0]:
+        specs.append(MemberSpec("SOAP (heavyball)", "heavyball defaults: lr 3e-3, betas (0.9, 0.95), "
+                                "shampoo_beta 0.95, wd 0.01, precondition_frequency 2; eager",
+                                lambda m: soap(m.parameters(), eager=True)))
+    return specs
 
 
 def select(specs: Sequence[MemberSpec], names: str | None) -> list[MemberSpec]:
@@ -529,6 +552,9 @@ def main(argv: list[str]) -> int:
                            progress=lambda s: status.update(f"training: {s}"))
     results["config"]["wall_s"] = time.perf_counter() - start
     console.print(render(results))
+    soap_ok, why_no_soap = soap_available()
+    if not soap_ok:
+        console.print(f"[yellow]note:[/] no SOAP row: {why_no_soap}")
     for row in results["members"]:
         if row["error"]:
             console.print(f"[yellow]{row['member']}:[/] {row['error']}")
