@@ -102,7 +102,7 @@ def trainers(ctx: Context) -> list[Trainer]:
     adamw = torch.optim.AdamW(model.parameters(), lr=LR, **{kind: True})
     out.append(Trainer("adamw", f"adamw-{kind}", _plain_iteration(
         name, model, ctx.x, ctx.y, lambda: adamw.zero_grad(set_to_none=True), adamw.step),
-        alternates=False))
+        alternates=False, keep=(model, adamw)))
     for member in ctx.members:
         for variant in WHOLE_STEP_VARIANTS:
             if variant not in ctx.selected(member):
