@@ -6,6 +6,7 @@
 // out keeps MKL's threads. Semantics: cafin/reference/kfac.py.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <torch/library.h>
 
 #include <algorithm>

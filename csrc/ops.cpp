@@ -3,7 +3,9 @@
 // cafin/reference/, the plain-PyTorch version of each op.
 #include <Python.h>
 
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/library.h>
 
