@@ -41,6 +41,7 @@ from .floors import EIGENBASIS_LAYERS, eigenbasis_products, member_floors
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
                       copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
 from .members import VARIANTS, Member
+from .peers import PEER_VARIANTS, step_rows as peer_step_rows
 from .models import MODELS, batch_for, loss_for, relu_in_place
 from .whole_step import run_phase as whole_step_phase
 
@@ -53,7 +54,7 @@ SGEMM_N = 512  # the GEMM rate of the members' floors: float32 [n, n] products
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
 OPT_IN_PHASES = ("structures",)
-STEP_VARIANTS = VARIANTS + BASELINES  # what --variants may name
+STEP_VARIANTS = VARIANTS + BASELINES + PEER_VARIANTS  # what --variants may name
 FUSED_OPS = ("adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "norm_input_stats_",
              "norm_grad_stats_", "fisher_average_")
 # Kineto (torch.profiler's backend, used here to count allocations) prints "profiler_start" and
@@ -146,6 +147,7 @@ def _step_phase(ctx: Context) -> None:
                                     f"AdamW for {run.device.type}", optimizer="adamw"))
             continue
         measure(run, progress, "step", "adamw", variant, lambda v=variant: adamw_variant(ctx, v))
+    peer_step_rows(ctx)  # torch's Muon and heavyball's SOAP (bench/peers.py)
 
 
 def _member_floors(ctx: Context, progress) -> None:
