@@ -1,20 +1,38 @@
-"""Compile every csrc/cuda/*.cu with nvcc, without a GPU, with exactly the command line the real
-build (`pip install -e .`, i.e. setup.py's CUDAExtension under torch's BuildExtension) gives nvcc:
-the same torch nvcc flags (-D__CUDA_NO_HALF_OPERATORS__ and friends), setup.py's own flags (-O3,
--DCAFIN_WITH_CUDA), the same -std, defines and include directories. Exits non-zero if a file fails.
+"""Compile cafin's C++ and CUDA sources without a GPU, with exactly the command lines the real build
+(`pip install -e .`, i.e. setup.py's CUDAExtension under torch's BuildExtension) gives the compilers:
+torch's own flags (-D__CUDA_NO_HALF_OPERATORS__ and friends, -std, -D_GLIBCXX_USE_CXX11_ABI),
+setup.py's flags (-O3, -DCAFIN_WITH_CUDA), the same defines and include directories. Exits non-zero
+if a file fails.
 
-    python tools/compile_cuda.py [--jobs N] [--print-flags] [files...]
+    python tools/compile_cuda.py [--all] [--torch VERSION | --torch-root DIR] [--jobs N]
+                                 [--print-flags] [files...]
+
+By default every csrc/cuda/*.cu is compiled with nvcc; --all adds every C++ source of the extension
+(csrc/*.cpp, csrc/cpu/*.cpp). Given files are compiled by their suffix (.cu with nvcc, else C++).
+
+Which torch: the installed one by default. --torch VERSION compiles against the headers of another
+release instead: its CUDA wheel is fetched once with `pip download --no-deps torch==VERSION`, and only
+its torch/include/ and the torch/utils/cpp_extension.py that composes its flags are kept, in a cache
+(CAFIN_TORCH_CACHE, else $XDG_CACHE_HOME/cafin/torch, else ~/.cache/cafin/torch); nothing of it is
+installed or imported except that file. --torch-root DIR names such a tree directly (DIR/torch/include,
+DIR/torch/utils/cpp_extension.py). A release's flags come from its own cpp_extension.py: torch 2.11
+compiles C++17 and 2.13 on C++20, and a source must build with the flags of each.
 
 How: setup.py is loaded (FORCE_CUDA=1) and BuildExtension runs up to the point where it hands the
-composed nvcc flags to ninja; the flags are taken there and nothing is built. So a flag torch or
+composed flags to ninja; the flags are taken there and nothing is built. So a flag torch or
 setup.py adds reaches this check by construction. The only departures, each forced by the machine:
 - TORCH_CUDA_ARCH_LIST defaults to 9.0 (the H200 of tools/gpu_check.sh) when unset: without a GPU
   torch cannot pick the architectures;
 - a CPU wheel of torch has no CUDA toolkit configured (CUDA_HOME) and lacks the generated
   c10/cuda/impl/cuda_cmake_macros.h: the toolkit is found as torch would find it (CUDA_HOME,
   CUDA_PATH, nvcc on PATH, /usr/local/cuda), and -DC10_CUDA_NO_CMAKE_CONFIGURE_FILE is added only
-  when that header is missing;
-- nvcc's dependency-file flags (ninja bookkeeping) are left out.
+  when that header is missing from the headers compiled against;
+- the compilers' dependency-file flags (ninja bookkeeping) are left out;
+- a C++ source is checked with -fsyntax-only (--cpp-objects compiles it to an object): the C++ front
+  end resolves every name and instantiates every template a file uses, which is what differs
+  between torch releases, and skips the -O3 code generation, which does not depend on torch's
+  headers and would make the check several times slower. A CUDA source is compiled to sm_90 code,
+  since nvcc's device pass only runs when it generates code.
 """
 from __future__ import annotations
 
@@ -29,19 +47,113 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_ARCH = "9.0"
 
 
-class _Composed(Exception):
-    """Raised from inside BuildExtension once the nvcc flags are composed: nothing gets built."""
+@dataclass
+class Flags:
+    """The flags BuildExtension composes for setup.py's extension, split the way the shell that runs
+    ninja splits them: `cxx CFLAGS -c SOURCE -o OBJECT POST` and `nvcc CUDA_CFLAGS -c ... CUDA_POST`."""
+    cxx: str
+    cflags: list[str]
+    post_cflags: list[str]
+    cuda_cflags: list[str]
+    cuda_post_cflags: list[str]
+    include: Path  # the torch include directory these flags compile against
 
-    def __init__(self, pre: list[str], post: list[str]):
-        super().__init__("nvcc flags composed")
-        self.pre, self.post = pre, post
+
+class _Composed(Exception):
+    """Raised from inside BuildExtension once the flags are composed: nothing gets built."""
+
+    def __init__(self, flags: Flags):
+        super().__init__("compiler flags composed")
+        self.flags = flags
+
+
+def cache_dir() -> Path:
+    if os.environ.get("CAFIN_TORCH_CACHE"):
+        return Path(os.environ["CAFIN_TORCH_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "cafin" / "torch"
+
+
+def _kept(name: str) -> bool:
+    """The members of a torch wheel the check needs: the headers, and the file composing the flags."""
+    return name.startswith("torch/include/") or name == "torch/utils/cpp_extension.py"
+
+
+def fetch_torch(version: str, log=print) -> Path:
+    """The root (ROOT/torch/include, ROOT/torch/utils/cpp_extension.py) of torch==VERSION's wheel,
+    downloaded and cut down on first use, then reused from the cache. Raises RuntimeError with pip's
+    own output when the wheel cannot be had (no network, no such release)."""
+    root = cache_dir() / version
+    if (root / "COMPLETE").exists():
+        return root
+    root.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".fetch-{version}-", dir=root.parent) as tmp:
+        tmp = Path(tmp)
+        # A machine may cap torch through pip's config (a `constraint` file); the headers of a
+        # release are wanted whatever this machine may install, so this one command has none.
+        (tmp / "constraints.txt").write_text("")
+        env = {**os.environ, "PIP_CONSTRAINT": str(tmp / "constraints.txt")}
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--progress-bar", "off", f"torch=={version}", "-d", str(tmp / "wheel")],
+                              capture_output=True, text=True, env=env)
+        wheels = sorted((tmp / "wheel").glob("torch-*.whl"))
+        if proc.returncode != 0 or len(wheels) != 1:
+            raise RuntimeError(f"compile_cuda: could not download torch=={version} "
+                               f"(pip exit {proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
+        fetched = time.monotonic() - start
+        out = tmp / "root"
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [m for m in wheel.namelist() if _kept(m)]
+            wheel.extractall(out, members)
+        if not (out / "torch" / "include" / "torch" / "extension.h").exists() or \
+                not (out / "torch" / "utils" / "cpp_extension.py").exists():
+            raise RuntimeError(f"compile_cuda: {wheels[0].name} has no torch/include/torch/extension.h "
+                               "or torch/utils/cpp_extension.py")
+        (out / "COMPLETE").write_text(wheels[0].name + "\n")
+        try:
+            out.rename(root)
+        except OSError:  # another run filled the cache meanwhile
+            if not (root / "COMPLETE").exists():
+                raise
+        log(f"torch {version}: {wheels[0].name} fetched in {fetched:.0f} s, "
+            f"{len(members)} files kept in {root}")
+    return root
+
+
+def load_cpp_extension(torch_root: Path) -> types.ModuleType:
+    """The torch/utils/cpp_extension.py of the release at torch_root, loaded as a module whose
+    include paths point into torch_root. It runs on the installed torch's Python code, from which it
+    reads only what no header depends on (torch.version.cuda, the C++ ABI flag)."""
+    import importlib.util
+
+    import torch.utils  # noqa: F401  (the package its relative imports resolve in)
+
+    path = Path(torch_root) / "torch" / "utils" / "cpp_extension.py"
+    spec = importlib.util.spec_from_file_location("torch.utils.cpp_extension", path)
+    module = importlib.util.module_from_spec(spec)
+    saved = sys.modules.get("torch.utils.cpp_extension")
+    sys.modules["torch.utils.cpp_extension"] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if saved is None:
+            sys.modules.pop("torch.utils.cpp_extension", None)
+        else:
+            sys.modules["torch.utils.cpp_extension"] = saved
+    module._TORCH_PATH = str(Path(torch_root) / "torch")
+    module.TORCH_LIB_PATH = str(Path(torch_root) / "torch" / "lib")
+    return module
 
 
 def find_cuda_home() -> str | None:
@@ -61,30 +173,36 @@ def find_cuda_home() -> str | None:
     return None
 
 
-def build_flags(cuda_home: str) -> tuple[list[str], list[str]]:
-    """(flags before `-c SOURCE -o OBJECT`, flags after it), as BuildExtension writes them into
-    its ninja file for setup.py's extension, split the way the shell that runs ninja splits them."""
+def build_flags(cuda_home: str, torch_root: Path | None = None) -> Flags:
+    """The flags BuildExtension writes into its ninja file for setup.py's extension, with the
+    installed torch, or with the release whose cut-down wheel is at torch_root."""
     import setuptools  # noqa: F401  (before distutils: setuptools' own copy)
-    import torch.utils.cpp_extension as cpp
+    import torch.utils
+    import torch.utils.cpp_extension as installed
     from distutils.core import run_setup
 
+    cpp = installed if torch_root is None else load_cpp_extension(torch_root)
+    include = Path(cpp._TORCH_PATH) / "include"
     saved = {k: os.environ.get(k) for k in ("FORCE_CUDA", "TORCH_CUDA_ARCH_LIST")}
     saved_home, saved_compose = cpp.CUDA_HOME, cpp._write_ninja_file_and_compile_objects
     saved_cwd, saved_argv = os.getcwd(), sys.argv[:]
 
     def compose(*args, **kwargs):
-        if args or "cuda_post_cflags" not in kwargs:
-            raise RuntimeError("compile_cuda: this torch's BuildExtension passes its nvcc flags in a way "
+        if args or not {"cflags", "post_cflags", "cuda_cflags", "cuda_post_cflags"} <= kwargs.keys():
+            raise RuntimeError("compile_cuda: this torch's BuildExtension passes its flags in a way "
                                "this tool does not know; update build_flags()")
         if not kwargs.get("with_cuda"):
             raise RuntimeError("compile_cuda: setup.py gave BuildExtension no CUDA sources")
         split = lambda flags: shlex.split(" ".join(flags or []))  # noqa: E731
-        raise _Composed(split(kwargs["cuda_cflags"]), split(kwargs["cuda_post_cflags"]))
+        raise _Composed(Flags(cpp.get_cxx_compiler(), split(kwargs["cflags"]), split(kwargs["post_cflags"]),
+                              split(kwargs["cuda_cflags"]), split(kwargs["cuda_post_cflags"]), include))
 
     os.environ["FORCE_CUDA"] = "1"
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH)
     cpp.CUDA_HOME = cuda_home
     cpp._write_ninja_file_and_compile_objects = compose
+    # setup.py imports BuildExtension from torch.utils.cpp_extension: for another release, its own.
+    sys.modules["torch.utils.cpp_extension"], torch.utils.cpp_extension = cpp, cpp
     log = io.StringIO()
     try:
         os.chdir(ROOT)
@@ -99,8 +217,9 @@ def build_flags(cuda_home: str) -> tuple[list[str], list[str]]:
             try:
                 cmd.run()
             except _Composed as composed:
-                return composed.pre, composed.post
+                return composed.flags
     finally:
+        sys.modules["torch.utils.cpp_extension"], torch.utils.cpp_extension = installed, installed
         os.chdir(saved_cwd)
         sys.argv[:] = saved_argv
         cpp.CUDA_HOME, cpp._write_ninja_file_and_compile_objects = saved_home, saved_compose
@@ -109,19 +228,26 @@ def build_flags(cuda_home: str) -> tuple[list[str], list[str]]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
-    raise RuntimeError("compile_cuda: BuildExtension never composed nvcc flags\n" + log.getvalue())
+    raise RuntimeError("compile_cuda: BuildExtension never composed the flags\n" + log.getvalue())
 
 
-def machine_flags() -> list[str]:
+def machine_flags(include: Path) -> list[str]:
     """Flags this machine needs and the real build on a CUDA wheel does not (see the docstring)."""
-    import torch
-
-    macros = Path(torch.__file__).parent / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    macros = include / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
     return [] if macros.exists() else ["-DC10_CUDA_NO_CMAKE_CONFIGURE_FILE"]
 
 
-def nvcc_command(nvcc: str, pre: list[str], post: list[str], source: Path, output: Path) -> list[str]:
-    return [nvcc, *pre, *machine_flags(), "-c", str(source), "-o", str(output), *post]
+def is_cuda(source: Path) -> bool:
+    return source.suffix == ".cu"
+
+
+def command(nvcc: str, flags: Flags, source: Path, output: Path, cpp_objects: bool = False) -> list[str]:
+    """The compiler command line of the real build for one source (without the dependency files)."""
+    if is_cuda(source):
+        return [nvcc, *flags.cuda_cflags, *machine_flags(flags.include), "-c", str(source), "-o", str(output),
+                *flags.cuda_post_cflags]
+    out = ["-c", str(source), "-o", str(output)] if cpp_objects else ["-fsyntax-only", str(source)]
+    return [*shlex.split(flags.cxx), *flags.cflags, *out, *flags.post_cflags]
 
 
 def compile_one(command: list[str], source: Path) -> tuple[Path, int, str, float]:
@@ -130,12 +256,26 @@ def compile_one(command: list[str], source: Path) -> tuple[Path, int, str, float
     return source, proc.returncode, proc.stdout + proc.stderr, time.monotonic() - start
 
 
+def cpp_sources() -> list[Path]:
+    """The C++ sources of the extension, as setup.py lists them."""
+    return sorted([*(ROOT / "csrc").glob("*.cpp"), *(ROOT / "csrc" / "cpu").glob("*.cpp")])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="*", type=Path, help="default: every csrc/cuda/*.cu")
+    parser.add_argument("files", nargs="*", type=Path, help="default: every csrc/cuda/*.cu (and with --all, "
+                        "every csrc/*.cpp and csrc/cpu/*.cpp)")
+    parser.add_argument("--all", action="store_true", help="every C++ and CUDA source of the extension")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--torch", metavar="VERSION", help="compile against this torch release's headers "
+                       "(its wheel is fetched once into the cache)")
+    which.add_argument("--torch-root", type=Path, help="compile against the torch tree at this root "
+                       "(ROOT/torch/include, ROOT/torch/utils/cpp_extension.py)")
+    parser.add_argument("--cpp-objects", action="store_true",
+                        help="compile C++ sources to objects instead of -fsyntax-only")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--print-flags", action="store_true",
-                        help="print the nvcc command of one source as JSON and compile nothing")
+                        help="print the command of the first source as JSON and compile nothing")
     args = parser.parse_args(argv)
 
     cuda_home = find_cuda_home()
@@ -144,28 +284,45 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     nvcc = os.path.join(cuda_home, "bin", "nvcc")
-    sources = [s.resolve() for s in args.files] or sorted((ROOT / "csrc" / "cuda").glob("*.cu"))
+    sources = [s.resolve() for s in args.files]
     if not sources:
-        print("compile_cuda: no .cu files", file=sys.stderr)
+        sources = [*(cpp_sources() if args.all else []), *sorted((ROOT / "csrc" / "cuda").glob("*.cu"))]
+    if not sources:
+        print("compile_cuda: no sources", file=sys.stderr)
         return 2
-    pre, post = build_flags(cuda_home)
+    torch_root = args.torch_root
+    if args.torch is not None:
+        try:
+            torch_root = fetch_torch(args.torch)
+        except RuntimeError as error:
+            print(error, file=sys.stderr)
+            return 3
+    flags = build_flags(cuda_home, torch_root)
     if args.print_flags:
-        print(json.dumps(nvcc_command(nvcc, pre, post, sources[0], Path("OUT.o"))))
+        print(json.dumps(command(nvcc, flags, sources[0], Path("OUT.o"), args.cpp_objects)))
         return 0
-    print("nvcc " + " ".join(shlex.quote(a) for a in [*pre, *machine_flags(), "-c", "SOURCE", "-o", "OUT", *post]))
+    print(f"torch headers: {flags.include}")
+    kinds = {is_cuda(s) for s in sources}
+    for cuda in sorted(kinds):
+        shown = command(nvcc, flags, Path("SOURCE.cu" if cuda else "SOURCE.cpp"), Path("OUT"), args.cpp_objects)
+        print(" ".join(shlex.quote(a) for a in shown))
     failed = 0
-    with tempfile.TemporaryDirectory(prefix="cafin_nvcc_") as outdir, \
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cafin_compile_") as outdir, \
             ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        jobs = [pool.submit(compile_one, nvcc_command(nvcc, pre, post, s, Path(outdir) / f"{i}_{s.stem}.o"), s)
-                for i, s in enumerate(sources)]
-        for job in jobs:
-            source, code, log, seconds = job.result()
+        # The slowest (nvcc) first, so that two workers finish together.
+        order = sorted(enumerate(sources), key=lambda item: not is_cuda(item[1]))
+        jobs = {i: pool.submit(compile_one, command(nvcc, flags, s, Path(outdir) / f"{i}_{s.stem}.o",
+                                                    args.cpp_objects), s) for i, s in order}
+        for i in range(len(sources)):
+            source, code, log, seconds = jobs[i].result()
             status = "ok" if code == 0 else f"FAILED (exit {code})"
             shown = source.relative_to(ROOT) if source.is_relative_to(ROOT) else source
-            print(f"{shown}: {status}, {seconds:.0f} s")
+            print(f"{shown}: {status}, {seconds:.0f} s", flush=True)
             if code != 0 or log.strip():
                 print(log.rstrip())
             failed += code != 0
+    print(f"{len(sources) - failed} of {len(sources)} compiled in {time.monotonic() - start:.0f} s")
     return 1 if failed else 0
 
 
