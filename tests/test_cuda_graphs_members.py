@@ -25,8 +25,9 @@ MEMBER_CASES = [c for c in CASES if c.member != "AdaFisher"]
 CAPTURED = [c for c in MEMBER_CASES if not c.refused]
 REFUSED = [c for c in MEMBER_CASES if c.refused]
 # Both sides differ by the order of some products (a captured K-FAC step runs the plain products,
-# an eager one its kept chains), which eigh and the damped inverse amplify; float64 stays tight.
-TOLERANCE = {torch.float64: dict(rtol=1e-7, atol=1e-9), torch.float32: dict(rtol=1e-5, atol=1e-5)}
+# an eager one its kept chains), which eigh amplifies near equal eigenvalues (about 3e-9 in
+# float64 after 12 steps on the CPU stand-in): float64 is still 1000x tighter than float32.
+TOLERANCE = {torch.float64: dict(rtol=1e-6, atol=1e-8), torch.float32: dict(rtol=1e-5, atol=1e-5)}
 
 
 def model(dtype, seed=0):
@@ -45,8 +46,10 @@ def params(run):
     return [p.detach().clone() for p in run.model.parameters()]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("interval", [2, 3])
+# float32 at both intervals; float64 (the tight check) at one: tools/gpu_check.sh gives this
+# file about four minutes, most of them the cold compiles below
+@pytest.mark.parametrize("interval, dtype", [(2, torch.float32), (3, torch.float32), (3, torch.float64)],
+                         ids=["2-fp32", "3-fp32", "3-fp64"])
 @pytest.mark.parametrize("case", CAPTURED, ids=[c.id for c in CAPTURED])
 def test_captured_training_step_replays_like_eager(case, interval, dtype):
     steps = WARMUP + 3 * interval + 1
