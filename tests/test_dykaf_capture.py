@@ -156,6 +156,15 @@ def test_device_decided_steps_read_no_host_count(name, settings, batched, float6
         for Qa, Qb in zip(a.get("bases", []), b.get("bases", [])):
             if Qa is not None:
                 torch.testing.assert_close(Qa, Qb, rtol=0, atol=1e-8)  # refreshed alike
+    # the checkpoints agree, the rotated-moment cache's step included (filled in from the
+    # device count)
+    saved, want = gated_opt.state_dict()["state"], eager_opt.state_dict()["state"]
+    for i in want:
+        for key in ("step", "exp_avg_rot_step"):
+            assert saved[i].get(key) == want[i].get(key), (i, key)
+        if "exp_avg_rot" in want[i]:
+            torch.testing.assert_close(saved[i]["exp_avg_rot"], want[i]["exp_avg_rot"],
+                                       rtol=1e-9, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,settings,batched", SETTINGS, ids=IDS)

@@ -41,6 +41,9 @@ _BETA = Real(0.0, 1.0, high_open=True, dtype=torch.float64)
 # _MAX_WAIT: the next step after the first drop, then after 1, 3, 7, ... steps, so that a model
 # gone non-finite does not pay the 100-iteration start on every step.
 _MAX_WAIT = 63
+# exp_avg_rot_step of a device-decided step: the cache belongs to the device count's step, or to
+# none (-1) when that step refreshed the bases; state_dict() writes the number.
+_FOLLOWS_DEVICE_STEP = "device"
 # Constructor arguments that are not group settings.
 _SETTINGS = {
     "backend": Choice(*_BACKENDS),
@@ -382,8 +385,21 @@ class DyKAF(CoreOptimizer):
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
                 st = states[i]
-                if gated or _refresh_due(st):
-                    st["exp_avg_rot_step"] = -1  # no host count, or the bases change after this step
+                if gated:
+                    # Written as an eager step writes it, decided on the device, so that the
+                    # checkpoint of a device-decided run equals the eager run's (its step filled
+                    # in by state_dict() from the device count): an eager step averages a valid
+                    # cache (the last step's, which was no refresh step) and copies the moment
+                    # into it on a step that is no refresh step.
+                    if "exp_avg_rot" in st:
+                        t, every = st["device_step"], st["precondition_frequency"]
+                        write = (torch.fmod(t, every) != 0) | (
+                            (torch.fmod(t - 1, every) != 0) & (t > 1))
+                        st["exp_avg_rot"].copy_(torch.where(write, x, st["exp_avg_rot"]))
+                        st["exp_avg_rot_step"] = _FOLLOWS_DEVICE_STEP
+                    continue
+                if _refresh_due(st):
+                    st["exp_avg_rot_step"] = -1  # the bases change after this step
                     continue
                 if not cached:
                     if "exp_avg_rot" in st:
@@ -587,6 +603,9 @@ class DyKAF(CoreOptimizer):
         for st in sd["state"].values():
             if "device_step" in st:
                 st["step"] = int(st["device_step"].item())
+            if st.get("exp_avg_rot_step") == _FOLLOWS_DEVICE_STEP:
+                due = st["step"] % st["precondition_frequency"] == 0
+                st["exp_avg_rot_step"] = -1 if due else st["step"]
         return sd
 
     def _checked_layout(self, where: str, p: torch.Tensor, saved: dict[str, Any],
