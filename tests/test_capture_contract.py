@@ -281,3 +281,18 @@ def test_capture_refused_names_why_and_changes_nothing(case):
         run.step(x, y)
     for p, q in zip(run.model.parameters(), reference.model.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_kfac_eigen_capture_with_decompositions_in_the_step_is_refused():
+    """K-FAC's eigen method decomposes with eigh (a sync on CUDA): capturing a step that would
+    decompose raises before the step writes anything, naming the recipe."""
+    case = next(c for c in CASES if c.id == "KFACPreconditioner")
+    data = batches(3)
+    run = build(case, 2)
+    for x, y in data[:WARMUP]:
+        run.step(x, y)
+    before = [p.detach().clone() for p in run.model.parameters()]
+    with pytest.raises(RuntimeError, match="decompose_in_step"):
+        with Graph().capture():
+            run.step(*data[WARMUP])
+    assert all(torch.equal(p, q) for p, q in zip(run.model.parameters(), before))
