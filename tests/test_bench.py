@@ -346,6 +346,33 @@ def test_published_code_that_raises_is_never_claimed(tmp_path):
     assert "the published code given for adafisher raised" in text
 
 
+def test_speedup_note_names_only_what_was_timed():
+    """The note under a phase's table, from the rows alone: published only where published rows
+    were timed, a raising copy named only when the user gave one, peers (no base) left out."""
+    from bench.measure import Result, Run, Skip
+    from bench.report import _speedup_basis
+
+    def row(variant, optimizer):
+        return Result("mlp", "step", variant, 1.0, 0, 3, 0.0, 0.0, 1.0, optimizer=optimizer)
+
+    run = Run("mlp", torch.device("cpu"), 8, 3, True, None)
+    run.results = [row("fused", "adafisher"), row("reference", "adafisher"), row("fused", "singd"),
+                   row("reference", "singd"), row("muon", "muon"), row("adamw-fused", "adamw")]
+    run.skipped = [Skip("mlp", "step", "published", "give your copy of the published code with ...")]
+    note = _speedup_basis(run, "step")
+    assert note == ("speed-up: against cafin's plain-PyTorch reference "
+                    "(--published PATH adds the published code)"), note
+    run.published = {"adafisher": "AdaFisher.py"}
+    run.skipped = [Skip("mlp", "step", "published", "the published code raised RuntimeError")]
+    assert "the published code given for adafisher raised" in _speedup_basis(run, "step")
+    assert "against the published code" not in _speedup_basis(run, "step")
+    run.skipped = []
+    run.results.append(row("published", "adafisher"))
+    note = _speedup_basis(run, "step")
+    assert note.startswith("speed-up: against the published code for adafisher; against cafin's "
+                           "plain-PyTorch reference for singd"), note
+
+
 def test_published_errors(tmp_path, capsys):
     assert bench_main(["--published", str(tmp_path / "missing.py")]) == 2
     assert "no such file" in capsys.readouterr().err
