@@ -1,6 +1,9 @@
 """The physical floor of each member's step in the speed bench: the floating-point operations of
-its GEMMs at the single-precision GEMM rate measured in the same run, plus the bytes of its
-elementwise passes at the copy bandwidth measured in the same run.
+its GEMMs at the rate a large product of the member's precision reaches in the same run
+(`gemm_size`: 512^3 on the CPU, 4096^3 on a GPU, where a 512^3 product is launch-bound), plus
+the bytes of its elementwise passes at the copy bandwidth measured in the same run, plus its
+launches at the cost of one launch measured in the same run (`launch_cost`). A floor above the
+measured time is an error of the floor, never a member beating it (`check`).
 
 One function per member, counting from the shapes of the model the bench builds it on (the
 layers the member itself registers), for the step its "step" rows time (a step that updates no
@@ -17,6 +20,11 @@ pass that uses it). GEMM operands are not counted as bytes: the GEMM rate includ
 K-FAC and two-level rewrite the gradients, so the bench restores them after every step
 (`PreconditionedSGD(restore_grads=True)`: a clone and a copy back, 16 B per gradient element);
 their floors include that, since their rows time it.
+
+The launches are the fewest kernels the step needs: one per pass the maths cannot merge, each
+over every layer at once (a multi-tensor launch), and one per stage of GEMMs (every layer's
+product of that stage as one grouped launch). A step that launches one kernel per layer pays
+the difference; on the CPU the term is microseconds, on a GPU it is what a captured step saves.
 """
 from __future__ import annotations
 
@@ -43,20 +51,93 @@ TWOLEVEL_BYTES = 5 * F32
 DYKAF_BYTES, DYKAF_SECOND_MOMENT_BYTES = 5 * F32, 2 * F32
 
 
+# The fewest launches of each member's step (see the module's docstring): GEMM stages, then
+# elementwise passes.
+SGD_LAUNCHES = 1  # torch's fused SGD: one multi-tensor pass
+RESTORE_LAUNCHES = 2  # the bench's gradient restore: a copy out, a copy back
+# K-FAC: Q_G^T V, V Q_A, W Q_A^T, Q_G W; the scaling (merged into a product's epilogue at best),
+# the KL-clip sum, the write.
+KFAC_LAUNCHES = 4 + 2 + SGD_LAUNCHES + RESTORE_LAUNCHES
+# Two-level: K-FAC's, plus the coarse right-hand side and the coarse solve.
+TWOLEVEL_LAUNCHES = KFAC_LAUNCHES + 2
+# DyKAF: the rotations in and out (2 stages each), the split's three two-sided products (2 each),
+# the update.
+DYKAF_LAUNCHES = 4 + 6 + 1
+
+
+def gemm_size(device: torch.device) -> int:
+    """The side of the square product whose rate prices a floor's GEMMs on `device`: a size at
+    which the device reaches its attainable rate. On the CPU 512 (MKL is at its rate there and
+    the members' products are of that order); on a GPU 4096 (a 512^3 product there is a few
+    microseconds, mostly launch, and its rate would price the GEMMs several times too high)."""
+    return 4096 if device.type == "cuda" else 512
+
+
+def launch_cost(device: torch.device, calls: int = 200, repeats: int = 7) -> float:
+    """Seconds per launch of the cheapest op: `t.add_(1)` on one element, `calls` back to back
+    then one synchronisation, the median over `repeats` batches (CUDA: a kernel launch; CPU: one
+    op's dispatch)."""
+    import statistics
+    import time
+    t = torch.zeros(1, device=device)
+    cuda = device.type == "cuda"
+    samples = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            t.add_(1)
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:  # the first batch warms up
+            samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples)
+
+
 @dataclass(frozen=True)
 class Floor:
-    """A member's step floor: `flop` of GEMMs and `bytes` of elementwise passes."""
+    """A member's step floor: `flop` of GEMMs in `dtype`, `bytes` of elementwise passes and
+    `launches` (the fewest kernels the step needs)."""
     optimizer: str
     flop: int
     bytes: int
+    launches: int = 0
+    dtype: str = "float32"
 
-    def ms(self, gemm_flop_s: float, bandwidth_b_s: float) -> float:
-        """Milliseconds at the GEMM rate (FLOP/s) and copy bandwidth (B/s) of this run."""
-        return (self.flop / gemm_flop_s + self.bytes / bandwidth_b_s) * 1e3
+    def ms(self, gemm_flop_s: float, bandwidth_b_s: float, launch_s: float = 0.0) -> float:
+        """Milliseconds at the GEMM rate (FLOP/s), copy bandwidth (B/s) and cost of one launch
+        (s) of this run."""
+        return (self.flop / gemm_flop_s + self.bytes / bandwidth_b_s + self.launches * launch_s) * 1e3
 
-    def to_json(self, gemm_flop_s: float, bandwidth_b_s: float) -> dict:
-        return {"optimizer": self.optimizer, "step_floor_ms": self.ms(gemm_flop_s, bandwidth_b_s),
-                "flop": self.flop, "bytes": self.bytes}
+    def to_json(self, gemm_flop_s: float, bandwidth_b_s: float, launch_s: float = 0.0) -> dict:
+        return {"optimizer": self.optimizer,
+                "step_floor_ms": self.ms(gemm_flop_s, bandwidth_b_s, launch_s),
+                "flop": self.flop, "bytes": self.bytes, "launches": self.launches,
+                "dtype": self.dtype, "gemm_ms": self.flop / gemm_flop_s * 1e3,
+                "bytes_ms": self.bytes / bandwidth_b_s * 1e3, "launch_ms": self.launches * launch_s * 1e3}
+
+
+def check(measured_ms: float, floor: dict, gemms_alone_ms: float | None = None) -> dict:
+    """`measured_ms` against a floor (`Floor.to_json`'s dict): the ratio, and where the floor is
+    above the measured time, `floor_error` with a note saying which term is wrong, since no step
+    runs under its floor; the floor is then not a target the member has met. With the member's
+    GEMMs-alone time measured in the same run, the floor is also priced with it in place of the
+    GEMM term (`x_floor_gemms_alone`), the rate these very shapes reach."""
+    floor_ms = floor["step_floor_ms"]
+    out = {"measured_ms": measured_ms, "floor_ms": floor_ms, "x_floor": measured_ms / floor_ms,
+           "floor_error": floor_ms > measured_ms}
+    if gemms_alone_ms is not None:
+        alone = gemms_alone_ms + floor.get("bytes_ms", 0.0) + floor.get("launch_ms", 0.0)
+        out["floor_ms_gemms_alone"] = alone
+        out["x_floor_gemms_alone"] = measured_ms / alone
+    if out["floor_error"]:
+        terms = {k: floor[k] for k in ("gemm_ms", "bytes_ms", "launch_ms") if k in floor}
+        big = max(terms, key=terms.get) if terms else "step_floor_ms"
+        out["note"] = (f"floor error: the floor ({floor_ms:.4g} ms) is above the measured "
+                       f"{measured_ms:.4g} ms; its largest term is {big} ({terms.get(big, floor_ms):.4g} "
+                       "ms), priced too high for this device")
+    return out
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:
@@ -100,7 +181,8 @@ def kfac(model: nn.Module) -> Floor:
         flop += eigenbasis_flops(groups, d_a, d_g, diagonal)
         elements += groups * d_a * d_g
     params = _numel(_trainable(model))
-    return Floor("kfac", flop, KFAC_BYTES * elements + (SGD_BYTES + RESTORE_BYTES) * params)
+    return Floor("kfac", flop, KFAC_BYTES * elements + (SGD_BYTES + RESTORE_BYTES) * params,
+                 KFAC_LAUNCHES)
 
 
 def singd(model: nn.Module, structure: str = "diagonal") -> Floor:
@@ -132,7 +214,9 @@ def singd(model: nn.Module, structure: str = "diagonal") -> Floor:
                 flop += 2 * 2 * stored * other
         if not (sk is Diagonal and sc is Diagonal):
             extra += 2 * F32 * d_k * d_c
-    return Floor("singd", flop, SGD_BYTES * _numel(_trainable(model)) + extra)
+    # One elementwise update, and four grouped GEMM stages where a side is not diagonal.
+    return Floor("singd", flop, SGD_BYTES * _numel(_trainable(model)) + extra,
+                 1 + (4 if flop else 0))
 
 
 def dykaf(model: nn.Module, max_precond_dim: int = 10000) -> Floor:
@@ -156,7 +240,7 @@ def dykaf(model: nn.Module, max_precond_dim: int = 10000) -> Floor:
             nbytes += DYKAF_SECOND_MOMENT_BYTES * p.numel()
         else:
             nbytes += DYKAF_SECOND_MOMENT_BYTES * p.numel()
-    return Floor("dykaf", flop, nbytes)
+    return Floor("dykaf", flop, nbytes, DYKAF_LAUNCHES)
 
 
 def twolevel(model: nn.Module) -> Floor:
@@ -173,7 +257,8 @@ def twolevel(model: nn.Module) -> Floor:
         elements += d_a * d_g
     flop += 2 * len(layers) * len(layers)
     params = _numel(_trainable(model))
-    return Floor("twolevel", flop, TWOLEVEL_BYTES * elements + (SGD_BYTES + RESTORE_BYTES) * params)
+    return Floor("twolevel", flop,
+                 TWOLEVEL_BYTES * elements + (SGD_BYTES + RESTORE_BYTES) * params, TWOLEVEL_LAUNCHES)
 
 
 FLOORS = {"kfac": kfac, "singd": singd, "dykaf": dykaf, "twolevel": twolevel}
@@ -224,6 +309,17 @@ def eigenbasis_products(layers, device: torch.device) -> partial:
             work = kept(d_g, d_a) if diagonal else kept(d_a, d_g)
             entries.append((grad, work, None, qa, qg, torch.ones_like(grad)))
     return partial(ops.kfac_eigen_products_, *(list(column) for column in zip(*entries)))
+
+
+def check_floors(run, gemms_alone_variant: str) -> None:
+    """Each member floor of a speed-bench run (`run.floor["members"]`) against the member's
+    fused step row, with its GEMMs-alone row where it has one: `check`'s dict as the floor's
+    "check" entry."""
+    for f in run.floor.get("members", []):
+        r = run.result("step", "fused", f["optimizer"])
+        alone = run.result("step", gemms_alone_variant, f["optimizer"])
+        if r is not None:
+            f["check"] = check(r.median_ms, f, alone.median_ms if alone else None)
 
 
 def member_floors(model: nn.Module, names) -> tuple[list[Floor], dict[str, str]]:

@@ -37,7 +37,8 @@ import torch
 from . import members as members_pkg
 from . import published as published_mod
 from . import report
-from .floors import EIGENBASIS_LAYERS, eigenbasis_products, member_floors
+from .floors import (EIGENBASIS_LAYERS, check_floors, eigenbasis_products, gemm_size, launch_cost,
+                     member_floors)
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
                       copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
 from .members import VARIANTS, Member
@@ -50,7 +51,6 @@ TIMED_TCOV = 10**9  # k % TCov == 0 only at k = 0: the preparing step curves, ev
 DEFAULT_BATCH = {"resnet18": 32, "gpt": 16, "mlp": 128}
 BASELINES = ("adamw-foreach", "adamw-fused")
 PRODUCTS_ALONE = "products-alone"  # a member's eigenbasis GEMMs and nothing else (bench/floors.py)
-SGEMM_N = 512  # the GEMM rate of the members' floors: float32 [n, n] products
 PHASES = ("step", "statistics", "agreement", "whole-step", "structures")
 # Phases only an explicit --phases runs (SINGD's per-structure rows: minutes, compiles included).
 OPT_IN_PHASES = ("structures",)
@@ -155,12 +155,13 @@ def _member_floors(ctx: Context, progress) -> None:
     member's step floor (bench/floors.py) in run.floor["members"]; a member whose floor cannot be
     counted on this model (it refuses the model) gets a skip that says why."""
     run = ctx.run
-    task = progress.add_task(f"floor      sgemm {SGEMM_N}^3", total=1)
-    rate = sgemm_rate(SGEMM_N, run.device)
+    n = gemm_size(run.device)
+    task = progress.add_task(f"floor      sgemm {n}^3, launch cost", total=1)
+    rate, launch_s = sgemm_rate(n, run.device), launch_cost(run.device)
     progress.advance(task)
     floors, failed = member_floors(ctx.base, [m.name for m in ctx.members])
-    run.floor.update(sgemm_gflop_s=rate / 1e9, sgemm_n=SGEMM_N,
-                     members=[f.to_json(rate, ctx.bandwidth) for f in floors])
+    run.floor.update(sgemm_gflop_s=rate / 1e9, sgemm_n=n, launch_us=launch_s * 1e6,
+                     members=[f.to_json(rate, ctx.bandwidth, launch_s) for f in floors])
     for name, why in failed.items():
         run.skipped.append(Skip(run.model, "floor", "-", f"no step floor: {why}", optimizer=name))
 
@@ -194,6 +195,7 @@ def bench(run: Run, ctx_args: dict, console) -> None:
         _member_floors(ctx, progress)
         if "step" in ctx.phases:
             _step_phase(ctx)
+            check_floors(run, PRODUCTS_ALONE)
         for member in ctx.members:
             if member.details is not None:
                 member.details(ctx)

@@ -69,10 +69,49 @@ def test_twolevel_floor_hand_count():
 
 
 def test_floor_ms_and_json():
-    f = floors.Floor("kfac", 2 * 10**9, 10**9)
-    assert f.ms(1e11, 1e10) == pytest.approx(20 + 100)
-    assert f.to_json(1e11, 1e10) == {"optimizer": "kfac", "step_floor_ms": pytest.approx(120),
-                                     "flop": 2 * 10**9, "bytes": 10**9}
+    f = floors.Floor("kfac", 2 * 10**9, 10**9, launches=9)
+    assert f.ms(1e11, 1e10) == pytest.approx(20 + 100)  # no launch cost given: none counted
+    # 9 launches at 5 us each: 0.045 ms on top of the GEMMs' 20 ms and the bytes' 100 ms
+    assert f.ms(1e11, 1e10, 5e-6) == pytest.approx(120.045)
+    assert f.to_json(1e11, 1e10, 5e-6) == {
+        "optimizer": "kfac", "step_floor_ms": pytest.approx(120.045), "flop": 2 * 10**9,
+        "bytes": 10**9, "launches": 9, "dtype": "float32", "gemm_ms": pytest.approx(20),
+        "bytes_ms": pytest.approx(100), "launch_ms": pytest.approx(0.045)}
+
+
+def test_each_floor_counts_its_launches():
+    model = _tiny()
+    assert floors.kfac(model).launches == floors.KFAC_LAUNCHES == 9
+    assert floors.twolevel(model).launches == floors.KFAC_LAUNCHES + 2
+    assert floors.singd(model).launches == 1  # diagonal: one elementwise update
+    assert floors.singd(model, "dense").launches == 5  # and four grouped GEMM stages
+    assert floors.dykaf(model).launches == floors.DYKAF_LAUNCHES
+
+
+def test_a_floor_above_the_measured_time_is_the_floors_error():
+    """A floor priced above what the step measured is flagged as an error of the floor with a
+    note naming its largest term, never read as the member beating it."""
+    floor = floors.Floor("kfac", 4 * 10**9, 10**6, launches=9).to_json(1e11, 1e10, 2e-6)
+    # 40 ms of GEMMs + 0.1 ms of bytes + 0.018 ms of launches, against a step measured at 10 ms
+    got = floors.check(10.0, floor)
+    assert got["floor_error"] and got["x_floor"] == pytest.approx(10 / 40.118)
+    assert got["note"].startswith("floor error") and "gemm_ms" in got["note"]
+    fine = floors.check(50.0, floor)
+    assert not fine["floor_error"] and "note" not in fine and fine["x_floor"] > 1
+    # With the GEMMs measured alone at these shapes (8 ms) the floor is 8.118 ms: under 10 ms
+    alone = floors.check(10.0, floor, gemms_alone_ms=8.0)
+    assert alone["floor_ms_gemms_alone"] == pytest.approx(8.118)
+    assert alone["x_floor_gemms_alone"] == pytest.approx(10 / 8.118)
+
+
+def test_gemm_size_is_large_on_a_gpu():
+    assert floors.gemm_size(torch.device("cpu")) == 512
+    assert floors.gemm_size(torch.device("cuda")) == 4096  # no CUDA call: the size only
+
+
+def test_launch_cost():
+    cost = floors.launch_cost(torch.device("cpu"), calls=50, repeats=3)
+    assert math.isfinite(cost) and 0 < cost < 1e-2  # one tiny op's dispatch: microseconds
 
 
 def test_member_floors_on_gpt():
@@ -124,3 +163,33 @@ def test_eigenbasis_products_alone_do_the_floors_gemm_flops(name):
     assert counter.get_total_flops() == want
     floor = floors.FLOORS[name](model)
     assert floor.flop - want == (2 * len(layers) ** 2 if name == "twolevel" else 0)
+
+
+def test_the_report_flags_a_floor_error_and_gives_no_verdict():
+    """The speed bench's floor check and target row: a member floor priced above its fused step
+    (here a GEMM rate 100x too low) gets `floor_error` and a note in the JSON, a target row whose
+    measured column is that note with no verdict, and "floor err" in the step table's x-floor
+    cell; a floor under the step gets the ordinary ratio and verdict."""
+    from rich.console import Console
+    from bench import report
+    from bench.measure import QUICK, Result, Run
+    run = Run(model="gpt", device=torch.device("cpu"), batch_size=2, steps=1, quick=True,
+              budget=QUICK)
+    for name, ms in (("kfac", 5.0), ("singd", 1.2)):
+        run.results.append(Result("gpt", "step", "fused", ms, 0, 3, 0.0, 0.0, ms, optimizer=name))
+    too_high = floors.Floor("kfac", 10**9, 0, 9).to_json(1e10, 1e10, 1e-6)  # 100 ms of GEMMs
+    fine = floors.Floor("singd", 0, 10**7, 1).to_json(1e10, 1e10, 1e-6)  # 1.001 ms
+    run.floor = {"sgemm_gflop_s": 10.0, "members": [too_high, fine]}
+    floors.check_floors(run, "products-alone")
+    assert too_high["check"]["floor_error"] and not fine["check"]["floor_error"]
+    rows = {r["target"].split(" fused")[0]: r for r in report.targets(run)
+            if "vs its floor" in r["target"]}
+    assert rows["kfac"]["verdict"] == "n/a" and rows["kfac"]["measured"].startswith("floor error")
+    assert rows["singd"]["verdict"] == "met" and rows["singd"]["measured"].endswith("the floor")
+    console = Console(record=True, width=200)
+    console.print(report._phase_table(run, "step", None, "", {}))
+    text = console.export_text()
+    rows = [line for line in text.splitlines() if "floor:" not in line]  # not the floors' own
+    kfac_line = next(line for line in rows if "kfac" in line)
+    singd_line = next(line for line in rows if "singd" in line)
+    assert "floor err" in kfac_line and "floor err" not in singd_line
