@@ -26,12 +26,12 @@ FINITE_KEYS = ("host_ms", "host_vs_adamw", "step_ops", "stats_ops", "due_step_op
 
 @pytest.fixture(scope="module")
 def result():
-    return proxies.run(models=("resnet18", "gpt"), tiny=True,
-                       setup_kwargs={"warmup": 1, "repeats": 3})
+    # one model keeps the test short; the phase runs both models alike
+    return proxies.run(models=("gpt",), tiny=True, setup_kwargs={"warmup": 1, "repeats": 3})
 
 
 def test_every_member_has_a_row_of_finite_values(result):
-    for model in ("resnet18", "gpt"):
+    for model in ("gpt",):
         rows = {r["member"]: r for r in result["models"][model]}
         assert set(rows) == {m.name for m in proxies.MEMBERS} | {"adamw-fused"}, model
         assert rows["adamw-fused"]["step_ops"] >= 1 and rows["adamw-fused"]["host_ms"] > 0
@@ -60,6 +60,13 @@ def test_flop_counter_sees_a_linear():
     # and its backward: the input and weight gradients, two more products of the same size
     x.requires_grad_(True)
     assert proxies.count_flops(lambda: lin(x).sum().backward()) == 3 * 2 * m * n * k
+
+
+def test_flop_counter_sees_in_place_gemms():
+    a, b, c = torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(2, 3, 5)
+    assert proxies.count_flops(lambda: c.baddbmm_(a, b)) == 2 * 2 * 3 * 4 * 5
+    m = torch.randn(3, 5)
+    assert proxies.count_flops(lambda: m.addmm_(a[0], b[0])) == 2 * 3 * 4 * 5
 
 
 def test_flop_counter_sees_the_gemms_inside_a_cafin_op():
