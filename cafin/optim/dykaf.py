@@ -372,7 +372,8 @@ class DyKAF(CoreOptimizer):
             # so it follows the same average as exp_avg, from the rotated gradient, without the
             # two GEMMs of a projection (equal up to rounding). "exp_avg_rot_step" is the step it
             # belongs to (-1: none); a host int, so a checkpoint resumes on the same path.
-            # Device-decided steps advance no host count: they always project.
+            # Device-decided steps advance no host count: they choose on the device (below).
+            compiling = torch.compiler.is_compiling()
             cached = not gated and all(states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1
                                        for i in idx)
             if cached:
@@ -381,10 +382,24 @@ class DyKAF(CoreOptimizer):
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
                 stacked = _sandwich(QL.mT, _stack([exp_avgs[i] for i in idx]), QR)
+                if gated and not compiling and all("exp_avg_rot" in states[i] for i in idx):
+                    # The moment an eager step takes, chosen on the device: the kept one averaged
+                    # where the last step refreshed no basis, else the projection. The two differ
+                    # by rounding, which a refresh can amplify in float32; taking the same one
+                    # keeps a captured step equal to the eager step.
+                    average = (torch.stack([states[i]["exp_avg_rot"] for i in idx]) * keep
+                               + torch.stack([rotated[i] for i in idx]) * take)
+                    valid = torch.stack([_cache_follows(states[i]) for i in idx])
+                    stacked = torch.where(valid.view(-1, 1, 1), average, stacked)
             stacked_moments.append(stacked)
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
                 st = states[i]
+                if compiling:
+                    # inductor's step writes this cache wrong (aot_eager's is right): a compiled
+                    # step keeps none, so the next eager step projects
+                    st["exp_avg_rot_step"] = -1
+                    continue
                 if gated:
                     # Written as an eager step writes it, decided on the device, so that the
                     # checkpoint of a device-decided run equals the eager run's (its step filled
@@ -758,6 +773,14 @@ DyKAF.__doc__ = (
     ``load_state_dict``. Speed: docs/dykaf.md.
     """
 )
+
+
+def _cache_follows(state) -> torch.Tensor:
+    """Whether the kept rotated moment belongs to the last step (a device bool, from the device
+    count t after its increment): the host-decided rule `exp_avg_rot_step == step - 1`, since
+    every step writes it except one that refreshes the bases."""
+    t, every = state["device_step"], state["precondition_frequency"]
+    return (t > 1) & (torch.fmod(t - 1, every) != 0)
 
 
 def _refresh_due(state) -> bool:
