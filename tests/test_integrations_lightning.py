@@ -176,3 +176,20 @@ def test_clear_errors(pl):
                             "accumulate_grad_batches": 1})()
     with pytest.raises(ValueError, match="TwoLevelKFAC"):
         callback.on_fit_start(fp16, None)
+
+
+@pytest.mark.parametrize("namespace, other", [("lightning.pytorch", "cafin.integrations.pytorch_lightning"),
+                                              ("pytorch_lightning", "cafin.integrations.lightning")])
+def test_a_missing_namespace_names_the_other_module(namespace, other, monkeypatch):
+    """Without the namespace's package, the error names it and the module for the other one."""
+    from cafin.integrations import lightning_callback
+
+    package = lightning_callback.NAMESPACES[namespace][0]
+
+    def missing(name):
+        raise ModuleNotFoundError(f"No module named {package!r}", name=package)
+
+    monkeypatch.setattr(lightning_callback.importlib, "import_module", missing)
+    with pytest.raises(ModuleNotFoundError, match=f"needs the `{package}` package") as info:
+        lightning_callback.callback_base(namespace)
+    assert f"{other}.PreconditionerCallback" in str(info.value)

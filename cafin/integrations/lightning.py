@@ -15,20 +15,10 @@ Recipes: docs/integrations.md.
 """
 from __future__ import annotations
 
-try:
-    from lightning.pytorch.callbacks import Callback
-except ModuleNotFoundError as e:
-    if e.name not in ("lightning", "lightning.pytorch"):
-        raise
-    raise ModuleNotFoundError(
-        "cafin.integrations.lightning needs the `lightning` package (pip install lightning); with "
-        "`pytorch_lightning` (import pytorch_lightning as pl), use "
-        "cafin.integrations.pytorch_lightning.PreconditionerCallback", name=e.name) from e
-
-from .lightning_callback import PreconditionerHooks
+from .lightning_callback import PreconditionerHooks, callback_base
 
 __all__ = ["PreconditionerCallback"]
 
 
-class PreconditionerCallback(PreconditionerHooks, Callback):
+class PreconditionerCallback(PreconditionerHooks, callback_base("lightning.pytorch")):
     __doc__ = PreconditionerHooks.__doc__

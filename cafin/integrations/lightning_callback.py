@@ -2,10 +2,31 @@
 namespaces: each namespace's module derives its class from these and from its own `Callback`."""
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from ..core.preconditioner import Preconditioner
 from .preconditioning import check_preconditioner, prepare, unscale
+
+# namespace -> (its package, cafin's module for it)
+NAMESPACES = {"lightning.pytorch": ("lightning", "cafin.integrations.lightning"),
+              "pytorch_lightning": ("pytorch_lightning", "cafin.integrations.pytorch_lightning")}
+
+
+def callback_base(namespace: str) -> type:
+    """The namespace's `Callback`, or an error that names the package and cafin's module for the
+    other namespace."""
+    package, _ = NAMESPACES[namespace]
+    try:
+        return importlib.import_module(f"{namespace}.callbacks").Callback
+    except ModuleNotFoundError as e:
+        if e.name not in (package, namespace):
+            raise
+        other = next(n for n in NAMESPACES if n != namespace)
+        raise ModuleNotFoundError(
+            f"{NAMESPACES[namespace][1]} needs the `{package}` package (pip install "
+            f"{package.replace('_', '-')}); with `{other}`, use "
+            f"{NAMESPACES[other][1]}.PreconditionerCallback", name=e.name) from e
 
 
 class PreconditionerHooks:

@@ -6,20 +6,10 @@ Recipes: docs/integrations.md.
 """
 from __future__ import annotations
 
-try:
-    from pytorch_lightning.callbacks import Callback
-except ModuleNotFoundError as e:
-    if e.name != "pytorch_lightning":
-        raise
-    raise ModuleNotFoundError(
-        "cafin.integrations.pytorch_lightning needs the `pytorch_lightning` package (pip install "
-        "pytorch-lightning); with `lightning` (import lightning.pytorch as pl), use "
-        "cafin.integrations.lightning.PreconditionerCallback", name=e.name) from e
-
-from .lightning_callback import PreconditionerHooks
+from .lightning_callback import PreconditionerHooks, callback_base
 
 __all__ = ["PreconditionerCallback"]
 
 
-class PreconditionerCallback(PreconditionerHooks, Callback):
+class PreconditionerCallback(PreconditionerHooks, callback_base("pytorch_lightning")):
     __doc__ = PreconditionerHooks.__doc__
