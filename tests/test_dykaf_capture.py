@@ -16,16 +16,9 @@ from torch import nn
 import cafin
 from cafin.maths import dykaf as dykaf_maths
 from capture import Graph
+from test_dykaf import float64_default  # noqa: F401  (the fixture)
 
 FREQUENCY = 3
-
-
-@pytest.fixture
-def float64_default():
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
 
 
 def cnn():
