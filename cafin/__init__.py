@@ -13,10 +13,11 @@ def cuda_kernels_built() -> bool:
 
 from .optim import (SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner, LambdaParamScheduler,  # noqa: E402
                     TwoLevelKFAC)
+from .graphs import StepGraphs  # noqa: E402
 from .layers import LayerType, register, supported_types  # noqa: E402
 # cafin.nn.MultiheadAttention, replace_multihead_attention; not in __all__, so that
 # `from cafin import *` leaves a user's `nn` (torch.nn) alone
 from . import nn  # noqa: E402
 
 __all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "LambdaParamScheduler", "SINGD", "TwoLevelKFAC",
-           "LayerType", "register", "supported_types", "cuda_kernels_built"]
+           "StepGraphs", "LayerType", "register", "supported_types", "cuda_kernels_built"]

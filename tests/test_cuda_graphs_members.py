@@ -5,7 +5,8 @@ member's step compiled with mode="reduce-overhead". The recipes are tests/captur
 (the ones tests/test_capture_contract.py runs on the CPU stand-in): K-FAC with `decompose()`
 outside the graph, K-FAC's inverse method with its inverses in the graph, SINGD dense and
 diagonal, DyKAF through its refresh steps; two-level K-FAC refuses a capture, naming why.
-AdaFisher's own captured and compiled steps are tests/test_cuda_graphs.py's.
+AdaFisher's own captured and compiled steps are tests/test_cuda_graphs.py's. Last, every member
+through cafin.StepGraphs (one graph per phase; on the CPU: tests/test_step_graphs.py).
 
 These need a CUDA GPU and cafin's CUDA kernels; tools/gpu_check.sh runs them."""
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 
 from capture import CASES
 from devices import CUDA_MARKS
+from test_step_graphs import SETUPS
 
 pytestmark = [*CUDA_MARKS, pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -135,3 +137,42 @@ def test_reduce_overhead_step_keeps_cudagraphs(case):
     if not case.refused:
         assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("setup", SETUPS, ids=[s[0] for s in SETUPS])
+def test_step_graphs_replay_like_eager(setup, dtype):
+    """cafin.StepGraphs with real CUDA graphs (one per phase, in one pool), statistics every 2
+    steps and K-FAC's decompositions every 4, over three inverse intervals, against the plain
+    eager run; two-level K-FAC runs eagerly, said once."""
+    from members import MEMBERS, Run
+    import cafin
+    _, name, kwargs = setup
+    member = next(m for m in MEMBERS if m.name == name)
+    steps = WARMUP + 12 + 1
+    data = batches(steps, dtype)
+    eager = Run(member, model(dtype), **kwargs(2))
+    expected = []
+    for x, y in data:
+        eager.step(x, y)
+        expected.append(params(eager))
+
+    run = Run(member, model(dtype), **kwargs(2))
+    static_x, static_y = data[0][0].clone(), data[0][1].clone()
+
+    def step():
+        run.step(static_x, static_y)
+        return run.model[0].weight.sum()
+
+    graphs = cafin.StepGraphs(step, run.curvature, warmup=WARMUP)
+    for k, (x, y) in enumerate(data):
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graphs()
+        for i, (p, q) in enumerate(zip(run.model.parameters(), expected[k])):
+            torch.testing.assert_close(p, q, **TOLERANCE[dtype],
+                                       msg=lambda m, k=k, i=i: f"{name} step {k} param {i}: {m}")
+    if name == "TwoLevelKFAC":
+        assert graphs.graphs == 0
+    else:
+        assert graphs.graphs >= 2 and graphs.replays > 0

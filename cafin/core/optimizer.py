@@ -151,6 +151,11 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         raise NotImplementedError
 
+    def _capture_refusal(self) -> str | None:
+        """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
+        graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""
+        return None
+
     def __deepcopy__(self, memo):
         """A copy optimises copies of the parameters, with state of its own."""
         new = type(self).__new__(type(self))

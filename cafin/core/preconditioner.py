@@ -147,6 +147,11 @@ class Preconditioner:
             self._hooks.remove()
             self._hooks = None
 
+    def _capture_refusal(self) -> str | None:
+        """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
+        graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""
+        return None
+
     def __deepcopy__(self, memo):
         from .. import ops, reference  # the backends, which members keep in tables
         for shared in (ops, reference, getattr(self, "process_group", None)):

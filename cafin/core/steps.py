@@ -17,6 +17,13 @@ class StepCounter:
     all: after either, the counter is "device gated" for good. Then every statistic op is launched
     on every pass with the per-device k tensor and decides on the device, and the host reads k from
     that tensor when it must (checkpoints).
+
+    A device-gated counter can still be told k by the host: `cafin.StepGraphs` knows which step
+    each graph it replays is, so it "pins" k while it captures (or runs eagerly) one step. Then
+    `host_due(interval)` answers False on the steps the pinned k says are not due, and the work
+    they would launch is not put in the graph at all: a graph is captured per phase (which
+    intervals are due) and replayed only on steps of that phase. The work that is launched still decides on the device, as
+    every gated step does, so a pinned step computes what an unpinned gated step computes.
     """
 
     def __init__(self) -> None:
@@ -24,6 +31,8 @@ class StepCounter:
         self.device_gated = False
         self.stepped = False  # whether any step ran (for the LR scheduler's call-order warning)
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pinned: int | None = None  # k as the host knows it, set by StepGraphs per step
+        self.phase: set[tuple[int, int, bool]] = set()  # the (interval, offset, due) host_due() answered
 
     def _pair(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tensors:
@@ -58,12 +67,21 @@ class StepCounter:
         """(launch, step): launch the statistics at all, and the k tensor when the op must decide
         on the device (None when the host already decided that k % interval == 0)."""
         if self._latch():
-            return True, self.tensor(device)
+            return self.host_due(interval) is None, self.tensor(device)
         return self.host % interval == 0, None
 
-    def host_due(self, interval: int) -> bool | None:
-        """k % interval == 0 as the host knows it, or None once the device decides."""
-        return None if self._latch() else self.host % interval == 0
+    def host_due(self, interval: int, offset: int = 0) -> bool | None:
+        """(k + offset) % interval == 0 as the host knows it, or None once the device decides.
+        With k pinned, a step that is not due gets False (its work is left out of the graph) and
+        a due one None (its work is launched, and decides on the device as on any gated step).
+        `offset`: for a count that runs alongside k (a parameter's own step count)."""
+        if not self._latch():
+            return (self.host + offset) % interval == 0
+        if self.pinned is None:
+            return None
+        due = (self.pinned + offset) % interval == 0
+        self.phase.add((interval, offset, due))
+        return None if due else False
 
     def advance(self) -> None:
         """One completed step: +1 on every device tensor (one op), and on the host when eager."""

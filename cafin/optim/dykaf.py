@@ -374,15 +374,16 @@ class DyKAF(CoreOptimizer):
             # belongs to (-1: none); a host int, so a checkpoint resumes on the same path.
             # Device-decided steps advance no host count: they choose on the device (below).
             compiling = torch.compiler.is_compiling()
-            cached = not gated and all(states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1
-                                       for i in idx)
+            known = self._pinned_cache([states[i] for i in idx]) if gated and not compiling else None
+            cached = known is True or not gated and all(
+                states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1 for i in idx)
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
-                _average_(caches, [rotated[i] for i in idx], keep, take)
+                _average_(caches, [rotated[i] for i in idx], keep, take, host=not gated)
                 stacked = torch.stack(caches)  # a copy: preconditioned in place below
             else:
                 stacked = _sandwich(QL.mT, _stack([exp_avgs[i] for i in idx]), QR)
-                if gated and not compiling and all("exp_avg_rot" in states[i] for i in idx):
+                if known is None and gated and not compiling and all("exp_avg_rot" in states[i] for i in idx):
                     # The moment an eager step takes, chosen on the device: the kept one averaged
                     # where the last step refreshed no basis, else the projection. The two differ
                     # by rounding, which a refresh can amplify in float32; taking the same one
@@ -423,6 +424,20 @@ class DyKAF(CoreOptimizer):
                         st["exp_avg_rot"] = x.clone()
                 st["exp_avg_rot_step"] = st["step"]
         return moments, stacked_moments
+
+    def _pinned_cache(self, states) -> bool | None:
+        """With k pinned (cafin.StepGraphs), whether the kept rotated moments belong to the last
+        step (`_cache_follows`, as the host knows it): True or False when it is so for every
+        state, None when the device decides. A parameter's count t runs alongside k from where
+        both stopped on the host."""
+        if self._steps.pinned is None or not all("exp_avg_rot" in st for st in states):
+            return None
+        follows = set()
+        for st in states:
+            offset = st["step"] + 1 - self._steps.host  # t = k + offset after this step's increment
+            refreshed = self._steps.host_due(st["precondition_frequency"], offset - 1) is None
+            follows.add(self._steps.pinned + offset > 1 and not refreshed)
+        return follows.pop() if len(follows) == 1 else None
 
     def _precondition(self, group, states, rotated, moments, beta2) -> None:
         """Precondition the rotated moments in place: by the rank-one second moment (l, r) where
@@ -559,8 +574,12 @@ class DyKAF(CoreOptimizer):
         if gated:
             # A device-decided step reads no host count (a compiled one would recompile for each
             # value, a captured one would replay the value of its capture): the refresh is
-            # decided from the device count.
-            due = torch.fmod(state["device_step"], state["precondition_frequency"]) == 0
+            # decided from the device count. Left out where the host knows it is not due
+            # (StepGraphs); the host count stopped at the counter's, so the offset is fixed.
+            every = state["precondition_frequency"]
+            if self._steps.host_due(every, state["step"] + 1 - self._steps.host) is False:
+                return
+            due = torch.fmod(state["device_step"], every) == 0
             self._refresh(p, state, group, due)
         elif _refresh_due(state):
             self._refresh(p, state, group)

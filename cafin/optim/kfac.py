@@ -797,11 +797,19 @@ class KFACPreconditioner(Preconditioner):
         self._keep_own_rows()
         self._advance()
 
+    def _capture_refusal(self) -> str | None:
+        if (self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN
+                and self._steps.host_due(self.inv_update_steps) is not False):
+            return ("torch.linalg.eigh (the inverse step's decompositions) syncs with the host on "
+                    "CUDA, which a capture forbids")
+        return None
+
     def _check_step(self) -> None:
         """Every value the step reads, checked before it writes anything (callables are
         evaluated for this step count here)."""
-        if self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN and capturing():
-            raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: set "
+        if capturing() and self._capture_refusal() is not None:
+            raise RuntimeError("torch.linalg.eigh cannot be captured in a CUDA graph: capture with "
+                               "cafin.StepGraphs (it runs the inverse steps eagerly), or set "
                                "preconditioner.decompose_in_step = False, capture the step, and call "
                                "preconditioner.decompose() eagerly every inv_update_steps steps")
         self._refresh_settings()
