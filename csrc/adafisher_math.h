@@ -114,13 +114,6 @@ C10_HOST_DEVICE C10_ALWAYS_INLINE T statistic_mean(T sum, T count, T scale_sq, b
   return z;
 }
 
-// As published: +inf -> 1, -inf -> 0. NaN passes through (the caller drops the whole statistic).
-template <typename T>
-C10_HOST_DEVICE C10_ALWAYS_INLINE T map_inf(T z) {
-  const T inf = std::numeric_limits<T>::infinity();
-  return z == inf ? T(1) : (z == -inf ? T(0) : z);
-}
-
 // The denominator of the min-max normalisation, rounded like the reference: (max - min) in T, + eps.
 template <typename T>
 C10_HOST_DEVICE C10_ALWAYS_INLINE T minmax_denominator(T zmin, T zmax) {

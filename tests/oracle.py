@@ -175,9 +175,7 @@ def takes_statistics(m: nn.Module, x: torch.Tensor) -> bool:
 
 
 def normalise(z: torch.Tensor) -> torch.Tensor:
-    """+inf -> 1, -inf -> 0, then min-max with an absolute eps of 1e-6."""
-    z = torch.where(z == math.inf, torch.ones_like(z), z)
-    z = torch.where(z == -math.inf, torch.zeros_like(z), z)
+    """Min-max with an absolute eps of 1e-6 (of a finite statistic: a non-finite one is dropped)."""
     return (z - z.min()) / (z.max() - z.min() + MINMAX_EPS)
 
 
@@ -265,7 +263,7 @@ class Oracle:
         return S * H[-1] + damping
 
     def _fold_statistic(self, m: nn.Module, key: str, z: torch.Tensor) -> None:
-        if torch.isnan(z).any():
+        if not torch.isfinite(z).all():
             self.skipped += 1
             return
         z_hat = normalise(z)

@@ -334,14 +334,16 @@ def test_activation_checkpointing_takes_statistics_once(member, reentrant):
 
 
 # ----------------------------------------------------------------------------- NaN statistics
+@pytest.mark.parametrize("poison", [math.nan, 1e200], ids=["nan", "inf"])
 @pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
-def test_nan_statistic_is_dropped_with_a_warning(member):
+def test_nan_statistic_is_dropped_with_a_warning(member, poison):
     """A pass on a NaN batch whose step is skipped (as a GradScaler skips one): its statistics
-    are dropped when they would be folded, and the factors stay finite."""
+    are dropped when they would be folded, and the factors stay finite. The same for a batch
+    of 1e200, whose squares overflow float64: statistics that are inf (and not NaN)."""
     data = batches(4)
     run = train(member, mlp(), data[:2])
     x, y = data[2]
-    run.backward(torch.full_like(x, math.nan), y)
+    run.backward(torch.full_like(x, poison), y)
     run.model.zero_grad(set_to_none=True)
     run.backward(*data[3])
     with warnings.catch_warnings(record=True) as caught:

@@ -372,8 +372,8 @@ def test_statistics_gating(device, step, interval, due):
 
 # ----------------------------------------------------------------------------------- factors
 def average_case(device, dtype, seed=10):
-    """Entries: count 1; first use (factor -1) from 3 contributions; +-inf; count 0; constant;
-    length 1. grad_side alternates."""
+    """Entries: count 1; first use (factor -1) from 3 contributions; +-inf (dropped); count 0;
+    constant; length 1. grad_side alternates."""
     g = gen(seed)
     f = lambda n: 0.05 + rand(g, n, dtype=dtype, device=device)  # noqa: E731
     factors = [f(5), -torch.ones(7, dtype=dtype, device=device), f(4), f(3), f(6), f(1)]
@@ -395,16 +395,18 @@ def test_fisher_average_matches_reference(device, dtype, scaled):
     factors, stats, grad_side = average_case(device, dtype)
     grad_scale = torch.tensor(8.0, device=device) if scaled else None
     skipped = torch.tensor(2.0, device=device)
+    before = copy.deepcopy(factors)
     want_f, want_s, want_skipped = copy.deepcopy((factors, stats, skipped))
     ref.fisher_average_(want_f, want_s, want_skipped, 0.8, grad_side, grad_scale)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing is dropped: no warning
+        warnings.simplefilter("error")  # the op only counts: the optimizer warns
         ops.fisher_average_(factors, stats, skipped, 0.8, grad_side, grad_scale)
     for got, want in zip(factors, want_f):
         assert_close(got, want, RTOL[dtype])
     for got in stats:
         assert torch.count_nonzero(got) == 0
-    assert skipped.item() == 2.0
+    assert skipped.item() == want_skipped.item() == 3.0  # the +-inf statistic is dropped
+    assert torch.equal(factors[2], before[2])
     assert torch.equal(factors[3], want_f[3])  # count 0: untouched
 
 

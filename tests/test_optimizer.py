@@ -335,15 +335,17 @@ def test_model_matches_oracle(case, opt_cls, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_inf_statistic_maps_to_one(backend):
-    """+inf in a raw statistic becomes 1 before min-max (float64 model so the oracle overflows
-    the same way: (1e200)^2 = inf)."""
+def test_inf_statistic_is_dropped_with_a_warning(backend):
+    """+inf in a raw statistic drops it as NaN does (float64 model so the oracle overflows the
+    same way: (1e200)^2 = inf): a RuntimeWarning, the count, and the factor keeps its value
+    (the published code maps +inf to 1 and rescales every other entry by it)."""
     def make():
         return nn.Linear(4, 3)
 
     def batch(k):
         x = torch.randn(5, 4, generator=gen(k)).double()
-        x[0, 1] = 1e200
+        if k == TCOV:
+            x[0, 1] = 1e200
         return (x,)
 
     def loss(model, x):
@@ -356,12 +358,18 @@ def test_inf_statistic_maps_to_one(backend):
     orc = make_oracle(AdaFisher, ref)
     for k in range(TCOV + 1):
         b = batch(k)
-        train_step(model, opt, loss, b)
+        if k == TCOV:
+            H = opt.state[model.weight]["fisher_H"].clone()
+            assert bool((H > 0).all())  # updated at k = 0
+            with pytest.warns(RuntimeWarning, match="NaN or inf"):
+                train_step(model, opt, loss, b)
+            assert torch.equal(opt.state[model.weight]["fisher_H"], H)
+        else:
+            train_step(model, opt, loss, b)
         orc.step(lambda: loss(ref, *b))
-        if k % TCOV == 0:
+        if k == TCOV:
             assert math.isinf(orc.last_raw[ref][0][1].item())  # the path is exercised
-    H = opt.state[model.weight]["fisher_H"]
-    assert torch.isfinite(H).all()
+    assert opt.skipped_factor_updates == 1 and orc.skipped == 1  # fisher_H; fisher_S is finite
     agreement(model, ref, opt, orc, moved=False, label="inf")
     assert torch.isfinite(model.weight).all()
 

@@ -207,7 +207,7 @@ def fisher_average_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tenso
                     grad_scale: torch.Tensor | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
     """For every statistic with contributions: normalise its mean and fold it into the factor
-    (F <- 0.1*gamma*F + 0.01*gamma*z_hat; ones the first time); NaN drops it and counts in
+    (F <- 0.1*gamma*F + 0.01*gamma*z_hat; ones the first time); NaN or inf drops it and counts in
     `skipped`. Every statistic is emptied. gamma is a 0-dim float64 tensor on the factors' device
     (a number is accepted)."""
     n = len(factors)

@@ -88,7 +88,7 @@ class AdaFisher(CurvatureOptimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = _BACKENDS[backend]
-        self._skipped = DropCounts()  # factor updates dropped for NaN
+        self._skipped = DropCounts()  # factor updates dropped for NaN or inf
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
         defaults = dict(lr=lr, beta=beta, Lambda=Lambda, weight_decay=weight_decay, betas=(beta,))
@@ -224,7 +224,7 @@ class AdaFisher(CurvatureOptimizer):
 
     @property
     def skipped_factor_updates(self) -> int:
-        """Factor updates dropped because a statistic held NaN (reads device counters)."""
+        """Factor updates dropped because a statistic held NaN or inf (reads device counters)."""
         return self._skipped.total()
 
     # ------------------------------------------------------------------ statistics hooks
@@ -352,11 +352,11 @@ class AdaFisher(CurvatureOptimizer):
         return self._no_curvature[key]
 
     def _fold_statistics(self, factors, stats, grad_side, grad_scale, found_inf) -> None:
-        """Fold the raw statistics into the factors (one op call for the device); a NaN one is
-        dropped and counted."""
+        """Fold the raw statistics into the factors (one op call for the device); a non-finite
+        one is dropped and counted."""
         device = factors[0].device
         skipped = self._skipped.counter(device)
-        # NaN statistics are dropped and counted on the device; where reading the count costs no
+        # Non-finite statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
         watch = device.type == "cpu" and not torch.compiler.is_compiling() and not capturing()
         before = float(skipped) if watch else 0.0
@@ -365,7 +365,7 @@ class AdaFisher(CurvatureOptimizer):
                                    to_device(grad_scale, device), to_device(found_inf, device))
         if watch and float(skipped) > before:
             warnings.warn(f"{type(self).__name__}: {int(float(skipped) - before)} curvature "
-                          "statistic(s) held NaN and were dropped; their factors keep their "
+                          "statistic(s) held NaN or inf and were dropped; their factors keep their "
                           "previous values", RuntimeWarning, stacklevel=3)
 
     def _update_factors(self, grad_scale, found_inf) -> None:

@@ -102,20 +102,20 @@ def norm_grad_stats_(stat, g, start_dim, end_dim, step=None, interval=1):
 def fisher_average_(factors, stats, skipped, gamma, grad_side, grad_scale=None, found_inf=None):
     """Fold the mean of the accumulated statistics, min-max normalised, into each factor:
     F <- 0.1*gamma*F + 0.01*gamma*z_hat, starting from ones the first time (F < 0 marks that).
-    A statistic holding NaN is dropped and counted in `skipped`; every statistic is emptied."""
+    A statistic holding NaN or inf is dropped and counted in `skipped` (the published code maps
+    +inf to 1, which puts an overflowed entry among the smallest and rescales every other one);
+    every statistic is emptied."""
     for factor, stat, scaled in zip(factors, stats, grad_side):
         count = stat[-1]
         z = stat[:-1] / torch.clamp(count, min=1)
         if scaled and grad_scale is not None:  # gradient statistics of scaled gradients
             z = z / (grad_scale.to(z) * grad_scale.to(z))
-        z = torch.where(z == float("inf"), torch.ones_like(z), z)
-        z = torch.where(z == float("-inf"), torch.zeros_like(z), z)
-        has_nan = torch.isnan(z).any()
+        bad = ~torch.isfinite(z).all()
         z_hat = (z - z.min()) / (z.max() - z.min() + MINMAX_EPS)
         base = torch.where(factor < 0, torch.ones_like(factor), factor)
         updated = base * (0.1 * gamma) + (0.01 * gamma) * z_hat
-        apply = (count > 0) & ~has_nan
-        dropped = (count > 0) & has_nan
+        apply = (count > 0) & ~bad
+        dropped = (count > 0) & bad
         if found_inf is not None:
             ok = found_inf.to(factor.device) == 0
             apply, dropped = apply & ok, dropped & ok

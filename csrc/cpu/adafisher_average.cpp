@@ -20,9 +20,8 @@ namespace {
 // What one scan of a statistic's means finds.
 template <typename T>
 struct MeanRange {
-  T zmin, zmax;  // of the means with +-inf mapped as published
-  bool nan;      // a mean is NaN: the statistic is dropped
-  bool infinite; // a mean is +-inf
+  T zmin, zmax;    // of the means
+  bool nonfinite;  // a mean is NaN or +-inf: the statistic is dropped
 };
 
 // The range of a statistic's means, in independent lanes so the loop vectorises (a single running
@@ -31,29 +30,26 @@ template <typename T>
 CAFIN_CPU_CLONES MeanRange<T> mean_range(const T* __restrict stat, int64_t n, T count, T scale_sq, bool scaled) {
   constexpr int64_t kLanes = 64 / sizeof(T);
   const T inf = std::numeric_limits<T>::infinity();
-  T lo[kLanes], hi[kLanes], nan[kLanes], infinite[kLanes];
+  T lo[kLanes], hi[kLanes], nonfinite[kLanes];
   for (int64_t j = 0; j < kLanes; ++j) {
     lo[j] = inf;
     hi[j] = -inf;
-    nan[j] = T(0);
-    infinite[j] = T(0);
+    nonfinite[j] = T(0);
   }
   auto scan = [&](int64_t j, T mean) {
-    nan[j] = mean != mean ? T(1) : nan[j];
-    infinite[j] = mean == inf || mean == -inf ? T(1) : infinite[j];
-    const T z = map_inf(mean);
-    lo[j] = z < lo[j] ? z : lo[j];
-    hi[j] = z > hi[j] ? z : hi[j];
+    // mean - mean is 0 for a finite mean and NaN for NaN or +-inf (one compare, vectorised).
+    nonfinite[j] = mean - mean != T(0) ? T(1) : nonfinite[j];
+    lo[j] = mean < lo[j] ? mean : lo[j];
+    hi[j] = mean > hi[j] ? mean : hi[j];
   };
   int64_t k = 0;
   for (; k + kLanes <= n; k += kLanes) {
     for (int64_t j = 0; j < kLanes; ++j) scan(j, statistic_mean(stat[k + j], count, scale_sq, scaled));
   }
   for (int64_t j = 0; k < n; ++k, ++j) scan(j, statistic_mean(stat[k], count, scale_sq, scaled));
-  MeanRange<T> r{inf, -inf, false, false};
+  MeanRange<T> r{inf, -inf, false};
   for (int64_t j = 0; j < kLanes; ++j) {
-    r.nan = r.nan || nan[j] != T(0);
-    r.infinite = r.infinite || infinite[j] != T(0);
+    r.nonfinite = r.nonfinite || nonfinite[j] != T(0);
     r.zmin = std::min(r.zmin, lo[j]);
     r.zmax = std::max(r.zmax, hi[j]);
   }
@@ -80,13 +76,12 @@ template <typename T>
 void fold_means(T* factor, const T* stat, int64_t n, T count, T scale_sq, bool scaled, T zmin,
                 T denominator, T keep, T add) {
   for (int64_t k = 0; k < n; ++k) {
-    const T z = map_inf(statistic_mean(stat[k], count, scale_sq, scaled));
+    const T z = statistic_mean(stat[k], count, scale_sq, scaled);
     factor[k] = average_factor(factor[k], z, zmin, denominator, keep, add);
   }
 }
 
-// The same where every mean is finite and every factor entry was updated before (all but a
-// statistic's first fold): average_factor's arithmetic without its selects, which keep GCC from
+// The same where every factor entry was updated before (all but a statistic's first fold): average_factor's arithmetic without its selects, which keep GCC from
 // vectorising the division they feed.
 template <typename T>
 CAFIN_CPU_CLONES void fold_finite_means(T* __restrict factor, const T* __restrict stat, int64_t n, T count,
@@ -97,7 +92,7 @@ CAFIN_CPU_CLONES void fold_finite_means(T* __restrict factor, const T* __restric
   }
 }
 
-// Returns whether the statistic held NaN and was dropped (its factor untouched).
+// Returns whether the statistic held NaN or inf and was dropped (its factor untouched).
 template <typename T>
 bool fold_statistic(T* factor, T* stat, int64_t n, bool scaled, float grad_scale, double gamma) {
   const T count = stat[n];
@@ -106,11 +101,11 @@ bool fold_statistic(T* factor, T* stat, int64_t n, bool scaled, float grad_scale
     const T scale = static_cast<T>(grad_scale);
     const T scale_sq = scale * scale;
     const MeanRange<T> r = mean_range(stat, n, count, scale_sq, scaled);
-    dropped = r.nan;
+    dropped = r.nonfinite;
     if (!dropped) {
       const T denominator = minmax_denominator(r.zmin, r.zmax);
       const T keep = factor_keep<T>(gamma), add = factor_add<T>(gamma);
-      if (!r.infinite && all_updated(factor, n)) {
+      if (all_updated(factor, n)) {
         fold_finite_means(factor, stat, n, count, scale_sq, scaled, r.zmin, denominator, keep, add);
       } else {
         fold_means(factor, stat, n, count, scale_sq, scaled, r.zmin, denominator, keep, add);

@@ -68,27 +68,27 @@ __device__ void fold_statistic(T* factor, T* stat, int64_t n, bool scaled, const
   const bool active = count > T(0);
   T lo = std::numeric_limits<T>::infinity();
   T hi = -lo;
-  bool nan = false;
+  bool nonfinite = false;  // a mean is NaN or +-inf: the statistic is dropped
   if (active) {
     for (int64_t k = threadIdx.x; k < n; k += kThreads) {
-      const T z = map_inf(statistic_mean(stat[k], count, scale_sq, scaled));
-      nan = nan || isnan(z);
+      const T z = statistic_mean(stat[k], count, scale_sq, scaled);
+      nonfinite = nonfinite || !isfinite(z);
       lo = min(lo, z);
       hi = max(hi, z);
     }
   }
-  nan = __syncthreads_or(nan);
+  nonfinite = __syncthreads_or(nonfinite);
   block_min_max(lo, hi);
-  if (active && !nan) {
+  if (active && !nonfinite) {
     const T denominator = minmax_denominator(lo, hi);
     const T keep = factor_keep<T>(*args.gamma);
     const T add = factor_add<T>(*args.gamma);
     for (int64_t k = threadIdx.x; k < n; k += kThreads) {
-      const T z = map_inf(statistic_mean(stat[k], count, scale_sq, scaled));
+      const T z = statistic_mean(stat[k], count, scale_sq, scaled);
       factor[k] = average_factor(factor[k], z, lo, denominator, keep, add);
     }
   }
-  if (active && nan && threadIdx.x == 0) atomicAdd(args.skipped, 1.0f);
+  if (active && nonfinite && threadIdx.x == 0) atomicAdd(args.skipped, 1.0f);
   // Each thread empties the entries it read; the count was read by all before the barriers above.
   for (int64_t k = threadIdx.x; k <= n; k += kThreads) stat[k] = T(0);
 }
