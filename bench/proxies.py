@@ -20,6 +20,8 @@ dispatch, which on a GPU is the time an eager step takes beyond its kernels. Per
   those of the ops handed the counter's k tensor: cafin's kernels that decide on the device and
   exit at once when not due; both figures are in the JSON), launches and wall time (the
   fastest of a few iterations);
+- StepGraphs: the same not-due iteration with the counter also pinned by the host, which is
+  what cafin.StepGraphs' graph of a not-due step runs: FLOPs and bytes against eager, as above;
 - compiled (`--compile`): `torch.compile(step)` after one eager step against the eager step;
 - scratch: bytes allocated by a not-due step, and by one curvature pass (a due forward and
   backward minus a not-due one), from the profiler's allocation events (cafin's C++ included).
@@ -108,8 +110,9 @@ class Trainer:
     """An optimizer as the proxies drive it: `step()`, `zero_grad()`, and `counter`, the cafin
     step counter (None for AdamW)."""
 
-    def __init__(self, opt, counter, stats_flag_owner=None):
+    def __init__(self, opt, counter, stats_flag_owner=None, captured=True):
         self.opt, self.counter = opt, counter
+        self.captured = captured  # whether cafin.StepGraphs captures its steps (else: eager)
         self.step = opt.step
         self.zero_grad = opt.zero_grad
 
@@ -132,7 +135,7 @@ def _twolevel(model, every, restore, backend="fused"):
     from .members.twolevel import sgd
     opt = sgd(model, 0.05, damping=1e-2, T_cov=every, T_inv=every, constraint_norm=True,
               restore_grads=restore, backend=backend)
-    return Trainer(opt, opt.pre._steps)
+    return Trainer(opt, opt.pre._steps, captured=opt.pre._uncapturable is None)
 
 
 def _singd(structure):
@@ -410,16 +413,40 @@ def host_and_ops(member: ProxyMember, setup: Setup, base, batch) -> dict:
     return out
 
 
-def _not_due(member, setup, base, batch, gated: bool, backend: str) -> Bound:
+def _not_due(member, setup, base, batch, gated: bool, backend: str, pinned: bool = False) -> Bound:
     """A run whose next iterations are not due: k = 0 (eager, due) and k = 1 (warm) done, the
     step counter device gated after k = 0 where `gated`, as a compiled or captured step leaves
-    it."""
+    it; `pinned`: and told by the host that k is not due, as cafin.StepGraphs tells it while it
+    captures the graph of a not-due step."""
     b = Bound(member, setup, base, batch, NEVER, restore=False, backend=backend)
     b.iteration()
+    if pinned and not b.trainer.captured:  # StepGraphs runs its steps eagerly
+        gated = pinned = False
     if gated:
         b.trainer.counter.device_gated = True
+    if pinned:
+        b.trainer.counter.pinned = 1  # any k > 0: the intervals are NEVER
     b.iteration()
     return b
+
+
+def graphs_vs_eager(member: ProxyMember, setup: Setup, base, batch, eager: dict) -> dict:
+    """What cafin.StepGraphs' graph of a not-due step runs (counter gated and pinned) against the
+    eager not-due iteration (`eager`: gated_vs_eager's figures): FLOPs of the reference
+    backend, bytes of the fused one, counted as gated_vs_eager counts them."""
+    out = {"graphs_flops": count_flops(_not_due(member, setup, base, batch, True, "reference",
+                                                pinned=True).iteration)}
+    out["graphs_flops_ratio"] = _ratio(out["graphs_flops"], eager["eager_flops"])
+    b = _not_due(member, setup, base, batch, True, "fused", pinned=True)
+    try:
+        ops = count_ops(b.iteration, b.trainer.counter.tensor(torch.device("cpu")))
+    except Exception as exc:
+        out["graphs_ops_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+        return out
+    if "eager_bytes" in eager:
+        out["graphs_bytes_ratio"] = _ratio(ops.bytes - ops.decided_bytes, eager["eager_bytes"])
+        out["graphs_ops"] = ops.launches
+    return out
 
 
 def gated_vs_eager(member: ProxyMember, setup: Setup, base, batch) -> dict:
@@ -495,6 +522,7 @@ def measure_member(member: ProxyMember, setup: Setup, base, batch) -> dict:
     parts = [("host", host_and_ops)]
     if member is not ADAMW:
         parts.append(("gated", gated_vs_eager))
+        parts.append(("graphs", lambda *args: graphs_vs_eager(*args, row)))
         if setup.compile:
             parts.append(("compiled", compiled_vs_eager))
     for part, fn in parts:
@@ -525,6 +553,10 @@ def verdicts(row: dict, adamw: dict) -> dict:
     if "flops_ratio" in row:
         goals["gated_not_due"] = GOALS["gated_not_due"]
         verdict["gated_not_due"] = max(row["flops_ratio"], row.get("bytes_ratio", 0)) <= GOALS["gated_not_due"]
+    if "graphs_flops_ratio" in row:
+        goals["graphs_not_due"] = GOALS["gated_not_due"]
+        verdict["graphs_not_due"] = (max(row["graphs_flops_ratio"], row.get("graphs_bytes_ratio", 0))
+                                     <= GOALS["gated_not_due"])
     if "compiled_vs_eager" in out:
         goals["compiled_vs_eager"] = GOALS["compiled_vs_eager"]
         verdict["compiled_vs_eager"] = out["compiled_vs_eager"] <= GOALS["compiled_vs_eager"]
@@ -567,7 +599,8 @@ def table(rows: list[dict], model: str):
     for name, just in (("member", "left"), ("host ms", "right"), ("x AdamW", "right"),
                        ("ops/step", "right"), ("stats ops", "right"), ("due-step ops", "right"),
                        ("syncs", "right"), ("gated FLOPs", "right"), ("gated bytes", "right"),
-                       ("gated time", "right"), ("compiled x eager", "right"),
+                       ("gated time", "right"), ("StepGraphs FLOPs / bytes", "right"),
+                       ("compiled x eager", "right"),
                        ("scratch step", "right"), ("scratch stats", "right"), ("verdicts", "left")):
         t.add_column(name, justify=just)
     for r in rows:
@@ -582,16 +615,23 @@ def table(rows: list[dict], model: str):
                   str(r.get("step_ops", "-")), str(r.get("stats_ops", "-")),
                   str(r.get("due_step_ops", "-")), str(r.get("step_syncs", "-")),
                   fmt_ratio(r.get("flops_ratio")), fmt_ratio(r.get("bytes_ratio")),
-                  fmt_ratio(r.get("time_ratio")), compiled,
+                  fmt_ratio(r.get("time_ratio")), _graphs(r), compiled,
                   fmt_bytes(r.get("step_scratch_bytes")), fmt_bytes(r.get("stats_scratch_bytes")),
                   verdict)
     return t
 
 
+def _graphs(r: dict) -> str:
+    if "graphs_flops_ratio" not in r:
+        return "-"
+    return f"{fmt_ratio(r['graphs_flops_ratio'])} / {fmt_ratio(r.get('graphs_bytes_ratio'))}"
+
+
 def markdown(rows: list[dict], model: str) -> str:
     head = ("| member | host ms | x AdamW(fused) | ops/step | stats-pass ops | gated not-due "
-            "FLOPs / bytes / time | compiled x eager | scratch step / stats | verdict |\n"
-            "|---|---|---|---|---|---|---|---|---|\n")
+            "FLOPs / bytes / time | StepGraphs not-due FLOPs / bytes | compiled x eager | "
+            "scratch step / stats | verdict |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         v = r.get("verdicts", {})
@@ -602,7 +642,7 @@ def markdown(rows: list[dict], model: str) -> str:
                     else ("refused" if "compiled_error" in r else "-"))
         lines.append(f"| {r['label']} | {fmt_ms(r.get('host_ms'))} | "
                      f"{fmt_ratio(r.get('host_vs_adamw'))} | {r.get('step_ops', '-')} | "
-                     f"{r.get('stats_ops', '-')} | {gated} | {compiled} | "
+                     f"{r.get('stats_ops', '-')} | {gated} | {_graphs(r)} | {compiled} | "
                      f"{fmt_bytes(r.get('step_scratch_bytes'))} / "
                      f"{fmt_bytes(r.get('stats_scratch_bytes'))} | "
                      f"{('FAIL ' + ', '.join(failed)) if failed else ('pass' if v else '-')} |")

@@ -14,7 +14,8 @@ graph does launch still decides on the device from the members' k tensors, as ev
 captured step does, so the replays compute what an eager step computes (tests/test_step_graphs.py).
 
 A phase a graph cannot hold (K-FAC's eigendecompositions in the step: `torch.linalg.eigh` syncs
-with the host on CUDA; two-level K-FAC) runs eagerly on its steps, with a warning naming why.
+with the host on CUDA) runs eagerly on its steps, with a warning naming why; a member no step of
+which can be captured (two-level K-FAC) makes every step eager.
 """
 from __future__ import annotations
 
@@ -116,6 +117,8 @@ class StepGraphs:
         self.calls += 1
         if self._k is None and self.calls <= self.warmup:
             return self._eager(warm=True)
+        if self._never():
+            return self._eager(warm=False)
         if self._k is None:
             for counter in self.counters:
                 counter.device_gated = True
@@ -129,6 +132,15 @@ class StepGraphs:
         if any(self._matches(phase) for phase in self._eager_phases):
             return self._pinned_eager()
         return self._capture()
+
+    def _never(self) -> bool:
+        """Whether a member captures no step at all: then every step runs eagerly, with the
+        members' counters on the host (said once)."""
+        why = [f"{type(m).__name__}: {m._uncapturable}" for m in self.members if m._uncapturable]
+        if why and not self._warned:
+            self._warned.add(why[0])
+            warnings.warn(f"StepGraphs: every step runs eagerly: {why[0]}", UserWarning, stacklevel=3)
+        return bool(why)
 
     def _matches(self, phase: tuple[frozenset, ...]) -> bool:
         return all(((k + offset) % interval == 0) == due

@@ -44,6 +44,13 @@ def test_every_member_has_a_row_of_finite_values(result):
             # the verdicts that apply: the gated goal for everyone, host only for three members
             assert row["goals"]["gated_not_due"] == 1.05
             assert ("host_vs_adamw" in row["verdicts"]) == (m.name in proxies.HOST_GOAL_MEMBERS)
+            # what StepGraphs' not-due graph runs: no curvature work, for every member. DyKAF's
+            # device-decided step splits its factors (every step, due or not) with the batched
+            # kernels a GPU's eager step uses, where a CPU's eager step takes its host path, which
+            # hands its ops fewer bytes on these tiny shapes: its FLOPs are held, not its bytes.
+            assert row["graphs_flops_ratio"] <= 1.05, (m.name, row["graphs_flops_ratio"])
+            if m.name != "dykaf":
+                assert row["graphs_bytes_ratio"] <= 1.05, (m.name, row["graphs_bytes_ratio"])
     assert result["goals"]["gated_not_due"] == 1.05
 
 

@@ -151,6 +151,9 @@ class CoreOptimizer(torch.optim.Optimizer):
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         raise NotImplementedError
 
+    # Why no step of this member can be captured (cafin.StepGraphs then runs them all eagerly)
+    _uncapturable: str | None = None
+
     def _capture_refusal(self) -> str | None:
         """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
         graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""

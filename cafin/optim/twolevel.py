@@ -759,12 +759,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         return F.interpolate(s.reshape(2 * B, 1, T), to, mode="nearest").reshape(2, B * to)
 
     # ------------------------------------------------------------------ step
-    @torch.no_grad()
-    def _capture_refusal(self) -> str | None:
-        return ("its T_inv steps decompose with torch.linalg.eigh, which syncs with the host on "
-                "CUDA, and its device-decided step chooses them with torch.cond, which eager code "
-                "decides on the host")
+    # cafin.StepGraphs runs every step of it eagerly, on the host's count
+    _uncapturable = ("its T_inv steps decompose with torch.linalg.eigh, which syncs with the host "
+                     "on CUDA, and its device-decided step chooses them with torch.cond, which "
+                     "eager code decides on the host")
 
+    @torch.no_grad()
     def step(self, update_params: bool = True, closure=None) -> None:
         """Rewrite every layer's gradient with its two-level direction (update_params=True), or
         only take statistics (update_params=False, the published true-Fisher loop).
