@@ -81,6 +81,9 @@ class Member:
     callables: dict = field(default_factory=dict)
     # (label, path into checkpoint()[0], value or DELETE) that load_state_dict must refuse
     bad_checkpoint: tuple = ()
+    # (keyword, value) the constructor must refuse, naming the keyword: every numeric argument
+    # just outside its range, at each end that has one
+    out_of_range: tuple = ()
 
 
 def _group_setter(name, value, index=0):
@@ -106,6 +109,11 @@ def _bad_attrs(names):
     return tuple((f"{n}={label}", _attr_setter(n, v)) for n in names for label, v in _BAD_NUMBERS)
 
 
+def _bad_values(setter, values):
+    """Out-of-range values (name, value) assigned by `setter` between steps."""
+    return tuple((f"{name}={value!r}", setter(name, value)) for name, value in values)
+
+
 def _bad_groups_in_checkpoint(names):
     return tuple((f"{n}={label}", ("param_groups", 0, n), v) for n in names
                  for label, v in _BAD_NUMBERS)
@@ -116,15 +124,21 @@ MEMBERS = [
         "AdaFisher",
         lambda model, **kw: cafin.AdaFisher(model, **{"lr": 1e-2, "TCov": 1, **kw}),
         float_settings=("lr", "weight_decay", "beta"),
-        bad_between_steps=_bad_group(("lr", "beta", "Lambda", "weight_decay")),
+        bad_between_steps=_bad_group(("lr", "beta", "Lambda", "weight_decay")) + _bad_values(
+            _group_setter, (("beta", 1.0), ("Lambda", 0.0))) + _bad_values(
+            _attr_setter, (("gamma", 0.0), ("gamma", 10.5), ("TCov", 0), ("TCov", 1.5))),
         bad_checkpoint=_bad_groups_in_checkpoint(("lr", "beta", "Lambda", "weight_decay")),
+        out_of_range=(("lr", -1e-3), ("beta", -0.1), ("beta", 1.0), ("Lambda", 0.0),
+                      ("weight_decay", -1e-3), ("gamma", 0.0), ("gamma", 10.5), ("TCov", 0)),
     ),
     Member(
         "KFACPreconditioner",
         lambda model, **kw: cafin.KFACPreconditioner(
             model, **{"factor_update_steps": 1, "inv_update_steps": 1, "damping": 1e-2, **kw}),
         preconditioner=True, closure=False,
-        bad_between_steps=_bad_attrs(("damping", "factor_decay", "kl_clip", "lr")),
+        bad_between_steps=_bad_attrs(("damping", "factor_decay", "kl_clip", "lr")) + _bad_values(
+            _attr_setter, (("damping", 0.0), ("factor_decay", 0.0), ("factor_decay", 1.5),
+                           ("kl_clip", 0.0))),
         callables={"damping": (1e-2, ()), "factor_decay": (0.95, (2.0,)), "kl_clip": (1e-3, ()),
                    "lr": (0.1, ()), "factor_update_steps": (1, (0,)), "inv_update_steps": (1, (0,))},
         bad_checkpoint=(("damping=-1", ("damping",), -1.0),
@@ -132,36 +146,58 @@ MEMBERS = [
                         ("inv_update_steps=str", ("inv_update_steps",), "1"),
                         ("steps=-1", ("steps",), -1),
                         ("no steps", ("steps",), DELETE)),
+        out_of_range=(("damping", 0.0), ("factor_decay", 0.0), ("factor_decay", 1.5),
+                      ("kl_clip", 0.0), ("lr", -0.1), ("factor_update_steps", 0),
+                      ("inv_update_steps", 0), ("accumulation_steps", 0),
+                      ("allreduce_bucket_cap_mb", -1.0), ("grad_worker_fraction", -0.5),
+                      ("grad_worker_fraction", 1.5)),
     ),
     Member(
         "TwoLevelKFAC",
         lambda model, **kw: cafin.TwoLevelKFAC(model, **{"T_cov": 1, "T_inv": 1, "damping": 1e-2, **kw}),
         preconditioner=True, closure=False, last_pass_statistics=True,
-        bad_between_steps=_bad_attrs(("damping", "alpha", "clipping")),
+        bad_between_steps=_bad_attrs(("damping", "alpha", "clipping")) + _bad_values(
+            _attr_setter, (("damping", 0.0), ("alpha", 1.5), ("T_cov", 0), ("T_inv", 0),
+                           ("T_cov", 2.0))),
         bad_checkpoint=(("no iteration_counter", ("twolevel", "iteration_counter"), DELETE),
                         ("iteration_counter=-1", ("twolevel", "iteration_counter"), -1)),
+        out_of_range=(("damping", 0.0), ("alpha", -0.1), ("alpha", 1.5), ("clipping", -1e-2),
+                      ("T_cov", 0), ("T_inv", 0), ("batch_size", 0)),
     ),
     Member(
         "SINGD",
         lambda model, **kw: cafin.SINGD(model, **{"lr": 1e-2, "T": 1, **kw}),
         float_settings=("lr", "weight_decay", "momentum", "damping"),
-        bad_between_steps=_bad_group(("lr", "momentum", "damping", "weight_decay")),
+        bad_between_steps=_bad_group(("lr", "momentum", "damping", "weight_decay")) + _bad_values(
+            _group_setter, (("momentum", 1.0), ("momentum", 1.5), ("alpha1", 1.0), ("alpha1", 2.0),
+                            ("alpha1", -0.5), ("lr_cov", -1e-2), ("lr_cov", math.inf), ("T", 0))),
         callables={"lr_cov": (1e-2, ())},
         bad_checkpoint=_bad_groups_in_checkpoint(("lr", "momentum", "damping", "weight_decay")) + (
             ("T=0", ("param_groups", 0, "T"), 0),
             ("structures=bogus", ("param_groups", 0, "structures"), ("bogus", "dense")),
             ("loss_average=mean", ("param_groups", 0, "loss_average"), "mean")),
+        out_of_range=(("lr", -1e-3), ("momentum", -0.1), ("momentum", 1.0), ("momentum", 1.5),
+                      ("damping", -1e-3), ("alpha1", -0.1), ("alpha1", 1.0), ("alpha1", 2.0),
+                      ("weight_decay", -1e-3), ("T", 0), ("lr_cov", -1e-2),
+                      ("init_grad_scale", 0.0)),
     ),
     Member(
         "DyKAF",
         lambda model, **kw: cafin.DyKAF(model.parameters(), **{"lr": 1e-2, "precondition_frequency": 1, **kw}),
         hooked=False,
         float_settings=("lr", "weight_decay"),
-        bad_between_steps=_bad_group(("lr", "weight_decay", "eps")),
+        bad_between_steps=_bad_group(("lr", "weight_decay", "eps")) + _bad_values(
+            _group_setter, (("betas", (1.0, 0.9)), ("betas", (0.9, -0.1)), ("shampoo_beta", 1.5),
+                            ("eps", 0.0), ("precondition_frequency", 0), ("max_precond_dim", 0))
+        ) + _bad_values(_attr_setter, (("rank_one_eps", -1.0), ("rank_one_eps", math.inf))),
         bad_checkpoint=_bad_groups_in_checkpoint(("lr", "weight_decay", "eps")) + (
             ("betas=(1.5, 0.9)", ("param_groups", 0, "betas"), (1.5, 0.9)),
             ("precondition_frequency=0", ("param_groups", 0, "precondition_frequency"), 0),
             ("kind=bogus", ("state", 0, "kind"), "bogus")),
+        out_of_range=(("lr", -1e-3), ("betas", (-0.1, 0.9)), ("betas", (1.0, 0.9)),
+                      ("betas", (0.9, 1.0)), ("shampoo_beta", 1.5), ("eps", 0.0),
+                      ("weight_decay", -1e-3), ("precondition_frequency", 0),
+                      ("max_precond_dim", 0), ("rank_one_eps", -1.0), ("seed", -1)),
     ),
 ]
 

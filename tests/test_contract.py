@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import inspect
 import io
 import math
 import warnings
@@ -111,6 +112,30 @@ def test_bad_setting_between_steps_is_refused_and_changes_nothing(member):
         with pytest.raises((ValueError, TypeError), match=label.split("=")[0]):
             run.update()
         assert_tree_equal(everything(run), before, label)
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_out_of_range_argument_is_refused_at_construction(member):
+    """Every numeric argument just outside its range, at each end that has one (betas and
+    momenta below 1, intervals from 1, damping above 0, ...): refused, naming it."""
+    for name, value in member.out_of_range:
+        with pytest.raises((ValueError, TypeError), match=name):
+            member.build(mlp(), **{name: value})
+
+
+def _numeric(value) -> bool:
+    if isinstance(value, (tuple, list)):
+        return len(value) > 0 and all(map(_numeric, value))
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@pytest.mark.parametrize("member", MEMBERS, ids=IDS)
+def test_every_numeric_argument_has_out_of_range_values_in_the_table(member):
+    """The table above covers the constructor: a numeric argument added later needs its rows
+    (loglevel, a logging level, has no range)."""
+    signature = inspect.signature(type(member.build(mlp())).__init__)
+    numeric = {name for name, p in signature.parameters.items() if _numeric(p.default)}
+    assert numeric - {"loglevel"} <= {name for name, _ in member.out_of_range}
 
 
 @pytest.mark.parametrize("member", [m for m in MEMBERS if m.callables], ids=lambda m: m.name)

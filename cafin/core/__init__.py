@@ -18,16 +18,16 @@ concern.
 - `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device) and
   `EigendecompositionWarning`.
 - `checks.py`: the argument checks (`real_number`, `check_range`, `check_int`,
-  `check_hyperparameter`, `hyperparameter_tensor`) and the hyperparameter rules (`Real`, `Pair`,
-  `Int`, `Flag`, `Choice`).
+  `check_hyperparameter`, `hyperparameter_tensor`), the hyperparameter rules (`Real`, `Pair`,
+  `Int`, `Flag`, `Choice`) and `checked_attribute` (an attribute checked whenever it is set).
 - `optimizer.py`: the bases of the members that are torch optimizers, `CoreOptimizer` (model or
   not) and `CurvatureOptimizer` (hook-based, on a model).
 - `preconditioner.py`: `Preconditioner`, the base of the members that rewrite `.grad` and leave
   the update to a torch optimizer (K-FAC, two-level K-FAC).
 """
 from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_gradient,
-                     check_hyperparameter, check_int,
-                     check_range, hyperparameter_tensor, real_number)
+                     check_hyperparameter, check_int, check_range, checked_attribute,
+                     hyperparameter_tensor, real_number)
 from .collectives import average_over_ranks, distributed
 from .discovery import Layer, discover
 from .failures import DropCounts, EigendecompositionWarning
@@ -40,5 +40,5 @@ from .steps import StepCounter, run_closure
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
            "Flag", "Hooks", "Int", "Layer", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
            "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
-           "check_range", "discover", "distributed", "hyperparameter_tensor", "real_number",
+           "check_range", "checked_attribute", "discover", "distributed", "hyperparameter_tensor", "real_number",
            "run_closure", "to_device", "unwrap"]

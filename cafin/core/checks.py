@@ -1,5 +1,6 @@
-"""Argument checks the members share, and the hyperparameter rules (`Real`, `Pair`, `Int`,
-`Flag`, `Choice`) by which `CoreOptimizer` checks and keeps the settings of its param groups."""
+"""Argument checks the members share, the hyperparameter rules (`Real`, `Pair`, `Int`, `Flag`,
+`Choice`) by which `CoreOptimizer` checks and keeps the settings of its param groups, and
+`checked_attribute`, a member attribute its rule checks whenever it is set."""
 from __future__ import annotations
 
 import math
@@ -31,6 +32,8 @@ def check_range(value: Any, name: str, low: float, high: float, *, low_open=Fals
     if not ok:
         if high == math.inf:  # no upper end: say so plainly
             raise ValueError(f"{name} must be a finite number {'>' if low_open else '>='} {low}, got {v}")
+        if low == -math.inf:  # no lower end
+            raise ValueError(f"{name} must be a finite number {'<' if high_open else '<='} {high}, got {v}")
         left, right = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"{name} must be in {left}{low}, {high}{right}, got {v}")
     return v
@@ -167,6 +170,22 @@ class Choice(Setting):
         if not any(type(value) is type(option) and value == option for option in self.options):
             raise ValueError(f"{name} must be one of {', '.join(map(repr, self.options))}, "
                              f"got {value!r}")
+
+
+def checked_attribute(name: str, rule: Real | Setting) -> property:
+    """A member's attribute that its rule checks whenever it is set, in the constructor and
+    after (`opt.TCov = 0` raises there, naming it, before any step reads it). A `Real` rule
+    should have tensor=False: the value is kept as its rule keeps it (a float, an int)."""
+    key = f"_{name}_value"
+
+    def get(self):
+        return getattr(self, key)
+
+    def set_(self, value):
+        rule.check(value, name)
+        setattr(self, key, rule.keep(value, [], name))
+
+    return property(get, set_, doc=f"{name}, checked when set")
 
 
 def as_rule(rule: Any) -> Real | Pair | Setting:

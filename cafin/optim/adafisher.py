@@ -24,8 +24,8 @@ from torch import nn
 
 from .. import ops, reference
 from ..core import (
-    CurvatureOptimizer, DropCounts, Hooks, Layer, average_over_ranks, capturing, check_int,
-    check_range, distributed, run_closure, to_device,
+    CurvatureOptimizer, DropCounts, Hooks, Int, Layer, Real, average_over_ranks, capturing,
+    check_int, check_range, checked_attribute, distributed, run_closure, to_device,
 )
 from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
@@ -51,6 +51,10 @@ class AdaFisher(CurvatureOptimizer):
         "weight_decay": (0.0, math.inf, False, True, torch.float64),
     }
     checkpoint_settings = ("TCov", "gamma", "published_layers")
+    # Checked whenever set: the factor average keeps 0.1*gamma of F, which grows without bound
+    # past gamma = 10; TCov is a step interval.
+    gamma = checked_attribute("gamma", Real(0.0, 10.0, low_open=True, tensor=False))
+    TCov = checked_attribute("TCov", Int(1))
     finite_state = ("exp_avg", "fisher_S", "fisher_H", "stat_S", "stat_H")
 
     decoupled_weight_decay = False

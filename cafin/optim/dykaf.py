@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .. import ops, reference
-from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real
+from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attribute
 from ..core.runtime import capturing
 from ..core.steps import StepCounter
 from ..maths import dykaf as dykaf_maths
@@ -74,6 +74,9 @@ class DyKAF(CoreOptimizer):
         "init": Choice("kron", "eps", "zeros"),
     }
     contiguous_params = False  # channels_last weights work (the apply writes a contiguous copy)
+    # The numeric constructor arguments that are attributes, checked whenever set.
+    rank_one_eps = checked_attribute("rank_one_eps", Real(0.0, inf, high_open=True, tensor=False))
+    seed = checked_attribute("seed", _SETTINGS["seed"])
 
     def __init__(self, params: Iterable, lr: float | torch.Tensor = 3e-3, betas=(0.95, 0.95),
                  shampoo_beta: float = -1, eps: float = 1e-8, weight_decay: float = 0.01,

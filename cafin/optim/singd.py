@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from ..core.modules import is_transposed_linear
 from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
-                         capturing, check_int, discover, distributed, hyperparameter_tensor, real_number, unwrap)
+                         capturing, check_int, check_range, discover, distributed, hyperparameter_tensor,
+                         real_number, unwrap)
 from ..maths import singd as singd_maths
 from .. import ops
 from .kaisa import greedy_assignment
@@ -156,7 +157,8 @@ class SINGD(CurvatureOptimizer):
     # precision singd's Python floats take in its float32/float64 tensor arithmetic.
     hyperparameters = {
         "lr": (0.0, math.inf, False, True, None),
-        "momentum": (0.0, math.inf, False, True, None),
+        # heavy-ball momentum (buf <- momentum*buf + u): at 1 or more the buffer never decays
+        "momentum": (0.0, 1.0, False, True, None),
         "damping": (0.0, math.inf, False, True, None),
         "weight_decay": (0.0, math.inf, False, True, None),
     }
@@ -252,9 +254,9 @@ class SINGD(CurvatureOptimizer):
         """SINGD's settings outside the core's hyperparameter table (names as singd's errors)."""
         where = f"param group {index}: "
         try:
-            v = real_number(group["alpha1"], "alpha1")
-            if not (math.isfinite(v) and v >= 0.0):
-                raise ValueError(f"alpha1 must be a finite number >= 0, got {v}")
+            # Riemannian momentum (m <- m~ + alpha1*m): at 1 or more it never decays (and
+            # normalize_lr_cov's half step 0.5*(1 - alpha1) is 0 or negative)
+            check_range(group["alpha1"], "alpha1", 0.0, 1.0, high_open=True)
             if not callable(group["lr_cov"]):
                 _lr_cov_value(group["lr_cov"])
             check_int(group["T"], "T", 1)
@@ -1171,11 +1173,11 @@ SINGD.__doc__ = (
             singd silently never updates them.
         lr (float, optional): :math:`\beta_2`, the learning rate, >= 0; per param group
             (default: 0.001)
-        momentum (float, optional): :math:`\alpha_2`, SGD momentum, >= 0; per param group
+        momentum (float, optional): :math:`\alpha_2`, SGD momentum, in [0, 1); per param group
             (default: 0.9)
         damping (float, optional): :math:`\lambda`, >= 0; per param group (default: 0.001)
         alpha1 (float, optional): :math:`\alpha_1`, the Riemannian momentum of the factor
-            updates, >= 0; per param group. It stays a number: whether it is 0 decides whether
+            updates, in [0, 1); per param group. It stays a number: whether it is 0 decides whether
             m_K and m_C are kept at all (default: 0.5)
         weight_decay (float, optional): :math:`\gamma`, L2 weight decay, >= 0; per param group
             (default: 0)

@@ -41,8 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops, reference
-from ..core import (EigendecompositionWarning, Real, average_over_ranks, capturing, check_int, discover,
-                   distributed, unwrap)
+from ..core import (EigendecompositionWarning, Int, Real, average_over_ranks, capturing, check_int,
+                   checked_attribute, discover, distributed, unwrap)
 from ..core.modules import is_transposed_linear
 from ..core.preconditioner import Preconditioner
 from ..factors import factor_sizes, input_rows
@@ -266,6 +266,9 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     # eigenvalue floor then divides by 0
     settings = {"damping": Real(0.0, math.inf, low_open=True), "alpha": Real(0.0, 1.0),
                 "clipping": Real(0.0, math.inf)}
+    # intervals in steps, checked whenever set (the step takes k modulo each)
+    T_cov = checked_attribute("T_cov", Int(1))
+    T_inv = checked_attribute("T_inv", Int(1))
 
     def _hp(self, name: str, like: torch.Tensor) -> torch.Tensor:
         return self._ones[like.device] if name == "one" else self._tensors[like.device][name]
