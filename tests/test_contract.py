@@ -18,6 +18,7 @@ import gc
 import inspect
 import io
 import math
+import re
 import warnings
 import weakref
 
@@ -392,6 +393,46 @@ def test_nan_statistic_is_dropped_with_a_warning(member, poison):
 
 
 # ----------------------------------------------------------------------------- awkward models
+class _Scale(nn.Module):
+    """A parameter in no layer any member supports."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(5, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+_NO_LAYER = "has no .*supported layer"
+
+
+def _says_no_layer(build) -> None:
+    """`build()` raises a ValueError or warns (UserWarning) that the model has no supported layer."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            build()
+        except ValueError as e:
+            assert re.search(_NO_LAYER, str(e)), str(e)
+            return
+    said = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert any(re.search(_NO_LAYER, m) for m in said), said
+
+
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_model_without_a_supported_layer_is_named_at_construction(member):
+    """A member that would take no curvature says so when it is built: a warning (it trains with
+    plain gradients, or leaves them alone) or an error (it would have nothing to train)."""
+    _says_no_layer(lambda: member.build(nn.Sequential(_Scale())))
+
+
+@pytest.mark.parametrize("member", [m for m in HOOKED if not m.preconditioner], ids=lambda m: m.name)
+def test_parameters_given_outside_every_supported_layer_warn(member):
+    model = nn.Sequential(_Scale())
+    _says_no_layer(lambda: member.build(model, params=list(model.parameters())))
+
+
 @pytest.mark.parametrize("member", MEMBERS, ids=IDS)
 def test_frozen_parameter_stays_put_or_is_refused_at_construction(member):
     model = mlp()

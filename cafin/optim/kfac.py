@@ -229,6 +229,11 @@ class KFACPreconditioner(Preconditioner):
             if why is not None:
                 raise ValueError(f"KFACPreconditioner: layer '{layer.name}' is an {why}, which K-FAC's "
                                  "factors do not model; skip it with skip_layers")
+        if not self._layers:  # as AdaFisher says: a preconditioner that would change nothing
+            warnings.warn("KFACPreconditioner: the model has no supported layer (Linear, Conv1d, "
+                          "Conv2d, Conv3d, Embedding, transformers' Conv1D) whose parameters are all "
+                          "trained and not skipped (skip_layers); no gradient is preconditioned",
+                          UserWarning, stacklevel=3)
         self._gathered: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._owners: dict[str, int] | None = None  # FSDP2: each layer's owner (shard index)
         self._owned_now: dict[str, int] = {}  # this step's sharded layers and their owners

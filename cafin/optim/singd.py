@@ -208,6 +208,11 @@ class SINGD(CurvatureOptimizer):
                         exact_block_transposes=exact_block_transposes)
         if params is None:
             params = self._trainable(unwrap(model), warn_unsupported)
+            if not params:
+                raise ValueError("SINGD: the model has no supported layer (Linear, Conv1d, Conv2d, "
+                                 "Conv3d, Embedding, transformers' Conv1D) with trainable parameters, "
+                                 "and only those are trained when params is not given; pass params= "
+                                 "to step others with their plain gradient")
         super().__init__(model, params, defaults, process_group)
         # FSDP2 (the core took the mesh's group): gradients arrive averaged over the mesh, as under
         # DDP, and the natural gradient of a whole layer is taken by its owner from its full gradient.
@@ -335,6 +340,10 @@ class SINGD(CurvatureOptimizer):
                                  f"Layer: {layer.name} ({layer.module}). Groups: {sorted(groups)}.")
             layer.anchor = kept.get(id(layer.module), layer.anchor)  # its factors stay put
         self._curvature = layers
+        if not layers:  # as AdaFisher says
+            warnings.warn("SINGD: the model has no optimised parameter in a supported layer "
+                          "(Linear, Conv1d, Conv2d, Conv3d, Embedding, transformers' Conv1D); every "
+                          "parameter is stepped with its plain gradient", UserWarning, stacklevel=3)
         for layer in layers:
             state = self.state[layer.anchor]
             if "K.0" not in state:

@@ -213,7 +213,8 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         _refuse_layers_without_curvature(model)
         self._layers = discover(model, [p for p in model.parameters() if p.requires_grad], _accept)
         if not self._layers:
-            raise ValueError("net has no Linear, Conv2d or Conv1D layer with trainable parameters")
+            raise ValueError("net has no supported layer (Linear, Conv2d, transformers' Conv1D) with "
+                             "trainable parameters: TwoLevelKFAC would precondition nothing")
         groups = []
         for layer in self._layers:
             m = layer.module
