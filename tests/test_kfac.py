@@ -332,6 +332,21 @@ def test_compute_method_spellings():
         cafin.KFACPreconditioner(mlp(), compute_method="cholesky")
 
 
+def test_grad_worker_fraction_takes_the_strategy_names():
+    """As compute_method and assignment_strategy do: a DistributedStrategy's name in any case
+    (one process: COMM_OPT is fraction 1, MEM_OPT 1/world = 1, HYBRID_OPT 0.5); another string
+    is refused with the valid names."""
+    from cafin.optim.kfac import DistributedStrategy
+    for value, fraction, strategy in [("COMM_OPT", 1.0, "COMM_OPT"), ("comm_opt", 1.0, "COMM_OPT"),
+                                      ("Mem_Opt", 1.0, "MEM_OPT"), ("hybrid_opt", 0.5, "HYBRID_OPT"),
+                                      (DistributedStrategy.HYBRID_OPT, 0.5, "HYBRID_OPT")]:
+        pre = cafin.KFACPreconditioner(mlp(), grad_worker_fraction=value)
+        assert pre.grad_worker_fraction == fraction
+        assert pre.distributed_strategy is DistributedStrategy[strategy]
+    with pytest.raises(ValueError, match=r"grad_worker_fraction .*COMM_OPT.*MEM_OPT.*HYBRID_OPT.*'fastest'"):
+        cafin.KFACPreconditioner(mlp(), grad_worker_fraction="fastest")
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(damping=0.0), "damping"), (dict(factor_decay=1.5), "factor_decay"), (dict(kl_clip=0.0), "kl_clip"),
     (dict(lr=-1.0), "lr"), (dict(accumulation_steps=0), "accumulation_steps"),

@@ -1202,12 +1202,13 @@ KFACPreconditioner.__doc__ = (
             ComputeMethod (cafin's or kfac-pytorch's) (default: ComputeMethod.EIGEN)
         compute_eigenvalue_outer_product (bool, optional): precompute
             :math:`1/(d_G d_A^\top + \lambda)` at decomposition (default: True)
-        grad_worker_fraction (DistributedStrategy or float, optional): the fraction of the
-            ranks that precondition each layer (KAISA): 1 (COMM_OPT: each layer is decomposed
-            on one rank and the results are shared with every rank), 1/world (MEM_OPT: the
-            layer's one rank decomposes, preconditions and shares the preconditioned
-            gradient), or in between (HYBRID_OPT). Results do not depend on it; docs/
-            distributed.md has the cost of each (default: DistributedStrategy.COMM_OPT)
+        grad_worker_fraction (DistributedStrategy, its name or float, optional): the fraction
+            of the ranks that precondition each layer (KAISA), or its strategy (cafin's or
+            kfac-pytorch's enum, or the name in any case, "comm_opt"): 1 (COMM_OPT: each layer
+            is decomposed on one rank and the results are shared with every rank), 1/world
+            (MEM_OPT: the layer's one rank decomposes, preconditions and shares the
+            preconditioned gradient), or in between (HYBRID_OPT). Results do not depend on it;
+            docs/distributed.md has the cost of each (default: DistributedStrategy.COMM_OPT)
         symmetry_aware (bool, optional): the factor all-reduce sends only the upper triangles
             (default: False)
         grad_scaler (torch.amp.GradScaler or callable, optional): a GradScaler (or a callable

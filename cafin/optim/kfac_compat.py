@@ -57,13 +57,18 @@ def worker_fraction(value: Any) -> tuple[float, DistributedStrategy]:
     """kfac-pytorch's reading of `grad_worker_fraction` for this process's world size: the
     fraction of ranks that precondition each layer's gradient, and the strategy it amounts to."""
     size = torch.distributed.get_world_size() if distributed() else 1
-    if isinstance(value, enum.Enum):
-        strategy = as_enum(value, DistributedStrategy, "grad_worker_fraction")
+    expected = (f"grad_worker_fraction must be a number in [0, 1], a DistributedStrategy or its "
+                f"name in any case ({', '.join(DistributedStrategy.__members__)}), got {value!r}")
+    if isinstance(value, (enum.Enum, str)):  # names as compute_method and assignment_strategy take them
+        try:
+            strategy = as_enum(value, DistributedStrategy, "grad_worker_fraction")
+        except ValueError:
+            raise ValueError(expected) from None
         fraction = {DistributedStrategy.COMM_OPT: 1.0, DistributedStrategy.HYBRID_OPT: 0.5,
                     DistributedStrategy.MEM_OPT: 1.0 / size}[strategy]
         return fraction, strategy
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise ValueError(f"grad_worker_fraction must be in [0, 1] or a DistributedStrategy, got {value!r}")
+        raise ValueError(expected)
     if value == 0:
         value = 1.0 / size
     if size % max(1, round(size * value)) != 0:
