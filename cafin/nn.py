@@ -4,18 +4,22 @@
 and `out_proj`'s weight passed to `F.multi_head_attention_forward`): no Linear forward runs, so no
 member's hooks see them and they train without curvature. `MultiheadAttention` here is a drop-in
 with the same constructor, forward and results whose four projections are `nn.Linear` modules;
-`replace_multihead_attention` swaps it into a model, weights included.
+`replace_multihead_attention` swaps it into a model, weights included. A state_dict saved with
+torch's module loads into the drop-in (`load_state_dict` converts it);
+`convert_multihead_attention_state_dict` converts one explicitly.
 """
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import skip_init
 
-__all__ = ["MultiheadAttention", "replace_multihead_attention"]
+__all__ = ["MultiheadAttention", "convert_multihead_attention_state_dict", "replace_multihead_attention"]
 
 
 class MultiheadAttention(nn.Module):
@@ -53,6 +57,8 @@ class MultiheadAttention(nn.Module):
     What differs from torch: no fast inference path (torch's native kernel and nested tensors
     for padded inputs in eval mode); `in_proj_weight` and `in_proj_bias` are None (the projections
     are the Linear modules), which makes `nn.TransformerEncoderLayer` take its ordinary path.
+    `load_state_dict` takes torch's layout too (`in_proj_weight`, ...): a checkpoint saved before
+    `replace_multihead_attention` loads after it.
 
     Example:
         >>> attention = cafin.nn.MultiheadAttention(128, 4, batch_first=True)
@@ -219,6 +225,13 @@ class MultiheadAttention(nn.Module):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, dropout={self.dropout}, "
                 f"batch_first={self.batch_first}")
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # Entries saved by torch's module are put in this module's layout first; load_state_dict
+        # hands each module a copy of the caller's dict, and loads the projections after this.
+        for key, value in _linear_layout(prefix, state_dict):
+            state_dict[key] = value
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @classmethod
     def from_torch(cls, module: nn.MultiheadAttention) -> "MultiheadAttention":
         """A drop-in with `module`'s settings, weights (copied), device, dtype, training mode and
@@ -276,6 +289,49 @@ class MultiheadAttention(nn.Module):
                 module.bias_k.copy_(self.bias_k)
                 module.bias_v.copy_(self.bias_v)
         return module.train(self.training)
+
+
+# torch.nn.MultiheadAttention's parameter names -> (this module's names, chunks)
+_TORCH_NAMES = {"in_proj_weight": (("q_proj.weight", "k_proj.weight", "v_proj.weight"), 3),
+                "in_proj_bias": (("q_proj.bias", "k_proj.bias", "v_proj.bias"), 3),
+                "q_proj_weight": (("q_proj.weight",), 1), "k_proj_weight": (("k_proj.weight",), 1),
+                "v_proj_weight": (("v_proj.weight",), 1)}
+
+
+def _linear_layout(prefix: str, state_dict: dict) -> list[tuple[str, torch.Tensor]]:
+    """Pop the entries of torch's layout under `prefix` from `state_dict` and return them in
+    this module's (the packed projection split into q, k and v, in that order)."""
+    out = []
+    for name, (names, chunks) in _TORCH_NAMES.items():
+        value = state_dict.pop(prefix + name, None)
+        if value is not None:
+            parts = value.chunk(chunks) if chunks > 1 else (value,)
+            out += [(prefix + new, part.clone()) for new, part in zip(names, parts)]
+    return out
+
+
+def convert_multihead_attention_state_dict(state_dict: Mapping[str, Any]) -> "OrderedDict[str, Any]":
+    """A model's state_dict saved with `torch.nn.MultiheadAttention` in the layout of
+    `cafin.nn.MultiheadAttention` (after `replace_multihead_attention`): every `in_proj_weight`
+    and `in_proj_bias` split into `q_proj`, `k_proj`, `v_proj`'s weight and bias, and every
+    `q_proj_weight` (k, v) renamed `q_proj.weight`; other entries, `out_proj` and
+    `bias_k`/`bias_v` included, as they are. A new dict (the argument is not changed; tensors
+    that are not converted are shared). `load_state_dict` of a model holding the drop-in does
+    this by itself; this is for a state_dict handled otherwise (compared, merged, saved again)."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in state_dict.items():
+        prefix, _, name = key.rpartition(".")
+        prefix = prefix + "." if prefix else ""
+        if name in _TORCH_NAMES and isinstance(value, torch.Tensor):
+            out.update(_linear_layout(prefix, {key: value}))
+        else:
+            out[key] = value
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata  # type: ignore[attr-defined]
+    return out
 
 
 def _uninitialised_linear(cin: int, cout: int, bias: bool, device, dtype) -> nn.Linear:

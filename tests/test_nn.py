@@ -204,6 +204,33 @@ def test_replace_multihead_attention_in_place():
     assert type(replace_multihead_attention(alone)) is MultiheadAttention
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"kdim": 5, "vdim": 3, "bias": False}, {"add_bias_kv": True}],
+                         ids=["packed", "kdim-vdim-no-bias", "bias_kv"])
+def test_state_dict_saved_before_the_swap_loads_after_it(kwargs):
+    """A checkpoint of a model with torch's module (packed in_proj_weight, or q/k/v_proj_weight
+    with kdim/vdim) loads strictly into the swapped model, and the function that converts it
+    gives the drop-in's own state_dict; the saved dict is left as it was."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(E, E), nn.ModuleDict({"attn": nn.MultiheadAttention(E, HEADS, **kwargs)}))
+    model.double()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = list(saved)
+    q, k, v = (torch.randn(length, 2, dim, dtype=torch.float64)
+               for length, dim in ((3, E), (4, kwargs.get("kdim", E)), (4, kwargs.get("vdim", E))))
+    expected = model[1]["attn"](q, k, v)[0]
+    torch.manual_seed(1)  # other weights: the load must bring them back
+    fresh = replace_multihead_attention(nn.Sequential(
+        nn.Linear(E, E), nn.ModuleDict({"attn": nn.MultiheadAttention(E, HEADS, **kwargs)})).double())
+    fresh.load_state_dict(saved)  # strict
+    assert list(saved) == keys
+    _close(fresh[1]["attn"](q, k, v)[0], expected)
+    converted = cafin.nn.convert_multihead_attention_state_dict(saved)
+    mine = fresh.state_dict()
+    assert set(converted) == set(mine)
+    assert all(torch.equal(converted[key], mine[key]) for key in mine)
+    fresh.load_state_dict(converted)  # its own layout loads as before
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="divisible"):
         MultiheadAttention(10, 3)
