@@ -1184,11 +1184,11 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
 
     def _checked_layer_state(self, i: int, saved, batch_size: int) -> dict[str, Any]:
         layer = self._layers[i]
-        where = f"checkpoint state of layer '{layer.name}'"
+        where = f"state of layer '{layer.name}'"  # the checks below say "checkpoint" first
         if not isinstance(saved, dict):
-            raise TypeError(f"{where} must be a dict, got {type(saved).__name__}")
+            raise TypeError(f"checkpoint {where} must be a dict, got {type(saved).__name__}")
         if set(saved) != set(_STATE):
-            raise ValueError(f"{where} has the keys {sorted(saved)}, expected {sorted(_STATE)}")
+            raise ValueError(f"checkpoint {where} has the keys {sorted(saved)}, expected {sorted(_STATE)}")
         w = layer.module.weight
         _, d_in, d_out = factor_sizes(layer.module)
         T = _checkpoint_int(saved["num_locations"], f"{where}: num_locations", 1)
