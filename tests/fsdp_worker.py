@@ -6,9 +6,13 @@ model twice on the same per-rank batches, once under DDP and once with `fully_sh
 layer and on the root, and records: the full parameters of both runs, the collectives each
 `step()` made under FSDP (name, elements, dtype), a checkpoint round trip through
 torch.distributed.checkpoint (save after CKPT_AT steps, run on; a fresh model and optimizer load
-the checkpoint and run the same steps: the local shards must be bit-identical), and whether a
-fresh optimizer survives DCP's zero-gradient initialisation step. Results go to
+the checkpoint and run the same steps: the local shards must be bit-identical). Results go to
 `{case}_rank{r}.pt`.
+
+Started again as `python tests/fsdp_worker.py OUTDIR --one` on one rank, it loads each member's
+float64 checkpoint of the 2-rank run with the recipe of docs/distributed.md (K-FAC and two-level
+K-FAC with their helpers; their state dicts as plain templates too, which must be refused) and
+takes the next step on both ranks' batches, accumulated: `{case}_one.pt`.
 """
 from __future__ import annotations
 
@@ -58,16 +62,14 @@ class Member:
     """How one member is built and stepped: `make(model, net)` returns the objects whose
     `step()` runs after backward, in order (a preconditioner, then its torch optimizer)."""
 
-    def __init__(self, name, make, optimizer_index=0, lazy_state=False, preconditioner="kfac"):
+    def __init__(self, name, make, optimizer_index=0, full_state=False, preconditioner="kfac"):
         self.name, self.make = name, make
         self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
         # with optimizer_index 1, how objs[0] is checkpointed: "kfac" (its state_dict, loaded
         # into kfac_checkpoint_template) or "twolevel" (cafin.optim.twolevel_dcp.twolevel_checkpoint)
         self.preconditioner = preconditioner
-        # State created by the first step from the first gradient (DyKAF): a fresh optimizer's
-        # state dict is no template to load into, so the saved one is read whole (it is
-        # replicated: the same on every rank).
-        self.lazy_state = lazy_state
+        # Full-size state, the same on every rank (DyKAF): not sharded, no DTensor in it.
+        self.full_state = full_state
 
 
 def _adafisher(cls_name, backend="fused"):
@@ -117,7 +119,7 @@ MEMBERS = {
     # KAISA's MEM_OPT: each layer decomposed and preconditioned on one rank, its gradient shared
     "KFAC-mem": Member("KFAC-mem", lambda model, net: _kfac(model, net, grad_worker_fraction=0.5),
                        optimizer_index=1),
-    "DyKAF": Member("DyKAF", _dykaf, lazy_state=True),
+    "DyKAF": Member("DyKAF", _dykaf, full_state=True),
     "SINGD-dense": Member("SINGD-dense", _singd(("dense", "dense"))),
     "SINGD-diagonal": Member("SINGD-diagonal", _singd(("diagonal", "diagonal"))),
     "SINGD-toeplitz": Member("SINGD-toeplitz", _singd(("triltoeplitz", "diagonal"))),
@@ -241,10 +243,6 @@ def dcp_load(model, objs, member, path):
     if kfac:
         from cafin.optim.kfac_dcp import kfac_checkpoint_template
         sd["preconditioner"] = kfac_checkpoint_template(objs[0])
-    if member.lazy_state:
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-        del sd["optim"]
-        sd["optim"] = _load_state_dict_from_keys({"optim"}, checkpoint_id=path)["optim"]
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
     set_optimizer_state_dict(model, opt, sd["optim"])
@@ -276,7 +274,10 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     box = [path]
     dist.broadcast_object_list(box, src=0, group=group)
     dcp_save(model, objs, member, box[0])
-    train(model, objs, range(CKPT_AT, STEPS), rank, dtype, calls, received)
+    result["checkpoint"] = box[0]
+    train(model, objs, [CKPT_AT], rank, dtype, calls, received)
+    result["next"] = two_ranks.full_params(model)  # the uninterrupted step after the checkpoint
+    train(model, objs, range(CKPT_AT + 1, STEPS), rank, dtype, calls, received)
     result["fsdp"] = two_ranks.full_params(model)
     result["fsdp_factors"] = factors(objs)
     result["fsdp_local"] = local_params(model)
@@ -292,8 +293,64 @@ def run_case(member: Member, dtype: torch.dtype, rank: int, outdir: str, group) 
     return result
 
 
+def plain_template_load(model, objs, member, path) -> None:
+    """The recipe of docs/distributed.md with a preconditioner's own state dict as the template
+    (K-FAC: `state_dict()`; two-level K-FAC: through get/set_optimizer_state_dict, as a torch
+    optimizer), which their helpers replace."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    pre = objs[0]
+    if member.preconditioner == "kfac":
+        sd = {"preconditioner": pre.state_dict()}
+        dcp.load(sd, checkpoint_id=path)
+        pre.load_state_dict(sd["preconditioner"])
+    else:
+        sd = {"twolevel": get_optimizer_state_dict(model, pre)}
+        dcp.load(sd, checkpoint_id=path)
+        set_optimizer_state_dict(model, pre, sd["twolevel"])
+
+
+def resume_on_one_rank(outdir: str) -> None:
+    """Each member's float64 checkpoint of the 2-rank run, loaded on this one rank (see the
+    module's docstring)."""
+    dtype = torch.float64
+    for name, member in MEMBERS.items():
+        case = f"{name}-float64"
+        saved = torch.load(os.path.join(outdir, f"{case}_rank0.pt"), weights_only=False)
+        result: dict = {"error": None}
+        try:
+            model = shard(make_model(dtype, seed=5))
+            objs = member.make(model, model)
+            dcp_load(model, objs, member, saved["checkpoint"])
+            for o in objs:
+                if hasattr(o, "zero_grad"):
+                    o.zero_grad(set_to_none=True)
+            for rank in range(WORLD):  # both ranks' batches: the gradient the 2 ranks averaged
+                x, y = rank_batch(CKPT_AT, rank, dtype)
+                (F.mse_loss(model(x), y) / WORLD).backward()
+            for o in objs:
+                o.step()
+            result["next"] = two_ranks.full_params(model)
+            if member.optimizer_index:
+                model = shard(make_model(dtype, seed=5))
+                objs = member.make(model, model)
+                try:
+                    plain_template_load(model, objs, member, saved["checkpoint"])
+                    result["plain"] = None
+                except BaseException as e:  # DCP's CheckpointException is a BaseException
+                    result["plain"] = (type(e).__name__, str(e))
+        except BaseException:
+            result["error"] = traceback.format_exc()
+        torch.save(result, os.path.join(outdir, f"{case}_one.pt"))
+
+
 def main() -> None:
     outdir = sys.argv[1]
+    if sys.argv[2:3] == ["--one"]:
+        two_ranks.join(os.path.join(outdir, "one"))
+        resume_on_one_rank(outdir)
+        two_ranks.leave()
+        return
     only = sys.argv[2].split(",") if len(sys.argv) > 2 and sys.argv[2] else list(MEMBERS)
     rank, world = two_ranks.join(outdir)
     assert world == WORLD

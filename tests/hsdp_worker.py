@@ -172,7 +172,7 @@ def full_state(model, objs, member) -> tuple[dict, dict]:
     for (name, _), p in zip(model.named_parameters(), two_ranks.full_params(model)):
         shared[f"param.{name}"] = p
     opt = objs[member.optimizer_index]
-    if member.lazy_state:  # full-size state, the same on every rank
+    if member.full_state:  # full-size state, the same on every rank
         _leaves("optim", opt.state_dict()["state"], shared)
     else:
         osd = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))

@@ -14,7 +14,10 @@ it wrote:
 - under the owner scheme, the elements each rank receives: the other rank's rows of the layers it
   owns, and its own rows of the others' (no rank receives a gradient it does not own);
 - a torch.distributed.checkpoint round trip (get/set_optimizer_state_dict, dcp.save/load) resumes
-  bit-identically on each rank's shard.
+  bit-identically on each rank's shard;
+- the float64 checkpoint of the 2-rank run, loaded on one rank (a second launch) with the recipe
+  of docs/distributed.md, gives the step the 2 ranks took after it (on both ranks' batches), and
+  K-FAC's and two-level K-FAC's own state dicts, as plain templates, are refused.
 """
 from __future__ import annotations
 
@@ -217,6 +220,55 @@ def test_dcp_checkpoint_resumes_bit_identically(member, dtype, tmp_path_factory)
             assert torch.equal(a, b), f"rank {rank}, parameter {i} (local shard)"
         if rank == 1:  # the empty shard of Linear(3, 1) is on rank 1
             assert r["fsdp_local"][-2].numel() == 0
+
+
+_ONE: dict = {}
+
+
+def resumed_on_one_rank(member: str, tmp_path_factory) -> dict:
+    """What tests/fsdp_worker.py --one wrote for `member` (one launch of one rank, after the
+    2-rank launch)."""
+    results(member, "float64", tmp_path_factory)
+    if "failure" not in _ONE:
+        logs = _LAUNCH["out"] / "one"
+        logs.mkdir()
+        _ONE["failure"] = two_ranks.launch(lambda rank: [WORKER, _LAUNCH["out"], "--one"], logs, 1)
+    path = _LAUNCH["out"] / f"{member}-float64_one.pt"
+    if not path.exists():
+        pytest.fail(f"the 1-rank run wrote nothing for {member}\n{_ONE['failure']}")
+    r = torch.load(path, weights_only=False)
+    if r["error"]:
+        pytest.fail(f"the 1-rank run failed in {member}:\n{r['error']}")
+    return r
+
+
+# Two-level K-FAC's residual coarse space reads each rank's per-sample statistics until the next
+# T_cov step; one rank loads rank 0's (docs/distributed.md, resharding; tests/test_hsdp.py).
+PER_RANK_STATISTICS = {"TwoLevel-residual"}
+
+
+@pytest.mark.parametrize("member", [m for m in W.MEMBERS if m not in PER_RANK_STATISTICS])
+def test_dcp_checkpoint_of_two_ranks_resumes_on_one_with_the_recipe(member, tmp_path_factory):
+    """DyKAF resumed its state from the checkpoint, not from scratch (a fresh state took no step
+    there: 0.33 off)."""
+    uninterrupted = results(member, "float64", tmp_path_factory)[0]["next"]
+    resumed = resumed_on_one_rank(member, tmp_path_factory)["next"]
+    initial = [p.detach() for p in W.make_model(torch.float64, seed=5).parameters()]
+    for i, (a, b, p0) in enumerate(zip(resumed, uninterrupted, initial)):
+        assert rel(b, p0) > 1e-3  # the checkpoint's parameters are not the fresh model's
+        assert rel(a, b) <= 1e-10, f"parameter {i}: {rel(a, b):.3g}"
+
+
+@pytest.mark.parametrize("member", [m for m, w in W.MEMBERS.items() if w.optimizer_index])
+def test_preconditioner_state_dict_as_dcp_template_is_refused(member, tmp_path_factory):
+    """K-FAC's and two-level K-FAC's state dicts of a fresh preconditioner are no template for
+    dcp.load: refused (DCP's error for K-FAC's None factors; two-level names its helpers), never
+    loaded as a fresh state."""
+    kind, message = resumed_on_one_rank(member, tmp_path_factory)["plain"]
+    if member.startswith("KFAC"):
+        assert "expected BytesStorageMetadata" in message, message
+    else:
+        assert kind == "RuntimeError" and "cafin.optim.twolevel_dcp" in message, message
 
 
 @pytest.mark.parametrize("member", list(W.REFUSED))

@@ -147,9 +147,6 @@ def main() -> None:
     model2 = sharded()
     objs2 = build(args.member, model2, args.coarse)
     sd = checkpoint_state(model2, objs2, fresh=True)
-    if args.member == "dykaf":  # state made by the first step: read the saved one whole
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-        sd["optim"] = _load_state_dict_from_keys({"optim"}, checkpoint_id=path[0])["optim"]
     dcp.load(sd, checkpoint_id=path[0])
     set_model_state_dict(model2, sd["model"])
     set_optimizer_state_dict(model2, objs2[-1], sd["optim"])

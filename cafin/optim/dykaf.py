@@ -32,6 +32,7 @@ from ..maths import state_dtype
 from ..sharding import check_sharded, full_parameters
 from ._docs import _backend_doc, _params_doc, _published_bugs_doc
 from .dykaf_owners import refresh_owners
+from .dykaf_unstarted import check_unstarted, unstarted_entry
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _KINDS = ("kron2d", "kron4d", "ema")
@@ -580,7 +581,8 @@ class DyKAF(CoreOptimizer):
             # decided from the device count. Left out where the host knows it is not due
             # (StepGraphs); the host count stopped at the counter's, so the offset is fixed.
             every = state["precondition_frequency"]
-            if self._steps.host_due(every, state["step"] + 1 - self._steps.host) is False:
+            if self._steps.pinned is not None and self._steps.host_due(
+                    every, state["step"] + 1 - self._steps.host) is False:
                 return
             due = torch.fmod(state["device_step"], every) == 0
             self._refresh(p, state, group, due)
@@ -632,9 +634,27 @@ class DyKAF(CoreOptimizer):
             state["exp_avg_sq"].copy_(self._from_merged(v, p) if merged is not None else v)
 
     # ------------------------------------------------------------------ checkpoints
+    def _groups_changed(self) -> None:
+        self._hold_every_parameter()
+
+    def _loaded(self, record: Any) -> None:
+        self._hold_every_parameter()
+
+    def _hold_every_parameter(self) -> None:
+        """An entry in `self.state` for every parameter, empty until its first step: an optimizer
+        with state is one that torch.distributed.checkpoint's get/set_optimizer_state_dict do not
+        step with zero gradients to create state (such a step would build the state of "eps"
+        starts from a zero gradient, and change the run)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state.setdefault(p, {})
+
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's layout; `step` is read from `device_step` (compiled steps advance only
-        the device count), one host read per parameter at checkpoint time."""
+        the device count), one host read per parameter at checkpoint time. A parameter that
+        requires grad and has no state yet has its unstarted entry (`step` None, zeros of its
+        state's shapes: cafin.optim.dykaf_unstarted), so that the state dict of a fresh optimizer
+        is a template that torch.distributed.checkpoint can load a saved one into."""
         sd = super().state_dict()
         sd["state"] = {k: dict(v) for k, v in sd["state"].items()}  # not the live dicts
         for st in sd["state"].values():
@@ -643,6 +663,13 @@ class DyKAF(CoreOptimizer):
             if st.get("exp_avg_rot_step") == _FOLLOWS_DEVICE_STEP:
                 due = st["step"] % st["precondition_frequency"] == 0
                 st["exp_avg_rot_step"] = -1 if due else st["step"]
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and "step" not in self.state.get(p, {}):
+                    sd["state"][index] = unstarted_entry(self, p, group)
+                index += 1
+        sd["state"] = {k: v for k, v in sorted(sd["state"].items()) if v}  # frozen: none
         return sd
 
     def _checked_layout(self, where: str, p: torch.Tensor, saved: dict[str, Any],
@@ -679,6 +706,9 @@ class DyKAF(CoreOptimizer):
         if not saved:
             return {}  # a parameter that waits for a usable first gradient
         where = f"checkpoint state of parameter {index}"
+        if "step" in saved and saved["step"] is None:  # its unstarted entry: no state yet
+            check_unstarted(where, saved, unstarted_entry(self, p, group))
+            return {}
         kind, modes = self._checked_layout(where, p, saved, group)
         work = state_dtype(p.dtype)
 

@@ -102,6 +102,16 @@ def _refuse_layers_without_curvature(model: nn.Module) -> None:
                          "it (requires_grad=False) or use KFACPreconditioner, which supports it")
 
 
+# Why a first step with zero gradients and no forward pass fails: it is what
+# get/set_optimizer_state_dict run to create the state of a fresh optimizer.
+_DCP_STEP = ("TwoLevelKFAC: step() before any forward pass, with every gradient zero, as "
+             "torch.distributed.checkpoint's get_optimizer_state_dict and set_optimizer_state_dict "
+             "step a fresh optimizer: its state is made by its first steps, and its coarse matrix "
+             "and per-rank statistics are not in the state dict they take. Checkpoint it with "
+             "cafin.optim.twolevel_dcp: twolevel_checkpoint(opt) in the saved state, "
+             "twolevel_load(opt, checkpoint_id) to resume (docs/distributed.md)")
+
+
 class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
     def __init__(self, net: nn.Module, damping=1e-3, pi=False, T_cov=100, T_inv=100, alpha=0.95,
                  constraint_norm=False, clipping=1e-2, batch_size=64, coarse_space="nicolaides",
@@ -810,7 +820,16 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             self.__dict__.update(values)
             self.__dict__.pop("_early_parts", None)
             self.__dict__.pop("_coarse_folded", None)
+            if self._iteration_counter == 0 and not self._pending and self._zero_gradients():
+                raise RuntimeError(_DCP_STEP) from None
             raise
+
+    def _zero_gradients(self) -> bool:
+        """Whether every parameter has a gradient and all of them are zero: the step that
+        torch.distributed.checkpoint's get/set_optimizer_state_dict run on an optimizer without
+        state."""
+        grads = [p.grad for g in self.param_groups for p in g["params"]]
+        return all(g is not None and not bool(g.any()) for g in grads)
 
     def _step(self, update_params: bool) -> None:
         k, rho, gate_cov, gate_inv = self._schedule()
@@ -1112,7 +1131,10 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
             raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
         for key in ("state", "param_groups", "twolevel"):
             if key not in state_dict:
-                raise ValueError(f"not a TwoLevelKFAC checkpoint: missing '{key}'")
+                raise ValueError(f"not a TwoLevelKFAC checkpoint: missing '{key}'" + (
+                    " (torch.distributed.checkpoint's get_optimizer_state_dict keeps only 'state' "
+                    "and 'param_groups': checkpoint a TwoLevelKFAC with cafin.optim.twolevel_dcp's "
+                    "twolevel_checkpoint and twolevel_load)" if key == "twolevel" else ""))
         extra, groups, saved_state = state_dict["twolevel"], state_dict["param_groups"], state_dict["state"]
         if not isinstance(extra, dict):
             raise TypeError(f"checkpoint 'twolevel' must be a dict, got {type(extra).__name__}")
