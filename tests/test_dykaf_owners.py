@@ -5,9 +5,10 @@ every case) against one process that refreshes everything itself:
   under max_precond_dim), 1-D tensors with and without a factor, a conv kernel (4-mode split)
   and a merged one (merge_dims), the rank-one and the full second moment, fused and reference;
 - each rank refreshes its share of the bases, the owners those of the greedy rule by cost (d^3
-  per basis), the two shares every basis once;
+  per basis), the two shares every basis once; the same for the first step's
+  eigendecompositions, made by their owners only (no rank decomposes a basis it does not own);
 - one all_gather per (device, dtype) on a refresh step (its elements: the larger share's bases
-  and orders), none on the other steps;
+  and orders) and on the first step (bases and a flag each), none on the other steps;
 - state_dict is the same on both ranks and one process's; loaded into a fresh optimizer with
   process_group it steps on as one process does;
 - under FSDP2 (fully_shard) the sharing gives the numbers of no sharing;
@@ -85,12 +86,18 @@ def _worker(outdir: str) -> None:
     import torch.distributed as dist
     import cafin.maths.dykaf as dykaf_maths
     refreshed: list = []  # the factors this rank refreshed in the current step
-    original = dykaf_maths.refresh_basis
+    decomposed: list = []  # the factors this rank eigendecomposed (first steps) in the current step
+    original, original_eigenbasis = dykaf_maths.refresh_basis, dykaf_maths.eigenbasis
 
     def counted(factor, basis):
         refreshed.append(id(factor))
         return original(factor, basis)
+
+    def counted_eigenbasis(factor):
+        decomposed.append(id(factor))
+        return original_eigenbasis(factor)
     dykaf_maths.refresh_basis = counted
+    dykaf_maths.eigenbasis = counted_eigenbasis
     two_ranks.count_collectives(("all_reduce", "all_gather", "broadcast", "all_gather_into_tensor",
                                  "all_gather_single"))
     world_group = dist.group.WORLD
@@ -99,7 +106,7 @@ def _worker(outdir: str) -> None:
         try:
             params = make_params(case)
             opt = make_optimizer(params, case, world_group)
-            out["params"], out["refreshed"], out["calls"] = [], [], []
+            out["params"], out["refreshed"], out["decomposed"], out["calls"] = [], [], [], []
             for step in range(STEPS + MORE):
                 if step == STEPS:  # a checkpoint round trip into a fresh optimizer, then on
                     out["state_dict"] = copy.deepcopy(opt.state_dict())
@@ -107,15 +114,44 @@ def _worker(outdir: str) -> None:
                     opt.load_state_dict(out["state_dict"])
                 set_grads(params, step)
                 refreshed.clear()
+                decomposed.clear()
                 two_ranks.CALLS.clear()
                 opt.step()
                 modes = factor_modes(opt, params)
                 out["refreshed"].append(sorted(modes[f] for f in refreshed))
+                out["decomposed"].append(sorted(modes[f] for f in decomposed))
                 out["calls"].append(list(two_ranks.CALLS))
                 out["params"].append(snapshot(params))
         except Exception:
             out["error"] = traceback.format_exc()
         torch.save(out, os.path.join(outdir, f"{name}_rank{rank}.pt"))
+
+    out = {"error": None}  # a first eigendecomposition that fails on its owner
+    try:
+        import warnings
+        case = CASES["float64-fused"]
+        params = make_params(case)
+        opt = make_optimizer(params, case, world_group)
+
+        def failing(factor):
+            if factor.shape[0] == 7:  # the (7, 4) matrix's left factor
+                raise torch.linalg.LinAlgError("made to fail")
+            return original_eigenbasis(factor)
+        dykaf_maths.eigenbasis = failing
+        out["started"] = []
+        for step in range(2):
+            set_grads(params, step)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+            out["started"].append(["step" in opt.state[p] for p in params])
+            out.setdefault("warnings", [str(w.message) for w in caught])
+            dykaf_maths.eigenbasis = counted_eigenbasis
+        out["dropped"] = opt.skipped_factor_updates
+    except Exception:
+        out["error"] = traceback.format_exc()
+    dykaf_maths.eigenbasis = counted_eigenbasis
+    torch.save(out, os.path.join(outdir, f"drop_rank{rank}.pt"))
 
     out = {"error": None}  # FSDP2: sharing against no sharing, both sharded
     try:
@@ -245,22 +281,41 @@ def test_each_rank_refreshes_its_share(name, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", list(CASES))
+def test_first_eigendecompositions_run_on_their_owners_only(name, tmp_path_factory):
+    """The first step decomposes every basis once over the two ranks, each on its owner (the
+    rule of the refreshes); the fresh optimizer after the checkpoint decomposes nothing."""
+    ranks = results(name, tmp_path_factory)
+    _, _, dims, modes = one_process(CASES[name])
+    every = sorted((i, k) for i, ks in modes.items() for k in ks)
+    owner = owners(dims, modes)
+    first = [r["decomposed"][0] for r in ranks]
+    assert sorted(first[0] + first[1]) == every
+    for rank, share in enumerate(first):
+        assert share == sorted(m for m in every if owner[m] == rank), rank
+    for step in range(1, STEPS + MORE):
+        assert [r["decomposed"][step] for r in ranks] == [[], []], step
+
+
+@pytest.mark.parametrize("name", list(CASES))
 def test_one_exchange_per_dtype_on_refresh_steps(name, tmp_path_factory):
     ranks = results(name, tmp_path_factory)
     _, _, dims, modes = one_process(CASES[name])
     case = CASES[name]
     owner = owners(dims, modes)
-    expected = []  # per dtype, the larger share's elements: each basis d^2, its order d
+    expected = {"refresh": [], "first": []}  # per dtype, the larger share's elements
     for dtype in dict.fromkeys(dtype_of(case, i) for i in sorted(dims) if dims[i]):
-        shares = [sum(d * d + d for i in dims for k, d in zip(modes[i], dims[i])
-                      if owner[i, k] == r and dtype_of(case, i) == dtype)
-                  for r in range(2)]
-        expected.append(("all_gather", max(shares), str(dtype).replace("torch.", "")))
+        # a refresh sends each basis, d^2, with its order, d; a first step each basis and a flag
+        for key, extra in (("refresh", lambda d: d), ("first", lambda d: 1)):
+            shares = [sum(d * d + extra(d) for i in dims for k, d in zip(modes[i], dims[i])
+                          if owner[i, k] == r and dtype_of(case, i) == dtype)
+                      for r in range(2)]
+            expected[key].append(("all_gather", max(shares), str(dtype).replace("torch.", "")))
     for r in ranks:
         for step in range(STEPS + MORE):
             due = step >= 1 and step % FREQ == 0
-            assert r["calls"][step] == (expected if due else []), (step, r["calls"][step])
-    assert len(expected) == (2 if name == "float32-mixed" else 1)
+            want = expected["refresh"] if due else expected["first"] if step == 0 else []
+            assert r["calls"][step] == want, (step, r["calls"][step])
+    assert len(expected["refresh"]) == (2 if name == "float32-mixed" else 1)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -282,6 +337,18 @@ def test_state_dict_is_every_ranks_and_one_process(name, tmp_path_factory):
                     assert xs == ys == ws, (index, key)
     # the bases were refreshed (steps 2 and 4) on one rank and copied: both sides have them all
     assert any(any(q is not None for q in st["bases"]) for st in a["state"].values())
+
+
+def test_failed_first_eigendecomposition_drops_the_gradient_on_every_rank(tmp_path_factory):
+    """An eigendecomposition that fails on its owner (the 7 x 7 factor's: rank 1's) drops that
+    parameter's first gradient on both ranks, with the warning; the others start; the next
+    step starts it."""
+    ranks = results("drop", tmp_path_factory)
+    for r in ranks:
+        assert r["started"][0] == [i != 3 for i in range(len(SHAPES))]
+        assert r["started"][1] == [True] * len(SHAPES)
+        assert r["dropped"] == 1
+        assert any("(7, 4)" in w and "eigendecomposition failed" in w for w in r["warnings"]), r["warnings"]
 
 
 def test_fsdp2_sharing_gives_the_numbers_of_no_sharing(tmp_path_factory):

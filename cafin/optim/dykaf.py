@@ -172,17 +172,28 @@ class DyKAF(CoreOptimizer):
         if kept and not bool(torch.stack([torch.isfinite(f).all() for f in kept]).all()):
             return ("gives factors that are not finite (a gradient too small or too large for "
                     "the power iteration in this dtype?)")
+        state["factors"] = factors
+        if self._owners is not None:
+            # the eigendecompositions on their owner ranks at the end of the step, shared as the
+            # refreshes are; the state is installed (or the gradient dropped) there
+            self._owners.defer_start(p, state, group)
+            return None
         try:
             bases = [None if f is None else dykaf_maths.eigenbasis(f) for f in factors]
         except torch.linalg.LinAlgError as e:  # eigenbasis has already retried in float64
             return f"gives factors whose eigendecomposition failed ({e})"
-        stacked = self.backend == "fused" and kind == "kron2d" and all(f is not None for f in factors)
+        self._install_start(p, state, bases)
+        return None
+
+    def _install_start(self, p: torch.Tensor, state: dict[str, Any], bases: list) -> None:
+        """Install a parameter's first state, its factors' eigenbases given."""
+        stacked = (self.backend == "fused" and state["kind"] == "kron2d"
+                   and all(f is not None for f in state["factors"]))
         if stacked:
             # The batched GEMMs read row-major bases (see _stack): made so here, once; every
             # refresh is then copied into these buffers (the other kinds' projections keep the
             # layout eigh and QR give, and their numbers with it).
             bases = [Q.contiguous() for Q in bases]
-        state["factors"] = factors
         state["bases"] = bases
         if stacked:
             # the rotated moment's buffer (see _update), in the state from the start so that a
@@ -191,7 +202,16 @@ class DyKAF(CoreOptimizer):
             state["exp_avg_rot_step"] = -1
         # In place: under FSDP2 the parameter and its full-size stand-in share this dict.
         self.state[p].update(state)
-        return None
+
+    def _finish_start(self, p: torch.Tensor, state: dict[str, Any], bases: list | None,
+                      why: str | None) -> None:
+        """A deferred first step, its eigenbases made by their owners: installed, or, where an
+        eigendecomposition failed (`why`), the gradient dropped on every rank."""
+        if why is not None:
+            self._drop_start(p, f"gives factors whose eigendecomposition failed ({why})")
+            return
+        self._install_start(p, state, bases)
+        self._waits.pop(p, None)
 
     def _drop_start(self, p: torch.Tensor, why: str) -> None:
         """A first gradient that cannot start the parameter's state: dropped (nothing is
@@ -282,7 +302,7 @@ class DyKAF(CoreOptimizer):
 
     def _step(self) -> None:
         if self._owners is not None:
-            self._owners.pending.clear()  # what a step that raised left behind
+            self._owners.clear()  # what a step that raised left behind
         for group in self.param_groups:
             active = []
             for p in group["params"]:
@@ -309,7 +329,7 @@ class DyKAF(CoreOptimizer):
                     why = self._init_state(p, p.grad, group)
                     if why is not None:
                         self._drop_start(p, why)
-                    else:
+                    elif "step" in state:  # installed (with a process_group: at the step's end)
                         self._waits.pop(p, None)
                     continue  # the first step only builds state, as published
                 active.append(p)
@@ -318,8 +338,8 @@ class DyKAF(CoreOptimizer):
                 by_device.setdefault(p.device, []).append(p)
             for params in by_device.values():
                 self._update(group, params)
-        if self._owners is not None:  # the step's refreshes, by their owners, then shared
-            self._owners.flush(self._install_refresh)
+        if self._owners is not None:  # the step's decompositions, by their owners, then shared
+            self._owners.flush(self._install_refresh, self._finish_start)
 
     def _update(self, group, params: list[torch.Tensor]) -> None:
         """One step of the parameters of one device: rotate the gradients into the eigenbases,

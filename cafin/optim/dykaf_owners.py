@@ -1,14 +1,18 @@
-"""DyKAF's eigenbasis refreshes shared out over the ranks of a process group: each basis due for
-a refresh (one per preconditioned mode of a parameter: a power step and a QR of a d x d factor,
-`cafin.maths.dykaf.refresh_basis`) is refreshed by one owner rank, and the new bases and the
-permutations of their columns travel to the other ranks in one collective per (device, dtype).
+"""DyKAF's eigenbasis refreshes and first eigendecompositions shared out over the ranks of a
+process group: each basis due for a refresh (one per preconditioned mode of a parameter: a power
+step and a QR of a d x d factor, `cafin.maths.dykaf.refresh_basis`) or made at a parameter's first
+step (the eigendecomposition of its first factor, `cafin.maths.dykaf.eigenbasis`) is computed by
+one owner rank, and the bases, with the permutations of a refresh's columns or a flag saying
+whether a first eigendecomposition succeeded, travel to the other ranks in one collective per
+(device, dtype).
 
 Under DDP every rank holds the same factors and bases (the gradients are averaged), so one rank's
 refresh is every rank's. The owners are chosen afresh at each refresh step, among the bases due
 at that step, as distributed Shampoo's DDP distributor balances its blocks: by cost (d^3: the
 products and the QR), most expensive first, each to the least loaded rank (ties: the lowest
 rank), with `cafin.optim.kaisa.greedy_assignment`; every rank computes the same assignment from
-the same parameters. The unit is the basis, not the parameter: a model whose largest matrix
+the same parameters. A first eigendecomposition costs d^3 as well, and is assigned with the
+refreshes of its step. The unit is the basis, not the parameter: a model whose largest matrix
 holds most of the work (an MLP's 784 x 512 input layer) splits far better by mode. The exchange is
 `cafin.optim.kaisa.exchange`: one all_gather, or one broadcast per rank with a share when a padded
 all_gather would more than double what is received.
@@ -51,66 +55,101 @@ def refresh_owners(process_group) -> "RefreshOwners | None":
 
 
 class RefreshOwners:
-    """The refreshes of one step, deferred to its end (`defer`), then made by their owners and
-    shared (`flush`); `collectives` counts the collectives the last flush made."""
+    """The refreshes and first eigendecompositions of one step, deferred to its end (`defer`,
+    `defer_start`), then made by their owners and shared (`flush`); `collectives` counts the
+    collectives the last flush made."""
 
     def __init__(self, group, rank: int, world: int) -> None:
         self.group, self.rank, self.world = group, rank, world
         self.pending: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
+        self.starts: list[tuple[torch.Tensor, dict[str, Any], dict[str, Any]]] = []
         self.collectives = 0
+
+    def clear(self) -> None:
+        """Forget what a step that raised deferred."""
+        self.pending.clear()
+        self.starts.clear()
 
     def defer(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         """Remember a parameter due for a refresh; its factors and bases are read at `flush`
         (nothing writes them after the refresh point of a step)."""
         self.pending.append((p, state, group))
 
+    def defer_start(self, p: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Remember a parameter's first state, built but for its bases (`state["factors"]` set,
+        the state not installed): its eigendecompositions are made at `flush`."""
+        self.starts.append((p, state, group))
+
     def owners(self) -> list[list[int | None]]:
-        """The owner rank of each mode of each pending refresh (None: no basis), the same on
-        every rank."""
+        """The owner rank of each mode of each pending refresh, then of each pending start
+        (None: no basis), the same on every rank."""
+        jobs = self.pending + self.starts
         work = {f"{i}.{k}": {"refresh": float(f.shape[0] ** 3)}
-                for i, (_, state, _) in enumerate(self.pending)
+                for i, (_, state, _) in enumerate(jobs)
                 for k, f in enumerate(state["factors"]) if f is not None}
         assigned = greedy_assignment(work, [list(range(self.world))], self.world, colocate=False)
         return [[assigned[f"{i}.{k}"]["refresh"] if f is not None else None
                  for k, f in enumerate(state["factors"])]
-                for i, (_, state, _) in enumerate(self.pending)]
+                for i, (_, state, _) in enumerate(jobs)]
 
-    def flush(self, install: Callable[[torch.Tensor, dict, dict, list], None]) -> int:
-        """Refresh this rank's share of the pending parameters, share the results, and hand every
-        pending parameter's new bases to `install(p, state, group, new)`, new[k] = (basis,
-        order) or None for a mode without a basis. Returns the collectives made."""
+    def flush(self, install: Callable[[torch.Tensor, dict, dict, list], None],
+              start: Callable[[torch.Tensor, dict, list | None, str | None], None]) -> int:
+        """Make this rank's share of the pending refreshes and first eigendecompositions, share
+        the results, and hand every pending refresh's new bases to `install(p, state, group,
+        new)`, new[k] = (basis, order) or None for a mode without a basis, and every pending
+        start's bases to `start(p, state, bases, None)`, or, where an eigendecomposition failed
+        on its owner, `start(p, state, None, why)` on every rank. Returns the collectives made."""
         self.collectives = 0
-        if not self.pending:  # not a refresh step (or a compiled one: its refreshes stay local)
+        if not self.pending and not self.starts:  # a compiled step's refreshes stay local
             return 0
-        pending, owners = self.pending, self.owners()
-        self.pending = []
+        owners = self.owners()
+        jobs = [(job, False) for job in self.pending] + [(job, True) for job in self.starts]
+        self.pending, self.starts = [], []
         held: dict[tuple, list[list[torch.Tensor]]] = {}
         results = []
-        for (_, state, _), mode_owners in zip(pending, owners):
+        for ((_, state, _), first), mode_owners in zip(jobs, owners):
             new: list = []
-            for factor, basis, owner in zip(state["factors"], state["bases"], mode_owners):
+            bases = [None] * len(state["factors"]) if first else state["bases"]
+            for factor, basis, owner in zip(state["factors"], bases, mode_owners):
                 if factor is None:
                     new.append(None)
                     continue
                 if owner == self.rank:
-                    Q, order = dykaf_maths.refresh_basis(factor, basis)
+                    # With its basis travels a refresh's permutation, in the basis's dtype (exact
+                    # below 2^24 (float32), far above any mode a d x d factor can have), or a
+                    # start's flag: 1 where its eigendecomposition succeeded.
+                    Q, extra = _first_basis(factor) if first else dykaf_maths.refresh_basis(factor, basis)
                     Q = _column_major(Q)
-                    # The permutation travels with the basis, in its dtype: exact below 2^24
-                    # (float32), far above any mode a d x d factor can have.
-                    order = order.to(Q.dtype)
+                    extra = extra.to(Q.dtype)
                 else:
                     d = factor.shape[0]
-                    Q = _column_major(torch.empty((d, d), dtype=basis.dtype, device=basis.device))
-                    order = torch.empty(d, dtype=basis.dtype, device=basis.device)
+                    Q = _column_major(torch.empty((d, d), dtype=factor.dtype, device=factor.device))
+                    extra = torch.empty(1 if first else d, dtype=factor.dtype, device=factor.device)
                 shares = held.setdefault((Q.device, Q.dtype), [[] for _ in range(self.world)])
-                shares[owner] += [Q, order]
-                new.append((Q, order))
+                shares[owner] += [Q, extra]
+                new.append((Q, extra))
             results.append(new)
         for shares in held.values():
             self.collectives += exchange(shares, self.rank, self.group)
-        for (p, state, group), new in zip(pending, results):
-            install(p, state, group, [None if x is None else (x[0], x[1].long()) for x in new])
+        for ((p, state, group), first), new, mode_owners in zip(jobs, results, owners):
+            if not first:
+                install(p, state, group, [None if x is None else (x[0], x[1].long()) for x in new])
+                continue
+            failed = [owner for x, owner in zip(new, mode_owners) if x is not None and float(x[1]) != 1]
+            if failed:
+                start(p, state, None, f"on rank {failed[0]}, also in float64")
+            else:
+                start(p, state, [None if x is None else x[0] for x in new], None)
         return self.collectives
+
+
+def _first_basis(factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A first eigenbasis and its flag (1: made; 0: the eigendecomposition failed also in
+    float64, the basis then zeros)."""
+    try:
+        return dykaf_maths.eigenbasis(factor), torch.ones(1, dtype=factor.dtype, device=factor.device)
+    except torch.linalg.LinAlgError:
+        return torch.zeros_like(factor), torch.zeros(1, dtype=factor.dtype, device=factor.device)
 
 
 def _column_major(Q: torch.Tensor) -> torch.Tensor:
