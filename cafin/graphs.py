@@ -93,6 +93,7 @@ class StepGraphs:
                              f"steps), got {warmup!r}")
         self.step, self.members, self.warmup = step, members, warmup
         self.counters = [_counter(m) for m in members]
+        self._settings = [self._settings_of(m) for m in members]
         self._make_graph = graph if graph is not None else self._cuda_graph
         self._pool = None
         self._graphs: list[tuple[tuple[frozenset, ...], Any, Any]] = []  # (phase, graph, outputs)
@@ -119,6 +120,12 @@ class StepGraphs:
             return self._eager(warm=True)
         if self._never():
             return self._eager(warm=False)
+        for member, settings in zip(self.members, self._settings):
+            if self._settings_of(member) != settings:
+                raise RuntimeError(
+                    f"StepGraphs: {type(member).__name__}'s {self._changed(member, settings)} changed "
+                    "after its graphs were captured, and they replay the old one: build a new "
+                    "StepGraphs after changing it")
         if self._k is None:
             for counter in self.counters:
                 counter.device_gated = True
@@ -132,6 +139,20 @@ class StepGraphs:
         if any(self._matches(phase) for phase in self._eager_phases):
             return self._pinned_eager()
         return self._capture()
+
+    @staticmethod
+    def _settings_of(member) -> tuple:
+        settings = member._graph_settings()
+        for name, value in settings:
+            if callable(value):
+                raise TypeError(f"StepGraphs: {type(member).__name__}'s {name} is a callable of the "
+                                "step; its graphs are chosen by interval, so give it a number")
+        return settings
+
+    def _changed(self, member, settings) -> str:
+        now = dict(self._settings_of(member))
+        return ", ".join(f"{name} ({old!r} -> {now.get(name)!r})"
+                         for name, old in settings if now.get(name) != old)
 
     def _never(self) -> bool:
         """Whether a member captures no step at all: then every step runs eagerly, with the

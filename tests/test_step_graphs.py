@@ -133,6 +133,32 @@ def test_a_step_not_due_replays_no_curvature_work(setup):
         assert len(due.ops) > len(graph.ops) and _flops(due.replay) >= not_due
 
 
+@pytest.mark.parametrize("setup, change", [
+    (SETUPS[0], lambda run: setattr(run.curvature, "TCov", 3)),
+    (SETUPS[1], lambda run: setattr(run.curvature, "decompose_in_step", False)),
+    (SETUPS[3], lambda run: run.curvature.param_groups[0].__setitem__("T", 3)),
+], ids=["AdaFisher-TCov", "KFAC-decompose_in_step", "SINGD-T"])
+def test_an_interval_changed_after_capture_is_refused(setup, change):
+    """The graphs were chosen under the old setting: replaying them would keep it silently."""
+    data = batches(4)
+    run = _run(setup, 2)
+    static = [t.clone() for t in data[0]]
+    graphs = _graphs(run, static)
+    for _ in range(3):
+        graphs()
+    before = [p.detach().clone() for p in run.model.parameters()]
+    change(run)
+    with pytest.raises(RuntimeError, match="changed after its graphs were captured"):
+        graphs()
+    assert all(torch.equal(p, q) for p, q in zip(run.model.parameters(), before))
+
+
+def test_a_callable_interval_is_refused():
+    run = Run(_member("KFACPreconditioner"), mlp(), factor_update_steps=lambda k: 2, inv_update_steps=4)
+    with pytest.raises(TypeError, match="factor_update_steps is a callable"):
+        cafin.StepGraphs(lambda: None, run.curvature)
+
+
 def test_bad_arguments_are_refused():
     run = _run(SETUPS[0], 2)
     with pytest.raises(TypeError, match="step must be callable"):

@@ -150,6 +150,11 @@ class Preconditioner:
     # Why no step of this member can be captured (cafin.StepGraphs then runs them all eagerly)
     _uncapturable: str | None = None
 
+    def _graph_settings(self) -> tuple:
+        """The settings cafin.StepGraphs' graphs depend on (the intervals that decide a phase):
+        a change after capture makes StepGraphs refuse the next step."""
+        return ()
+
     def _capture_refusal(self) -> str | None:
         """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
         graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""

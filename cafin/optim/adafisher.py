@@ -233,6 +233,9 @@ class AdaFisher(CurvatureOptimizer):
 
     # ------------------------------------------------------------------ statistics hooks
     # The three methods the core's hooks call (cafin.core.hooks.Hooks).
+    def _graph_settings(self) -> tuple:
+        return (("TCov", self.TCov),)
+
     def _statistics_gate(self, layer: Layer, device: torch.device):
         return self._steps.due(self.TCov, device)
 

@@ -802,6 +802,11 @@ class KFACPreconditioner(Preconditioner):
         self._keep_own_rows()
         self._advance()
 
+    def _graph_settings(self) -> tuple:
+        return (("factor_update_steps", self._factor_update_steps),
+                ("inv_update_steps", self._inv_update_steps),
+                ("decompose_in_step", self.decompose_in_step), ("compute_method", self.compute_method))
+
     def _capture_refusal(self) -> str | None:
         if (self.decompose_in_step and self.compute_method is ComputeMethod.EIGEN
                 and self._steps.host_due(self.inv_update_steps) is not False):

@@ -443,6 +443,9 @@ class SINGD(CurvatureOptimizer):
         new._plan = None
         return new
 
+    def _graph_settings(self) -> tuple:
+        return tuple((f"param group {i}: T", group["T"]) for i, group in enumerate(self.param_groups))
+
     # ------------------------------------------------------------------ hooks (core protocol)
     def _statistics_gate(self, layer: Layer, device: torch.device):
         group = self._group(layer)
