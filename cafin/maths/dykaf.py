@@ -7,7 +7,7 @@ decompositions, which stay in torch.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -51,20 +51,66 @@ def eps_start(n: int, like: torch.Tensor) -> torch.Tensor:
     return eye / eye.norm() * EPS_START
 
 
-_HOPM_RULES = ("ijkl,j,k,l->i", "ijkl,i,k,l->j", "ijkl,i,j,l->k", "ijkl,i,j,k->l")
-_TENSOR_SPLIT_RULES = ("ijkl,sabc,ja,kb,lc->is", "ijkl,asbc,ia,kb,lc->js",
-                       "ijkl,absc,ia,jb,lc->ks", "ijkl,abcs,ia,jb,kc->ls")
+# The 4-D contractions are GEMMs in a fixed order, not einsums: a torch.einsum of three or more
+# operands searches a contraction path (opt_einsum) on every call, most of an eager step's host
+# time on a ResNet, and without opt_einsum contracts left to right (g (x) g first: d^8 entries).
+
+
+def unfoldings(g: torch.Tensor) -> list[torch.Tensor]:
+    """The mode unfoldings of a 4-D tensor: [d_k, d_(k+1) d_(k+2) d_(k+3)] for each mode k, the
+    other modes in cyclic order (indices mod 4). Modes 0 and 3 are views of g (3 transposed), 1
+    and 2 copies."""
+    d = g.shape
+    g = g.contiguous()
+    return [g.reshape(d[0], -1), g.permute(1, 2, 3, 0).reshape(d[1], -1),
+            g.permute(2, 3, 0, 1).reshape(d[2], -1), g.reshape(-1, d[3]).T]
+
+
+def _split_sweep(unfolded: list[torch.Tensor], factors: list[torch.Tensor],
+                 step: Callable[[int, torch.Tensor], None]) -> None:
+    """The four mode terms of the 4-D factor step, in turn: for i = 0..3, `step(i, C_i)` with
+
+        C_i[x, y] = sum g[.., x, ..] g[.., y, ..] prod_(t != i) F_t[j_t, j'_t]
+
+    (x at mode i of the first g, y at mode i of the second; each other mode t pairs the first
+    g's index j_t with the second's j'_t through F_t), where F = `factors` as the earlier steps
+    left it (`step` replaces factors[i]). Twelve GEMMs on the unfoldings (`unfoldings(g)`):
+    modes 0 and 1 share A = g x_2 F_2 x_3 F_3, modes 2 and 3 B = g x_0 F_0 x_1 F_1 (F_0 and F_1
+    as updated); mode 0 puts F_1 and mode 2 F_3 on the first g. A GEMM on the transposed
+    unfolding (mode k in front) returns the mode at the back, the next mode in front."""
+    d = [x.shape[0] for x in unfolded]
+    F = factors
+    A = torch.mm(unfolded[2].T, F[2].T).reshape(d[3], -1)
+    A = torch.mm(A.T, F[3].T).reshape(d[0], -1)  # modes (0, 1, 2, 3), 0 in front
+    first = torch.mm(F[1].T, unfolded[1]).reshape(-1, d[0])  # (1, 2, 3 | 0)
+    step(0, torch.mm(first.T, A.T))
+    second = torch.mm(A.T, F[0].T).reshape(d[1], -1)  # (1 | 2, 3, 0)
+    step(1, torch.mm(unfolded[1], second.T))
+    B = torch.mm(unfolded[0].T, F[0].T).reshape(d[1], -1)
+    B = torch.mm(B.T, F[1].T).reshape(d[2], -1)  # modes (2, 3, 0, 1), 2 in front
+    first = torch.mm(F[3].T, unfolded[3]).reshape(-1, d[2])  # (3, 0, 1 | 2)
+    step(2, torch.mm(first.T, B.T))
+    second = torch.mm(B.T, F[2].T).reshape(d[3], -1)  # (3 | 0, 1, 2)
+    step(3, torch.mm(unfolded[3], second.T))
+
+
+def _mode_vector(unfolded: list[torch.Tensor], v: Sequence[torch.Tensor], i: int) -> torch.Tensor:
+    """sum g[.., x, ..] prod_(t != i) v_t[j_t] (x at mode i): the unfolding at mode i times the
+    Kronecker product of the other modes' vectors, in its cyclic order."""
+    a, b, c = (v[(i + k) % 4] for k in (1, 2, 3))
+    return torch.mv(unfolded[i], (torch.outer(a, b).reshape(-1, 1) * c).reshape(-1))
 
 
 def hopm_start(g: torch.Tensor, seed: int, published: bool = False) -> list[torch.Tensor]:
     """The published 4-D start: rank-1 higher-order power method, each factor v v^T with v scaled
     so that the four factors' product scales like s (the rank-1 component's weight)."""
     v = start_vectors(list(g.shape), seed, g.dtype, g.device)
+    unfolded = unfoldings(g)
     for _ in range(POWER_ITERATIONS):
         for k in range(4):
-            v[k] = torch.einsum(_HOPM_RULES[k], g, *[v[t] for t in range(4) if t != k])
+            v[k] = _mode_vector(unfolded, v, k)
             v[k] = v[k] / v[k].norm()
-    s = (g * torch.einsum("i,j,k,l->ijkl", *v)).sum()
+    s = torch.dot(v[0], _mode_vector(unfolded, v, 0))
     # Published: s ** 0.25, NaN when the power iteration ends on a negative component; the sign
     # is the vectors' (v v^T does not see it), so the weight is |s|.
     root = (s if published else s.abs()) ** 0.25
@@ -116,32 +162,36 @@ def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
     published=True: the published step, which multiplies S by the stored factors (norm S^(1/4)
     each, not unit) and carries S as |K_i| - |u_i * C_i| (the norm of an elementwise product):
     the weight then roughly squares every step from above 1 (overflow, then NaN: the digits CNN
-    diverges at step 13) and collapses from below 1."""
+    diverges at step 13) and collapses from below 1.
+
+    The terms C_i come from `_split_sweep` (fixed GEMMs, no contraction planned per call)."""
     if not published:
-        S = factors[0].norm() ** 4 * beta
-        u = [x / x.norm() for x in factors]
+        norms = torch._foreach_norm(factors)
+        S = norms[0] ** 4 * beta
+        u = list(torch._foreach_div(factors, norms))
         if beta != 1:
             g = g * (1 - beta) ** 0.5
-        for i in range(4):
-            C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[u[t] for t in range(4) if t != i])
-            K = S * u[i] + C
-            S = K.norm()
+
+        def step(i, C):
+            nonlocal S
+            K = C.addcmul_(u[i], S)  # S u_i + C
+            S = torch.linalg.vector_norm(K)
             u[i] = K / S
-        root = S ** 0.25
-        return [x * root for x in u]
-    L = list(factors)
-    S = L[0].norm() ** 4
-    L = [x * beta ** 0.25 for x in L]
+        _split_sweep(unfoldings(g), u, step)
+        return list(torch._foreach_mul(u, S ** 0.25))
+    S = factors[0].norm() ** 4
+    L = list(torch._foreach_mul(factors, beta ** 0.25))
     if beta != 1:
         g = g * (1 - beta) ** 0.5
-    for i in range(4):
-        C = torch.einsum(_TENSOR_SPLIT_RULES[i], g, g, *[L[t] for t in range(4) if t != i])
-        L[i] = S * L[i] + C
-        s_hat = L[i].norm()
-        L[i] = L[i] / s_hat
+
+    def published_step(i, C):
+        nonlocal S
+        K = torch.addcmul(C, L[i], S)  # S L_i + C
+        s_hat = K.norm()
+        L[i] = K / s_hat
         S = s_hat - (L[i] * C).norm()
-    root = S ** 0.25
-    return [x * root for x in L]
+    _split_sweep(unfoldings(g), L, published_step)
+    return list(torch._foreach_mul(L, S ** 0.25))
 
 
 def mode_products(g: torch.Tensor, modes: Sequence[int] | None = None) -> list[torch.Tensor | None]:
@@ -178,17 +228,27 @@ def refresh_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tens
     return Q.to(factor.dtype), order
 
 
+def _rotate(x: torch.Tensor, bases: Sequence[torch.Tensor | None], back: bool) -> torch.Tensor:
+    """Each mode k of x multiplied by its basis Q_k (Q_k^T x_(k), or Q_k x_(k) when `back`): one
+    GEMM per mode on the unfolding with that mode in front, whose result has it at the back, so
+    that the next mode comes to the front (a mode without a basis is moved there as it is). The
+    result has x's shape."""
+    shape = x.shape
+    m = x.reshape(shape[0] if x.dim() else 1, -1)
+    for k, Q in enumerate(bases):
+        if k:
+            m = m.reshape(shape[k], -1)
+        m = m.T if Q is None else torch.mm(m.T, Q.T if back else Q)
+    return m.reshape(shape)
+
+
 def project(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """Rotate every mode of x into its basis (a mode without a basis is left as it is)."""
-    for Q in bases:
-        x = torch.tensordot(x, Q, dims=[[0], [0]]) if Q is not None else x.movedim(0, -1)
-    return x
+    return _rotate(x, bases, back=False)
 
 
 def project_back(x: torch.Tensor, bases: Sequence[torch.Tensor | None]) -> torch.Tensor:
-    for Q in bases:
-        x = torch.tensordot(x, Q, dims=[[0], [1]]) if Q is not None else x.movedim(0, -1)
-    return x
+    return _rotate(x, bases, back=True)
 
 
 def proj_split_batched(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, beta: float,

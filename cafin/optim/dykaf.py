@@ -900,10 +900,11 @@ def _average_(xs: list[torch.Tensor], ys: list[torch.Tensor], keep: torch.Tensor
 
 def _write_(olds: list, news) -> None:
     """Write new factors into the state's buffers (the same storage from step to step, as a
-    CUDA graph's replays need); a new value that is its old buffer (written in place) stays."""
-    for old, new in zip(olds, news):
-        if old is not None and new is not old:
-            old.copy_(new)
+    CUDA graph's replays need); a new value that is its old buffer (written in place) stays.
+    One foreach copy: a 4-D weight's four factors in one dispatch."""
+    pairs = [(old, new) for old, new in zip(olds, news) if old is not None and new is not old]
+    if pairs:
+        torch._foreach_copy_([old for old, _ in pairs], [new for _, new in pairs])
 
 
 def _blend_refresh(factor: torch.Tensor, basis: torch.Tensor,
