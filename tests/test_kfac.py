@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.testing._internal.optests import generate_opcheck_tests
 
 import cafin
@@ -973,6 +974,115 @@ def test_decompose_outside_the_step():
         pre.step()
         opt.step()
     assert rel_error(plain, model, flat(base)) <= 1e-12
+
+
+# ------------------------------------------------------------------------------- reduced precision
+class _GemmDtypes(TorchDispatchMode):
+    """The dtypes of every GEMM (mm, bmm, baddbmm, addmm, cafin's eigenbasis products op) run
+    while active: (op name, operand dtypes)."""
+
+    GEMMS = {"mm", "bmm", "baddbmm", "addmm", "kfac_eigen_products"}
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__.rstrip("_")  # baddbmm_ is baddbmm
+        if name in self.GEMMS:
+            flat_args = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            self.seen.append((name, {t.dtype for t in flat_args if isinstance(t, torch.Tensor)}))
+        return func(*args, **(kwargs or {}))
+
+
+def _precision_errors(option: dict, steps=6):
+    """Each registered layer's largest relative error ||V - V_32|| / ||V_32|| of its
+    preconditioned gradient (weight and bias) against a float32 preconditioner's over `steps`
+    steps, the option's model kept on the float32 run's weights (same gradients: only the
+    option's rounding differs); and the preconditioner with the option."""
+    kw = dict(inv_update_steps=2, damping=3e-3)
+    base = base_model("deep", torch.float32)
+    ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_pre = cafin.KFACPreconditioner(ref_model, **kw)
+    pre = cafin.KFACPreconditioner(model, **kw, **option)
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
+    worst: dict[str, float] = {}
+    for k, batch in enumerate(data("deep", torch.float32, steps)):
+        x, y = batch[0]
+        with torch.no_grad():
+            for p, q in zip(model.parameters(), ref_model.parameters()):
+                p.copy_(q)
+        for m, p in ((ref_model, ref_pre), (model, pre)):
+            m.zero_grad()
+            loss_of(m, x, y).backward()
+            p.step()
+        for name, mod in ((n, m) for n, m in model.named_modules() if n in pre._state):
+            want = torch.cat([p.grad.reshape(-1) for p in ref_model.get_submodule(name).parameters()]).double()
+            got = torch.cat([p.grad.reshape(-1) for p in mod.parameters()]).double()
+            worst[name] = max(worst.get(name, 0.0), ((got - want).norm() / want.norm()).item())
+        opt.step()
+    return worst, pre
+
+
+# Measured on this model (CPU, torch 2.13), the largest layer error: 1.4e-2 with inv_dtype
+# bfloat16, 1.1e-2 with factor_dtype bfloat16 and with both, 2.1e-3 with inv_dtype float16;
+# float64 against float32 2e-6 (docs/kfac.md "Reduced precision" has the larger models). The
+# ceilings hold those with a 3.5-5x margin; the floors, far above float32's own error, fail if
+# the reduced dtype is not really used.
+@pytest.mark.parametrize("option, low, high", [
+    (dict(inv_dtype=torch.bfloat16), 1e-3, 0.05),
+    (dict(factor_dtype=torch.bfloat16), 1e-3, 0.05),
+    (dict(factor_dtype=torch.bfloat16, inv_dtype=torch.bfloat16), 1e-3, 0.05),
+    (dict(inv_dtype=torch.float16), 1e-4, 0.01),
+])
+def test_reduced_precision_preconditioned_gradients_within_measured_bounds(option, low, high):
+    worst, pre = _precision_errors(option)
+    assert low < max(worst.values()) < high, worst
+    inv = option.get("inv_dtype", torch.float32)
+    fac = option.get("factor_dtype", torch.float32)
+    for st in pre._state.values():
+        assert {t.dtype for t in st.second.values()} == {inv}
+        assert {st.A.dtype, st.G.dtype, st.stat_A.dtype, st.stat_G.dtype} == {fac}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bfloat16_gemms_run_in_bfloat16(device):
+    """With factor_dtype and inv_dtype bfloat16, the statistics GEMMs of the forward and
+    backward and every eigenbasis product of the step are bfloat16 GEMMs (the GPU's bfloat16
+    rate), none upcast to float32. Float32 runs them in float32 (the check can fail)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        model = deep().to(device)
+        pre = cafin.KFACPreconditioner(model, inv_update_steps=2, factor_dtype=dtype, inv_dtype=dtype)
+        batches = [[t.to(device) for t in b[0]] for b in data("deep", torch.float32, 4)]
+        for x, y in batches[:3]:  # decomposed, buffers made; the next step is not due
+            model.zero_grad()
+            loss_of(model, x, y).backward()
+            pre.step()
+        model.zero_grad()
+        with _GemmDtypes() as passes:
+            loss_of(model, *batches[3]).backward()
+        with _GemmDtypes() as step:
+            pre.step()
+        stats = [s for s in passes.seen if s[0] == "baddbmm"]  # the model's own GEMMs are addmm, mm
+        assert stats and all(dts == {dtype} for _, dts in stats), stats
+        assert step.seen and all(dts == {dtype} for _, dts in step.seen), step.seen
+
+
+def test_unsupported_precisions_are_refused_at_construction():
+    """factor_dtype and inv_dtype take float64, float32, bfloat16 and float16, decompose_dtype
+    float32 and float64 (what eigh and inv_ex run in); anything else (float8 has no GEMMs) is
+    refused at construction, naming the argument."""
+    for dt in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        pre = cafin.KFACPreconditioner(mlp(), factor_dtype=dt, inv_dtype=dt)
+        assert pre._state["0"].A.dtype == dt and pre._state["0"].second["qg"].dtype == dt
+    for kw, name in [(dict(inv_dtype=torch.float8_e4m3fn), "inv_dtype"),
+                     (dict(inv_dtype="bfloat16"), "inv_dtype"),
+                     (dict(factor_dtype=torch.float8_e5m2), "factor_dtype"),
+                     (dict(factor_dtype=torch.int8), "factor_dtype"),
+                     (dict(decompose_dtype=torch.bfloat16), "decompose_dtype")]:
+        with pytest.raises(TypeError, match=f"{name} must be .*float32.*, got"):
+            cafin.KFACPreconditioner(mlp(), **kw)
 
 
 # ------------------------------------------------------------------------------- compatibility arguments

@@ -41,6 +41,8 @@ from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy,
 __all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
 
 _BACKENDS = {"fused": ops, "reference": reference}
+_PRECISIONS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_PRECISION_NAMES = ", ".join(map(str, _PRECISIONS))
 
 
 class _LayerState:
@@ -195,14 +197,14 @@ class KFACPreconditioner(Preconditioner):
                 check_int(value, name, 1)
         check_int(accumulation_steps, "accumulation_steps", 1)
         self._init_settings(dict(damping=damping, factor_decay=factor_decay, kl_clip=kl_clip, lr=lr))
-        for name, dt in (("inv_dtype", inv_dtype), ("decompose_dtype", decompose_dtype)):
-            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
-                raise TypeError(f"{name} must be a floating torch.dtype, got {dt!r}")
-        if decompose_dtype not in (torch.float32, torch.float64):
-            raise TypeError(f"decompose_dtype must be torch.float32 or torch.float64, got {decompose_dtype}")
-        if factor_dtype is not None and not (isinstance(factor_dtype, torch.dtype)
-                                             and factor_dtype.is_floating_point):
-            raise TypeError(f"factor_dtype must be None or a floating torch.dtype, got {factor_dtype!r}")
+        # The precisions the factors' statistics and EMA, and the preconditioning products, run
+        # in (docs/kfac.md "Reduced precision"); float8 and the like have no GEMMs to run them.
+        if inv_dtype not in _PRECISIONS:
+            raise TypeError(f"inv_dtype must be one of {_PRECISION_NAMES}, got {inv_dtype!r}")
+        if decompose_dtype not in (torch.float32, torch.float64):  # eigh and inv_ex take only these
+            raise TypeError(f"decompose_dtype must be torch.float32 or torch.float64, got {decompose_dtype!r}")
+        if factor_dtype is not None and factor_dtype not in _PRECISIONS:
+            raise TypeError(f"factor_dtype must be None or one of {_PRECISION_NAMES}, got {factor_dtype!r}")
         skip_layers = _patterns(skip_layers)
         if (not callable(inv_update_steps) and not callable(factor_update_steps)
                 and inv_update_steps % factor_update_steps != 0):
@@ -1218,10 +1220,13 @@ KFACPreconditioner.__doc__ = (
             (default: False)
         grad_scaler (torch.amp.GradScaler or callable, optional): a GradScaler (or a callable
             returning the scale): the gradient statistics are unscaled with it (default: None)
-        factor_dtype (torch.dtype, optional): dtype of the factors (default: None: the layer
-            weight's dtype)
-        inv_dtype (torch.dtype, optional): dtype of the decompositions and of the
-            preconditioning products (default: torch.float32)
+        factor_dtype (torch.dtype, optional): dtype of the factors, their statistics GEMMs
+            and moving average: torch.float64, float32, bfloat16 or float16 (default: None:
+            the layer weight's dtype)
+        inv_dtype (torch.dtype, optional): dtype the decompositions are kept in and the
+            preconditioning products (GEMMs) run in: torch.float64, float32, bfloat16 or
+            float16. Reduced precision, its measured accuracy and TF32: docs/kfac.md
+            (default: torch.float32)
         skip_layers (str or list[str], optional): a regular expression, or a list of them,
             searched in module names and class names (default: None)
         update_factors_in_hook (bool, optional): fold the statistics into the factors in the
