@@ -122,6 +122,23 @@ def test_compiled_model_with_grad_tap_matches_eager(monkeypatch):
     _compiled_model_matches_eager("cpu", "fused")
 
 
+@pytest.mark.parametrize("build", [
+    lambda model: cafin.KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1),
+    lambda model: cafin.SINGD(model, T=1)], ids=["KFACPreconditioner", "SINGD"])
+def test_compiled_model_with_kfac_or_singd_hooks_has_no_graph_break(build):
+    """K-FAC's and SINGD's statistics run in the output-gradient hook (each input with its own
+    gradient), which Dynamo traces into the forward only when it writes no Python state: no
+    graph break (AdaFisher's: the tests above)."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = small_model()
+    build(model)
+    x, y = batches(1)[0]
+    nn.functional.cross_entropy(torch.compile(model, backend="eager")(x), y).backward()
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
 def _compiled_model_matches_eager(device, backend):
     torch.manual_seed(0)
     base = small_model(device)

@@ -368,6 +368,86 @@ def test_activation_checkpointing_takes_statistics_once(member, reentrant):
     assert_tree_equal(ckpt.checkpoint(), plain.checkpoint())
 
 
+# ----------------------------------------------------------------------------- validation forwards
+def _validation_forward(model, x):
+    """A validation loss computed inside the training loop with autograd on, result discarded."""
+    torch.nn.functional.cross_entropy(model(x), torch.zeros(x.shape[0], dtype=torch.long))
+
+
+def _train_with_extra_forward(member, where):
+    """Four training steps with an extra forward (a batch of another size) at `where` of each."""
+    data, extra = batches(4), batches(4, seed=7, batch=5)
+    run = Run(member, mlp())
+    for (x, y), (xv, _) in zip(data, extra):
+        if where == "before forward":
+            _validation_forward(run.model, xv)
+        if where == "between forward and backward":
+            run.model.zero_grad(set_to_none=True)
+            if member.name == "TwoLevelKFAC":
+                run.curvature.update_stats = True
+            loss = torch.nn.functional.cross_entropy(run.model(x), y)
+            _validation_forward(run.model, xv)
+            loss.backward()
+        else:
+            run.backward(x, y)
+        if where == "between backward and step":
+            _validation_forward(run.model, xv)
+        run.update()
+    return run
+
+
+@pytest.mark.parametrize("where", ["before forward", "between forward and backward", "between backward and step"])
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_a_forward_without_backward_takes_no_statistics(member, where):
+    """Statistics pair each input with the gradient it gets: a forward whose output never gets
+    one (a validation loss with autograd on) adds nothing, wherever it falls in the step."""
+    clean = train(member, mlp(), batches(4))
+    run = _train_with_extra_forward(member, where)
+    assert_params_equal(params_of(run.model), params_of(clean.model), tol=1e-13)
+
+
+@pytest.mark.parametrize("reentrant", [False, None], ids=["non-reentrant", "plain"])
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_an_input_waits_for_its_gradient_as_autograd_keeps_it(member, reentrant):
+    """Each input waits in its call's gradient hook, kept as autograd keeps a saved tensor:
+    inside non-reentrant checkpointing it is freed after the forward (and recomputed), and a
+    backward that frees its graph frees it, even with the loss kept alive."""
+    base = mlp()
+    model = nn.Sequential(base[0], _Checkpointed(nn.Sequential(*base[1:]), reentrant))
+    run = Run(member, model)
+    if member.name == "TwoLevelKFAC":
+        run.curvature.update_stats = True
+    inputs = []  # the input of the last Linear, a Tanh's output inside the checkpointed part
+    base[4].register_forward_pre_hook(lambda m, args: inputs.append(weakref.ref(args[0].untyped_storage())))
+    x, y = batches(1)[0]
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    gc.collect()
+    assert (inputs[0]() is None) == (reentrant is False)
+    loss.backward()
+    run.update()
+    gc.collect()
+    assert loss.grad_fn is not None and all(ref() is None for ref in inputs)
+
+
+@pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)
+def test_eval_mode_no_grad_and_inference_mode_take_no_statistics(member):
+    """A module in eval() takes no statistics, even when its output gets a gradient; nor does
+    a forward under no_grad or inference_mode."""
+    data, extra = batches(4), batches(4, seed=7, batch=5)
+    clean = train(member, mlp(), data)
+    run = Run(member, mlp())
+    for (x, y), (xv, yv) in zip(data, extra):
+        run.model.eval()
+        torch.nn.functional.cross_entropy(run.model(xv), yv).backward()
+        run.model.train()
+        with torch.no_grad():
+            run.model(xv)
+        with torch.inference_mode():
+            run.model(xv)
+        run.step(x, y)  # zeroes the eval pass's gradients first
+    assert_params_equal(params_of(run.model), params_of(clean.model), tol=1e-13)
+
+
 # ----------------------------------------------------------------------------- NaN statistics
 @pytest.mark.parametrize("poison", [math.nan, 1e200], ids=["nan", "inf"])
 @pytest.mark.parametrize("member", HOOKED, ids=lambda m: m.name)

@@ -748,6 +748,30 @@ def test_an_unused_layer_is_named_and_nothing_changes():
         opt.step()
 
 
+def test_a_layer_called_off_the_loss_is_named_and_a_validation_forward_is_not():
+    """A layer the training forward calls but whose output does not reach the loss is named at
+    the step; a validation forward (autograd on, its result discarded) after backward is not
+    such a layer: the step goes on, as without it."""
+    net = Branches()
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=1, T_inv=1)
+    x, t = batch("mlp", 8, 0)
+    opt.update_stats = True
+    h = torch.tanh(net.a(x))
+    net.b(h)  # called, its output discarded
+    F.cross_entropy(net.c(h), t).backward()
+    with pytest.raises(RuntimeError, match=r"layer 'b' got no output gradient"):
+        opt.step(update_params=False)  # statistics only: b's missing gradient is not checked
+    twin = copy.deepcopy(net)
+    twin_opt = cafin.TwoLevelKFAC(twin, damping=DAMP, T_cov=1, T_inv=1)
+    want = run_ours(twin_opt, twin, x, t)
+    opt.zero_grad()
+    F.cross_entropy(net(x), t).backward()
+    net(batch("mlp", 5, 1)[0])  # the validation forward
+    opt.step(update_params=True)
+    got = [gmat(m, m.weight.grad, m.bias.grad) for m in layers_of(net)]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 # ------------------------------------------------------------------ a layer called twice
 class Twice(nn.Module):
     """`shared` is called twice in one forward (on the input and on its own output)."""

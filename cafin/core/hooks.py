@@ -51,20 +51,24 @@ class _ForwardHook:
 
     def __call__(self, module, inputs, output):
         owner = self.owner()
-        if owner is None or module is not self.layer.module:
+        if owner is None or module is not self.layer.module or not module.training:
             return None
         if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
             return None
-        if not torch.compiler.is_compiling() and _recomputing_saved_tensors():
-            return None
+        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+            return None  # no gradient will reach this call: nothing to pair its input with
         x = inputs[0].detach()
         if not can_take_statistics(module, x):
             return None
+        recomputing = not torch.compiler.is_compiling() and _recomputing_saved_tensors()
         launch, step = owner._statistics_gate(self.layer, x.device)
         if not launch:
             return None
-        owner.take_input_statistics(self.layer, x, step)
-        if not (isinstance(output, torch.Tensor) and output.requires_grad):
+        saved = _save(x)
+        if recomputing:
+            # The first pass's gradient hook takes this call's statistics. Saving x again makes
+            # the recompute save what the first pass saved, in the same order, and this copy is
+            # the one that hook's saved x unpacks to.
             return None
         # A tensor hook, not a module backward hook: it sees the gradient of the module's own
         # output even when an in-place activation later overwrites that tensor. A view (Linear on
@@ -78,28 +82,29 @@ class _ForwardHook:
                 target = base
             else:
                 target = returned = output.clone()
-        hook = _GradHook(self, step, output.shape)
         if _DYNAMO_REWRITES_TENSOR_HOOKS and torch.compiler.is_compiling():
-            return _GradTap.apply(output, hook)
-        target.register_hook(hook)
+            return _GradTap.apply(output, x, _GradHook(self, step, output.shape, None))
+        target.register_hook(_GradHook(self, step, output.shape, saved))
         return returned
 
 
 class _GradTap(torch.autograd.Function):
     """The output-gradient hook as an autograd.Function, for a forward torch.compile traces where
     Dynamo's own rewrite of tensor hooks fails (`_DYNAMO_REWRITES_TENSOR_HOOKS`). Its output is
-    a copy of the layer's output, which in-place successors may write; the gradient that reaches
-    it is handed to the hook, then passed on unchanged."""
+    a copy of the layer's output, which in-place successors may write; it saves the layer's input
+    as autograd saves any tensor, and hands it, with the gradient that reaches the copy, to the
+    hook, then passes the gradient on unchanged."""
 
     @staticmethod
-    def forward(ctx, output, hook):
+    def forward(ctx, output, x, hook):
         ctx.hook = hook
+        ctx.save_for_backward(x)
         return output.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.hook(grad)
-        return grad, None
+        ctx.hook.take(ctx.saved_tensors[0], grad, ctx.hook.step)
+        return grad, None, None
 
 
 def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
@@ -111,10 +116,11 @@ def can_take_statistics(module: nn.Module, x: torch.Tensor) -> bool:
 
 def _recomputing_saved_tensors() -> bool:
     """Whether this forward is non-reentrant activation checkpointing recomputing tensors for
-    backward. That pass repeats one whose statistics were taken, and its outputs' gradients are
-    never computed, so it takes none. Reentrant checkpointing is the other way round: its first
-    pass runs without grad (no statistics), and its recompute inside backward is followed by a
-    backward through the recomputed outputs, so that pass takes them."""
+    backward. That pass repeats one whose calls already wait for their gradients, and its
+    outputs' gradients are never computed, so it registers no gradient hook. Reentrant
+    checkpointing is the other way round: its first pass runs without grad (no statistics), and
+    its recompute inside backward is followed by a backward through the recomputed outputs, so
+    that pass takes them."""
     if torch._C._current_graph_task_id() == -1:
         return False
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
@@ -125,26 +131,67 @@ def _resolve_inert():
     return _inert
 
 
-class _GradHook:
-    """The output-gradient hook of one forward call. It reaches the owner through the forward
-    hook's weak reference: a weak reference created while torch.compile traces the forward is
-    rebuilt by Dynamo as a strong reference to its referent, which then is not callable."""
+def _save(x: torch.Tensor):
+    """Keep a layer's input until its output gradient arrives, the way autograd keeps a tensor
+    saved for backward: through the saved-tensor hooks in force (non-reentrant activation
+    checkpointing then recomputes it in backward instead of holding it, `save_on_cpu` offloads
+    it); with none, the tensor itself, which the layer's own backward holds already."""
+    if torch.compiler.is_compiling():
+        return x
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    return x if hooks is None else _Packed(hooks[1], hooks[0](x))
 
-    def __init__(self, forward: _ForwardHook, step, shape) -> None:
-        self.forward, self.step, self.shape = forward, step, shape
+
+class _Packed:
+    """A tensor packed by saved-tensor hooks, with the hook that unpacks it."""
+
+    def __init__(self, unpack, packed) -> None:
+        self.unpack, self.packed = unpack, packed
+
+    def tensor(self) -> torch.Tensor:
+        return self.unpack(self.packed)
+
+
+class _GradHook:
+    """The output-gradient hook of one forward call: it hands the call's input and the gradient
+    its output got to the owner together, so that statistics pair each input with its own
+    gradient, and a call whose output gets none (a validation forward with autograd on) takes
+    nothing. It reaches the owner through the forward hook's weak reference: a weak reference
+    created while torch.compile traces the forward is rebuilt by Dynamo as a strong reference to
+    its referent, which then is not callable."""
+
+    def __init__(self, forward: _ForwardHook, step, shape, saved) -> None:
+        self.forward, self.step, self.shape, self.saved = forward, step, shape, saved
+        # A compiled forward's graph keeps x as one of its saved activations, freed with them.
+        self.eager = not torch.compiler.is_compiling()
 
     def __call__(self, grad: torch.Tensor) -> None:
+        x, step = self.saved, self.step
+        if self.eager:
+            if x is None:  # a second backward through a graph the first one freed
+                return
+            if not torch._C._autograd._get_current_graph_task_keep_graph():
+                # freed with the graph's own saved tensors (a member's `step` may be its record
+                # of this call, holding x)
+                self.saved = self.step = None
+            if isinstance(x, _Packed):
+                x = x.tensor()
+        self.take(x, grad, step)
+
+    def take(self, x: torch.Tensor, grad: torch.Tensor, step) -> None:
         owner = self.forward.owner()
         if owner is not None:
-            owner.take_grad_statistics(self.forward.layer, grad.reshape(self.shape), self.step)
+            owner.take_input_statistics(self.forward.layer, x, step)
+            owner.take_grad_statistics(self.forward.layer, grad.reshape(self.shape), step)
 
 
 class Hooks:
     """The statistics hooks of one owner on its layers.
 
-    The owner provides `_statistics_gate(layer, device) -> (launch, step)`,
-    `take_input_statistics(layer, x, step)` and `take_grad_statistics(layer, g, step)`; the hooks call
-    them on forward passes with grad enabled and on the matching backward. The hooks are removed
+    The owner provides `_statistics_gate(layer, device) -> (launch, step)`, called on each
+    forward pass of a module in train mode with grad enabled, and `take_input_statistics(layer,
+    x, step)` and `take_grad_statistics(layer, g, step)`, called one after the other when that
+    pass's output gradient arrives in backward, with the `step` the gate gave. The hooks are removed
     when the owner is collected or `remove()` is called."""
 
     def __init__(self, owner, layers: list[Layer]) -> None:

@@ -389,10 +389,13 @@ class KFACPreconditioner(Preconditioner):
 
     # ------------------------------------------------------------------ statistics hooks
     def _statistics_gate(self, layer: Layer, device: torch.device):
-        if not layer.module.training:
-            return False, None
         self._refresh_settings()  # the hooks may fold with factor_decay: this step's value, checked
-        return self._steps.due(self.factor_update_steps, device)
+        launch, step = self._steps.due(self.factor_update_steps, device)
+        # Set here, in the forward: the statistics callbacks run in the gradient hook, which a
+        # compiled forward traces only if they write no Python state.
+        if launch:
+            self._state[layer.name].seen = True
+        return launch, step
 
     def _host_folds(self) -> bool:
         """Whether the hooks fold on the host's count (eager, update_factors_in_hook)."""
@@ -403,10 +406,10 @@ class KFACPreconditioner(Preconditioner):
         st = self._state[layer.name]
         factors.kfac_input_factor(layer.module, x, self.kfac_approx, out=st.stat_A, accumulate=True)
         st.count_A.add_(1)
-        st.seen = True
-        self._mini_steps[layer.name] += 1
-        if self._host_folds() and self._mini_steps[layer.name] % self._accumulation_steps == 0:
-            self._fold_statistics([st.A], [st.stat_A], [st.count_A], st.A.device)
+        if self._host_folds():
+            self._mini_steps[layer.name] += 1
+            if self._mini_steps[layer.name] % self._accumulation_steps == 0:
+                self._fold_statistics([st.A], [st.stat_A], [st.count_A], st.A.device)
 
     def take_grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
         """Take the statistics of `layer` from its output gradient; its hook calls this."""

@@ -132,6 +132,16 @@ def _contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _accumulate(accumulators: tuple[Tensor, ...], terms: tuple[Tensor, ...], step, T) -> None:
+    """accumulators += terms; device gated (a step tensor), only on steps k with k % T == 0."""
+    if step is None:
+        torch._foreach_add_(list(accumulators), list(terms))
+        return
+    due = torch.remainder(step, T) == 0
+    for acc, h in zip(accumulators, terms):
+        acc.add_(torch.where(due, h, torch.zeros_like(h)))
+
+
 def _scalar_tensor(value, device, dtype) -> Tensor:
     """A 0-dim tensor of `value` in `dtype` (a Python float is not rounded through float32)."""
     if isinstance(value, Tensor):
@@ -187,7 +197,6 @@ class SINGD(CurvatureOptimizer):
         self._ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         self.backend = backend
         self._group_of: dict[Tensor, int] = {}
-        self._pending: dict[int, list] = {}
         self._owned_now: dict[int, int] = {}  # FSDP2: this step's owner of each gathered layer
         self._empty: dict[tuple, Tensor] = {}
         self._plan: _StepPlan | None = None
@@ -364,7 +373,6 @@ class SINGD(CurvatureOptimizer):
         # add_param_group drops its entry).
         del self._built[len(self.param_groups):]
         self._built += [self._build_settings(g) for g in self.param_groups[len(self._built):]]
-        self._pending = {id(layer): [] for layer in layers}
         self._plan = None
         self._layer_params_all = [p for g in self.param_groups for p in g["params"]] + [
             p for layer in layers for p in self._layer_params(layer)]
@@ -439,7 +447,6 @@ class SINGD(CurvatureOptimizer):
 
     def __deepcopy__(self, memo):
         new = super().__deepcopy__(memo)
-        new._pending = {id(layer): [] for layer in new._curvature}
         new._plan = None
         return new
 
@@ -465,39 +472,33 @@ class SINGD(CurvatureOptimizer):
             self._check_built(group, index)
 
     def take_input_statistics(self, layer: Layer, x: Tensor, step) -> None:
-        """Take the statistics of `layer` from its input; its hook calls this."""
-        # H_K is formed in the backward pass, from the input of the call whose output gradient
-        # arrives (as singd does: a forward pass whose backward never runs adds nothing).
-        self._pending[id(layer)].append(x)
-
-    def take_grad_statistics(self, layer: Layer, grad: Tensor, step) -> None:
-        """Take the statistics of `layer` from its output gradient; its hook calls this."""
-        pending = self._pending[id(layer)]
-        if not pending:
-            return
-        x = pending.pop()
+        """Take the statistics of `layer` from its input; its hook calls this in backward, with
+        the input of the call whose output gradient then goes to `take_grad_statistics` (as
+        singd forms H_K: a forward pass whose backward never runs adds nothing)."""
         group = self._group(layer)
-        (sk, sc), (dk, dc) = self._kinds(layer), self._dtypes(layer)
-        g = singd_maths.grad_rows(layer.module, grad.to(dc), group["loss_average"], group["kfac_approx"])
-        if self._grad_scale_prev != 1.0:  # singd: H_C from g / sqrt(previous step's scale)
-            g = g / math.sqrt(self._grad_scale_prev)
+        sk, dk = self._kinds(layer)[0], self._dtypes(layer)[0]
         if isinstance(layer.module, nn.Embedding):  # indices: counted, never cast
             h_k = singd_maths.embedding_inner(self._parts(layer, "K")[0], layer.module, x,
                                               group["kfac_approx"])
         else:
             a = singd_maths.input_rows(layer.module, x.to(dk), group["kfac_approx"])
             h_k = sk.inner(self._parts(layer, "K"), a.mT)
+        _accumulate(self._parts(layer, "H_K"), h_k, step, group["T"])
+
+    def take_grad_statistics(self, layer: Layer, grad: Tensor, step) -> None:
+        """Take the statistics of `layer` from its output gradient; its hook calls this."""
+        group = self._group(layer)
+        sc, dc = self._kinds(layer)[1], self._dtypes(layer)[1]
+        g = singd_maths.grad_rows(layer.module, grad.to(dc), group["loss_average"], group["kfac_approx"])
+        if self._grad_scale_prev != 1.0:  # singd: H_C from g / sqrt(previous step's scale)
+            g = g / math.sqrt(self._grad_scale_prev)
         h_c = sc.inner(self._parts(layer, "C"), g.mT)
-        acc_k, acc_c = self._parts(layer, "H_K"), self._parts(layer, "H_C")
+        _accumulate(self._parts(layer, "H_C"), h_c, step, group["T"])
         count = self.state[layer.anchor]["H_count"]
         if step is None:
-            torch._foreach_add_(list(acc_k + acc_c), list(h_k + h_c))
             count.add_(1.0)
-        else:  # device gated: add only on steps k with k % T == 0
-            due = torch.remainder(step, group["T"]) == 0
-            for acc, h in zip(acc_k + acc_c, h_k + h_c):
-                acc.add_(torch.where(due, h, torch.zeros_like(h)))
-            count.add_(due.to(count.dtype))
+        else:  # device gated: counted only on steps k with k % T == 0
+            count.add_((torch.remainder(step, group["T"]) == 0).to(count.dtype))
 
     # ------------------------------------------------------------------ step
     def _lr_cov(self, group, device, dtype) -> Tensor:
@@ -748,8 +749,6 @@ class SINGD(CurvatureOptimizer):
                           f"a value similar to {scale} to `init_grad_scale` when initializing the "
                           "optimizer as this will improve numerical stability (was initialized to "
                           "1.0).", UserWarning, stacklevel=2)
-        for pending in self._pending.values():
-            pending.clear()
         if found_inf is not None and float(found_inf) != 0.0:
             warnings.warn("Encountered inf in gradients. Skipping update.", UserWarning, stacklevel=2)
             for layer in self._curvature:  # the accumulated curvature of this step is dropped
@@ -804,8 +803,6 @@ class SINGD(CurvatureOptimizer):
     def _restore_statistics(self, saved: list[tuple[Tensor, Tensor]]) -> None:
         if saved:
             torch._foreach_copy_([t for t, _ in saved], [copy for _, copy in saved])
-        for pending in self._pending.values():  # inputs of forward passes whose backward never ran
-            pending.clear()
 
     def set_current_grad_scale(self, grad_scale: float) -> None:
         """The gradient scale of this step's backward pass (singd's API, for a scaler driven by

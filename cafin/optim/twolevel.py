@@ -317,38 +317,33 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ hooks (core interface)
     def _statistics_gate(self, layer, device):
-        # Kept on every pass with update_stats (references only: nothing is computed here);
+        # Every pass with update_stats is kept (references only: nothing is computed here);
         # step() uses them on T_cov steps and drops them on the others (published: the hooks
         # store only on T_cov steps, the same numbers). A compiled step thereby always finds them,
         # so its graph does not depend on k. The "step" handed back is this call's own record:
-        # the core gives it to the input and to the output-gradient hook of the same call, so a
-        # layer called twice in one forward pairs each input with its own output gradient.
-        if not (layer.module.training and self.update_stats):
+        # the core gives it to both statistics callbacks of the same call when its output
+        # gradient arrives, so a layer called twice in one forward pairs each input with its own
+        # output gradient, and a call whose output gets none (a validation forward) adds nothing.
+        if not self.update_stats:
             return False, None
-        pending = self._pending.setdefault(id(layer), {"calls": [], "task": None})
-        # Calls a backward pass already reached belong to an earlier pass (accumulated
-        # micro-batches): only the last pass's statistics are kept, as in the published code.
-        pending["calls"] = [c for c in pending["calls"] if "gy" not in c]
-        call: dict[str, torch.Tensor] = {}
-        pending["calls"].append(call)
-        return True, call
+        # a layer forwarded here whose output then gets no gradient is named at the step
+        self._pending.setdefault(id(layer), {"calls": [], "task": None})
+        return True, {}
 
     def take_input_statistics(self, layer, x, call) -> None:
         """Take the statistics of `layer` from its input; its hook calls this."""
+        pending = self._pending.setdefault(id(layer), {"calls": [], "task": None})
+        task = torch._C._current_graph_task_id()
+        if task != pending["task"]:
+            # A new backward pass: only the calls it reaches count (accumulated micro-batches, or
+            # two losses backpropagated one after the other: the last one's, as in the published
+            # code).
+            pending["calls"], pending["task"] = [], task
         call["x"] = x.detach()
+        pending["calls"].insert(0, call)  # backward reaches a layer's calls last one first
 
     def take_grad_statistics(self, layer, g, call) -> None:
         """Take the statistics of `layer` from its output gradient; its hook calls this."""
-        pending = self._pending.get(id(layer))
-        if pending is None or not any(c is call for c in pending["calls"]):
-            return  # a call from before the last step: its statistics were used or dropped
-        task = torch._C._current_graph_task_id()
-        if task != pending["task"]:
-            # A new backward pass: only the calls it reaches count (two losses backpropagated
-            # one after the other: the last one's, as in the published code).
-            for c in pending["calls"]:
-                c.pop("gy", None)
-            pending["task"] = task
         call["gy"] = g.detach()
 
     # ------------------------------------------------------------------ per-layer helpers
@@ -366,13 +361,12 @@ class TwoLevelKFAC(Preconditioner, torch.optim.Optimizer):
         for layer, dtype in zip(self._layers, self._work):
             pending = self._pending.get(id(layer))
             calls = pending["calls"] if pending else []
-            if not calls:
+            if pending is None:
                 raise RuntimeError(
                     f"TwoLevelKFAC: layer '{layer.name}' was not called in a forward pass with "
                     f"update_stats = True (train mode, grad enabled) before step {self._iteration_counter}; "
                     "the coarse space couples every registered layer, so each one must take part in "
                     "every statistics pass (freeze a layer that does not, and it is skipped)")
-            calls = [c for c in calls if "gy" in c]
             if not calls:
                 raise RuntimeError(
                     f"TwoLevelKFAC: layer '{layer.name}' got no output gradient in the last backward pass "
