@@ -21,7 +21,7 @@ from .collectives import distributed
 from .discovery import Layer
 from .hooks import Hooks
 from .runtime import unwrap
-from .steps import StepCounter
+from .steps import Captured, StepCounter
 
 _FLOAT_PARAMS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -44,7 +44,7 @@ def _version_of(value: Any) -> int | tuple | None:
 
 
 # ------------------------------------------------------------------------------ the optimizer base
-class CoreOptimizer(torch.optim.Optimizer):
+class CoreOptimizer(Captured, torch.optim.Optimizer):
     """What every member that is a torch optimizer shares, model or not: validated param groups
     whose real hyperparameters are tensors end to end, a step that checks everything before it
     writes, copies, and checkpoints validated field by field before anything is replaced.
@@ -150,19 +150,6 @@ class CoreOptimizer(torch.optim.Optimizer):
 
     def _expected_state(self, p: torch.Tensor) -> dict[str, tuple[tuple, torch.dtype]]:
         raise NotImplementedError
-
-    # Why no step of this member can be captured (cafin.StepGraphs then runs them all eagerly)
-    _uncapturable: str | None = None
-
-    def _graph_settings(self) -> tuple:
-        """The settings cafin.StepGraphs' graphs depend on (the intervals that decide a phase):
-        a change after capture makes StepGraphs refuse the next step."""
-        return ()
-
-    def _capture_refusal(self) -> str | None:
-        """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
-        graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""
-        return None
 
     def __deepcopy__(self, memo):
         """A copy optimises copies of the parameters, with state of its own."""

@@ -24,10 +24,10 @@ import torch
 from .checks import Real, real_number
 from .discovery import Layer
 from .hooks import Hooks
-from .steps import StepCounter
+from .steps import Captured, StepCounter
 
 
-class Preconditioner:
+class Preconditioner(Captured):
     """A member sets `settings` (name -> `Real` rule) and, where kfac-pytorch takes callables of
     the step, `callable_settings = True`; `optional_settings` may be None (off: NaN in their
     tensors). It calls `_init_settings(values)` and `_start(layers)` in its constructor, and
@@ -146,19 +146,6 @@ class Preconditioner:
         if self._hooks is not None:
             self._hooks.remove()
             self._hooks = None
-
-    # Why no step of this member can be captured (cafin.StepGraphs then runs them all eagerly)
-    _uncapturable: str | None = None
-
-    def _graph_settings(self) -> tuple:
-        """The settings cafin.StepGraphs' graphs depend on (the intervals that decide a phase):
-        a change after capture makes StepGraphs refuse the next step."""
-        return ()
-
-    def _capture_refusal(self) -> str | None:
-        """Why the coming step (its k pinned by cafin.StepGraphs) cannot be captured in a CUDA
-        graph, or None when it can; StepGraphs then runs the steps of that phase eagerly."""
-        return None
 
     def __deepcopy__(self, memo):
         from .. import ops, reference  # the backends, which members keep in tables

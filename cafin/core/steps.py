@@ -103,6 +103,24 @@ class StepCounter:
             t.fill_(float(k))
 
 
+class Captured:
+    """What cafin.StepGraphs asks of a member (a base of every member's class); the defaults
+    suit a member whose every step can be captured."""
+
+    # Why no step of this member can be captured (StepGraphs then runs them all eagerly)
+    _uncapturable: str | None = None
+
+    def _graph_settings(self) -> tuple:
+        """((name, value), ...): the settings StepGraphs' graphs depend on (the intervals that
+        decide a phase); a change after capture makes StepGraphs refuse the next step."""
+        return ()
+
+    def _capture_refusal(self) -> str | None:
+        """Why the coming step (its k pinned by StepGraphs) cannot be captured in a CUDA graph,
+        or None when it can; StepGraphs then runs the steps of that phase eagerly."""
+        return None
+
+
 def run_closure(closure, pass_state: list[torch.Tensor]):
     """`closure()` with grad enabled. If it raises, the tensors its passes add to (statistics
     accumulators, counters) are put back as they were: a step that raises leaves no trace."""

@@ -80,18 +80,14 @@ def _split_sweep(unfolded: list[torch.Tensor], factors: list[torch.Tensor],
     unfolding (mode k in front) returns the mode at the back, the next mode in front."""
     d = [x.shape[0] for x in unfolded]
     F = factors
-    A = torch.mm(unfolded[2].T, F[2].T).reshape(d[3], -1)
-    A = torch.mm(A.T, F[3].T).reshape(d[0], -1)  # modes (0, 1, 2, 3), 0 in front
-    first = torch.mm(F[1].T, unfolded[1]).reshape(-1, d[0])  # (1, 2, 3 | 0)
-    step(0, torch.mm(first.T, A.T))
-    second = torch.mm(A.T, F[0].T).reshape(d[1], -1)  # (1 | 2, 3, 0)
-    step(1, torch.mm(unfolded[1], second.T))
-    B = torch.mm(unfolded[0].T, F[0].T).reshape(d[1], -1)
-    B = torch.mm(B.T, F[1].T).reshape(d[2], -1)  # modes (2, 3, 0, 1), 2 in front
-    first = torch.mm(F[3].T, unfolded[3]).reshape(-1, d[2])  # (3, 0, 1 | 2)
-    step(2, torch.mm(first.T, B.T))
-    second = torch.mm(B.T, F[2].T).reshape(d[3], -1)  # (3 | 0, 1, 2)
-    step(3, torch.mm(unfolded[3], second.T))
+    # (a, b) the pair of modes stepped, (c, e) the other two: A for modes 0 and 1, then B
+    for a, b, c, e in ((0, 1, 2, 3), (2, 3, 0, 1)):
+        shared = torch.mm(unfolded[c].T, F[c].T).reshape(d[e], -1)
+        shared = torch.mm(shared.T, F[e].T).reshape(d[a], -1)  # modes (a, b, c, e), a in front
+        first = torch.mm(F[b].T, unfolded[b]).reshape(-1, d[a])  # (b, c, e | a)
+        step(a, torch.mm(first.T, shared.T))
+        second = torch.mm(shared.T, F[a].T).reshape(d[b], -1)  # (b | c, e, a)
+        step(b, torch.mm(unfolded[b], second.T))
 
 
 def _mode_vector(unfolded: list[torch.Tensor], v: Sequence[torch.Tensor], i: int) -> torch.Tensor:
