@@ -137,27 +137,37 @@ def layer_grads(pre) -> dict[str, torch.Tensor]:
     return out
 
 
-def gradient_errors(kind: str, option: str) -> dict[str, float]:
-    """Each layer's largest relative error of its preconditioned gradient against float32's over
-    MEASURED_STEPS, both runs on the float32 run's weights."""
-    ref_model, ref_pre, ref_opt = make(kind, "float32", like=option)
-    model, pre, _ = make(kind, option)
+def lockstep_errors(ref, other, batches, ref_opt, loss=loss_of, measured=range(10**9)) -> dict[str, float]:
+    """Each layer's largest relative error ||V - V_ref|| / ||V_ref|| of the preconditioned
+    gradient of `other` against `ref` (each a (model, preconditioner)) over the steps in
+    `measured`, `other`'s model put on `ref`'s weights before every step (the same gradients:
+    only the rounding differs); `ref_opt` steps `ref`'s model."""
+    (ref_model, ref_pre), (model, pre) = ref, other
     worst: dict[str, float] = {}
-    for k, (x, y) in enumerate(MODELS[kind][1](MEASURED_STEPS.stop)):
+    for k, (x, y) in enumerate(batches):
         with torch.no_grad():
             for p, q in zip(model.parameters(), ref_model.parameters()):
                 p.copy_(q)
         for m, p in ((ref_model, ref_pre), (model, pre)):
             m.zero_grad()
-            loss_of(m, x, y).backward()
+            loss(m, x, y).backward()
             p.step()
-        if k in MEASURED_STEPS:
+        if k in measured:
             want, got = layer_grads(ref_pre), layer_grads(pre)
             for name in want:
                 err = ((got[name] - want[name]).norm() / want[name].norm()).item()
                 worst[name] = max(worst.get(name, 0.0), err)
         ref_opt.step()
     return worst
+
+
+def gradient_errors(kind: str, option: str) -> dict[str, float]:
+    """Each layer's largest relative error of its preconditioned gradient against float32's over
+    MEASURED_STEPS, both runs on the float32 run's weights."""
+    ref_model, ref_pre, ref_opt = make(kind, "float32", like=option)
+    model, pre, _ = make(kind, option)
+    return lockstep_errors((ref_model, ref_pre), (model, pre),
+                           MODELS[kind][1](MEASURED_STEPS.stop), ref_opt, measured=MEASURED_STEPS)
 
 
 def final_loss(kind: str, option: str, steps: int, seed: int, like: str | None = None) -> float:

@@ -996,6 +996,7 @@ class _GemmDtypes(TorchDispatchMode):
 
 
 def _precision_errors(option: dict, steps=6):
+    from bench.kfac_precision import lockstep_errors
     """Each registered layer's largest relative error ||V - V_32|| / ||V_32|| of its
     preconditioned gradient (weight and bias) against a float32 preconditioner's over `steps`
     steps, the option's model kept on the float32 run's weights (same gradients: only the
@@ -1006,22 +1007,8 @@ def _precision_errors(option: dict, steps=6):
     ref_pre = cafin.KFACPreconditioner(ref_model, **kw)
     pre = cafin.KFACPreconditioner(model, **kw, **option)
     opt = torch.optim.SGD(ref_model.parameters(), lr=0.05, momentum=0.9)
-    worst: dict[str, float] = {}
-    for k, batch in enumerate(data("deep", torch.float32, steps)):
-        x, y = batch[0]
-        with torch.no_grad():
-            for p, q in zip(model.parameters(), ref_model.parameters()):
-                p.copy_(q)
-        for m, p in ((ref_model, ref_pre), (model, pre)):
-            m.zero_grad()
-            loss_of(m, x, y).backward()
-            p.step()
-        for name, mod in ((n, m) for n, m in model.named_modules() if n in pre._state):
-            want = torch.cat([p.grad.reshape(-1) for p in ref_model.get_submodule(name).parameters()]).double()
-            got = torch.cat([p.grad.reshape(-1) for p in mod.parameters()]).double()
-            worst[name] = max(worst.get(name, 0.0), ((got - want).norm() / want.norm()).item())
-        opt.step()
-    return worst, pre
+    batches = [batch[0] for batch in data("deep", torch.float32, steps)]
+    return lockstep_errors((ref_model, ref_pre), (model, pre), batches, opt, loss=loss_of), pre
 
 
 # Measured on this model (CPU, torch 2.13), the largest layer error: 1.4e-2 with inv_dtype
