@@ -1494,3 +1494,25 @@ def test_failed_eigendecomposition_retries_in_float64_then_keeps_the_previous_on
     for layer, saved in zip(kept.layers, before):
         for key, value in saved.items():
             assert torch.equal(kept._state[layer.name].second[key], value), key
+
+
+def test_side_by_side_tool_runs(monkeypatch, capsys):
+    """tools/kfac_side_by_side.py (the kfac-pytorch comparison of docs/kfac.md) runs end to end:
+    with cafin standing in for kfac-pytorch every error is 0."""
+    import importlib.util
+    import sys
+    import types
+    spec = importlib.util.spec_from_file_location(
+        "kfac_side_by_side", Path(__file__).resolve().parents[1] / "tools" / "kfac_side_by_side.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    stand_in = types.ModuleType("kfac")
+    stand_in.preconditioner = types.SimpleNamespace(KFACPreconditioner=cafin.KFACPreconditioner)
+    monkeypatch.setitem(sys.modules, "kfac", stand_in)
+    monkeypatch.setitem(sys.modules, "kfac.preconditioner", stand_in.preconditioner)
+    monkeypatch.setattr(tool, "MODELS", {"MLP": tool.MODELS["MLP"]})
+    monkeypatch.setattr(tool, "CONFIGS", dict(list(tool.CONFIGS.items())[:1]))
+    monkeypatch.setattr(tool, "STEPS", 2)
+    tool.main()
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith("| MLP |") and row.count("0.0e+00") == 2, row
