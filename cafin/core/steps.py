@@ -22,8 +22,9 @@ class StepCounter:
     each graph it replays is, so it "pins" k while it captures (or runs eagerly) one step. Then
     `host_due(interval)` answers False on the steps the pinned k says are not due, and the work
     they would launch is not put in the graph at all: a graph is captured per phase (which
-    intervals are due) and replayed only on steps of that phase. The work that is launched still decides on the device, as
-    every gated step does, so a pinned step computes what an unpinned gated step computes.
+    intervals are due) and replayed only on steps of that phase. The work that is launched still
+    decides on the device, as every gated step does, so a pinned step computes what an unpinned
+    gated step computes.
     """
 
     def __init__(self) -> None:
