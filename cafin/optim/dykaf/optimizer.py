@@ -23,16 +23,16 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .. import ops, reference
-from ..core import Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attribute
-from ..core.runtime import capturing
-from ..core.steps import StepCounter
-from ..maths import dykaf as dykaf_maths
-from ..maths import state_dtype
-from ..sharding import check_sharded, full_parameters
-from ._docs import _backend_doc, _params_doc, _published_bugs_doc
-from .dykaf_owners import refresh_owners
-from .dykaf_unstarted import check_unstarted, unstarted_entry
+from ... import ops, reference
+from ...core import Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attribute
+from ...core.runtime import capturing
+from ...core.steps import StepCounter
+from ...maths import dykaf as dykaf_maths
+from ...maths import state_dtype
+from ...sharding import check_sharded, full_parameters
+from .._docs import _backend_doc, _params_doc, _published_bugs_doc
+from .owners import refresh_owners
+from .unstarted import check_unstarted, unstarted_entry
 
 _BACKENDS = {"fused": ops, "reference": reference}
 _KINDS = ("kron2d", "kron4d", "ema")

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..maths import state_dtype
+from ...maths import state_dtype
 
 
 def factor_sizes(opt, p: torch.Tensor, group: dict[str, Any], kind: str) -> list[int | None]:

@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..core.collectives import distributed
-from ..maths import dykaf as dykaf_maths
-from .kaisa import exchange, greedy_assignment
+from ...core.collectives import distributed
+from ...maths import dykaf as dykaf_maths
+from ..kaisa import exchange, greedy_assignment
 
 __all__ = ["RefreshOwners", "refresh_owners"]
 
