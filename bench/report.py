@@ -145,6 +145,12 @@ def _x_floor(run: Run, phase: str, r, to_floor: float | None) -> str:
     return fmt_ratio(to_floor) + (" floor err" if own and to_floor is not None and to_floor < 1 else "")
 
 
+def _label_width(variants) -> int:
+    """A narrow console wraps the widest column first; a variant's label stays whole (readers
+    and the tests search for it) and the floor rows' longer notes wrap instead."""
+    return max((len(label(v)) for v in variants), default=0)
+
+
 def _phase_table(run: Run, phase: str, floor_ms: float | None, floor_label: str,
                  names: dict[str, str]) -> Table:
     table = Table(title=f"{phase}: {run.model}, batch {run.batch_size}, {run.device}",
@@ -152,7 +158,7 @@ def _phase_table(run: Run, phase: str, floor_ms: float | None, floor_label: str,
                   caption=_speedup_basis(run, phase),
                   caption_justify="left")
     table.add_column("optimizer")
-    table.add_column("variant")
+    table.add_column("variant", min_width=_label_width(r.variant for r in run.results if r.phase == phase))
     table.add_column("median ms", justify="right")
     table.add_column("IQR", justify="right")
     table.add_column("n", justify="right")
@@ -193,7 +199,9 @@ def _whole_step_table(run: Run, names: dict[str, str]) -> Table:
                   caption_justify="left")
     for col in ("optimizer", "variant", "plain", "IQR", "curvature", "statistics",
                 "per iteration", "vs AdamW", "n", "1st s"):
-        table.add_column(col, justify="left" if col in ("optimizer", "variant") else "right")
+        table.add_column(col, justify="left" if col in ("optimizer", "variant") else "right",
+                         min_width=_label_width(w["variant"] for w in run.whole_step)
+                         if col == "variant" else None)
     for w in run.whole_step:
         iqr = w["plain_iqr_over_median"]
         adamw = w["optimizer"] == "adamw"

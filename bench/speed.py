@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen[member.name] = pool & (args.variants if args.variants else set(member.default_variants))
     baselines = (args.variants & set(BASELINES)) if args.variants else set(BASELINES)
 
-    console = Console(width=None if sys.stdout.isatty() else 120)
+    # A log or a pipe gets the width the widest table needs whole (proxies.py does the same).
+    console = Console(width=None if sys.stdout.isatty() else 160)
     began = time.perf_counter()
     run = Run(model=args.model, device=device,
               batch_size=args.batch_size or DEFAULT_BATCH[args.model],
