@@ -1,4 +1,4 @@
-"""One rank of the 2-process CPU/gloo runs of tests/test_distributed.py.
+"""One rank of the 2-process CPU/gloo runs of tests/test_adafisher_ddp.py.
 
 Started by tests/two_ranks.py's `launch` as `python tests/dist_worker.py SCENARIO BACKEND OUTDIR`;
 the ranks meet through a file in OUTDIR. Everything the test

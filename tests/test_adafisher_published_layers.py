@@ -29,7 +29,7 @@ TCOV = 2
 STEPS = 3 * TCOV + 1  # curvature steps at k = 0, 2, 4, 6
 HP = dict(lr=1e-3, beta=0.9, Lambda=1e-3, gamma=0.8, weight_decay=0.05, TCov=TCOV)
 # max|a - b| / max|b| per tensor: float64 runs the same sums in another order; float32 as
-# tests/test_optimizer.py bounds a float32 model against the float64 oracle.
+# tests/test_adafisher.py bounds a float32 model against the float64 oracle.
 TOL = {torch.float64: 1e-11, torch.float32: 1e-5}
 VOCAB = 13
 

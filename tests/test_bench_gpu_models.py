@@ -145,7 +145,7 @@ def test_gpu_check_groups_cover_every_test_file_once():
     assert sorted(f for _, f in pairs) == files  # each file once
     group = {f: g for g, f in pairs}
     assert set(group.values()) <= {"ops", "mixed", "others", "graphs", "members", "compile"}
-    assert group["tests/test_cuda_graphs.py"] == "graphs"
+    assert group["tests/test_adafisher_cuda_graphs.py"] == "graphs"
     for name, expected in (("test_cuda_graphs_members.py", "members"), ("test_dykaf_cuda_graphs.py", "graphs")):
         if (ROOT / "tests" / name).exists():
             assert group[f"tests/{name}"] == expected

@@ -34,7 +34,7 @@ groups() {
   for f in tests/test_*.py; do
     case $f in
       tests/test_ops.py) echo "ops $f" ;;
-      tests/test_mixed_precision.py) echo "mixed $f" ;;
+      tests/test_adafisher_mixed_precision.py) echo "mixed $f" ;;
       tests/test_compile.py) echo "compile $f" ;;
       tests/test_cuda_graphs_members.py) echo "members $f" ;;
       tests/*cuda_graphs*.py) echo "graphs $f" ;;
