@@ -66,7 +66,7 @@ class Member:
         self.name, self.make = name, make
         self.optimizer_index = optimizer_index  # which object DCP's optimizer state dict takes
         # with optimizer_index 1, how objs[0] is checkpointed: "kfac" (its state_dict, loaded
-        # into kfac_checkpoint_template) or "twolevel" (cafin.optim.twolevel_dcp.twolevel_checkpoint)
+        # into kfac_checkpoint_template) or "twolevel" (cafin.optim.twolevel.twolevel_checkpoint)
         self.preconditioner = preconditioner
         # Full-size state, the same on every rank (DyKAF): not sharded, no DTensor in it.
         self.full_state = full_state
@@ -226,7 +226,7 @@ def dcp_save(model, objs, member, path):
     opt = objs[member.optimizer_index]
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     if member.optimizer_index and member.preconditioner == "twolevel":
-        from cafin.optim.twolevel_dcp import twolevel_checkpoint
+        from cafin.optim.twolevel import twolevel_checkpoint
         sd.update(twolevel_checkpoint(objs[0]))
     elif member.optimizer_index:  # a preconditioner's factors (replicated) go into the same checkpoint
         sd["preconditioner"] = objs[0].state_dict()
@@ -241,7 +241,7 @@ def dcp_load(model, objs, member, path):
     sd = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
     kfac = member.optimizer_index and member.preconditioner == "kfac"
     if kfac:
-        from cafin.optim.kfac_dcp import kfac_checkpoint_template
+        from cafin.optim.kfac import kfac_checkpoint_template
         sd["preconditioner"] = kfac_checkpoint_template(objs[0])
     dcp.load(sd, checkpoint_id=path)
     set_model_state_dict(model, sd["model"])
@@ -249,7 +249,7 @@ def dcp_load(model, objs, member, path):
     if kfac:
         objs[0].load_state_dict(sd["preconditioner"])
     elif member.optimizer_index:
-        from cafin.optim.twolevel_dcp import twolevel_load
+        from cafin.optim.twolevel import twolevel_load
         twolevel_load(objs[0], path)
 
 

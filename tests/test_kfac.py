@@ -1075,7 +1075,8 @@ def test_unsupported_precisions_are_refused_at_construction():
 # ------------------------------------------------------------------------------- compatibility arguments
 def test_compat_arguments_live_in_one_module():
     import dataclasses
-    from cafin.optim import kfac, kfac_compat
+    from cafin.optim import kfac
+    from cafin.optim.kfac import compat as kfac_compat
     for name in ("ComputeMethod", "AssignmentStrategy", "DistributedStrategy"):
         assert getattr(kfac, name) is getattr(kfac_compat, name)
     opts = kfac_compat.kaisa_options(

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_o
 from torch.distributed.fsdp import fully_shard
 
 import cafin
-from cafin.optim.kfac_dcp import kfac_checkpoint_template
-from cafin.optim.twolevel_dcp import twolevel_checkpoint, twolevel_load
+from cafin.optim.kfac import kfac_checkpoint_template
+from cafin.optim.twolevel import twolevel_checkpoint, twolevel_load
 
 
 def make_model(device) -> nn.Module:

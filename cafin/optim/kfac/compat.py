@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..core import distributed, real_number
+from ...core import distributed, real_number
 
 __all__ = ["ComputeMethod", "AssignmentStrategy", "DistributedStrategy", "KaisaOptions",
            "as_enum", "kaisa_options", "worker_fraction"]

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from ..core import check_int, real_number
-from .kfac import KFACPreconditioner
+from ...core import check_int, real_number
+from .preconditioner import KFACPreconditioner
 
 __all__ = ["LambdaParamScheduler"]
 

@@ -26,17 +26,17 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from .. import factors
-from .. import ops, reference
-from ..core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real,
+from ... import factors
+from ... import ops, reference
+from ...core import (Choice, DropCounts, EigendecompositionWarning, Layer, Real,
                          capturing, check_gradient, check_int, discover, distributed, unwrap)
-from ..core.preconditioner import Preconditioner
-from ..maths import kfac as kfac_maths
-from ..sharding import (check_sharded, gather_rows, gather_to_owners, is_sharded, local, own_rows,
+from ...core.preconditioner import Preconditioner
+from ...maths import kfac as kfac_maths
+from ...sharding import (check_sharded, gather_rows, gather_to_owners, is_sharded, local, own_rows,
                         scatter_from_owners, shard_dim, shard_group, shard_groups)
-from ._docs import _backend_doc, _process_group_doc
-from .kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
-from .kfac_compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
+from .._docs import _backend_doc, _process_group_doc
+from ..kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
+from .compat import AssignmentStrategy, ComputeMethod, DistributedStrategy, as_enum, kaisa_options
 
 __all__ = ["KFACPreconditioner", "ComputeMethod", "AssignmentStrategy", "DistributedStrategy"]
 
