@@ -15,7 +15,7 @@ While it records, a TorchDispatchMode runs every aten op (and every cafin custom
 the caller's dispatch modes, so the backward's ops are recorded too (tests/test_capture_contract.py
 checks this). What a real capture does, and so does this:
 
-- cafin is told it is being captured: `cafin.core.runtime.capturing()` returns True (every module
+- cafin is told it is being captured: `cafin.core.route.capturing()` returns True (every module
   that imported the name sees the patched one), so the step counter becomes device gated;
 - a host read raises: `.item()`, `bool(tensor)`, `nonzero`, `masked_select`, `unique`, `equal`
   and the other ops whose result the host must see (a capture forbids a sync), and so do the ops
@@ -57,7 +57,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-import cafin.core.runtime as _runtime
+import cafin.core.route as _route
 
 aten = torch.ops.aten
 
@@ -156,8 +156,8 @@ class Graph:
             raise RuntimeError("a Graph captures once")
         patched = [m for m in list(sys.modules.values())
                    if getattr(m, "__name__", "").startswith("cafin")
-                   and getattr(m, "capturing", None) is _runtime.capturing]
-        original = _runtime.capturing
+                   and getattr(m, "capturing", None) is _route.capturing]
+        original = _route.capturing
         for m in patched:
             m.capturing = lambda: True
         try:

@@ -98,14 +98,14 @@ def test_stand_in_refuses_host_reads_during_capture(read):
 
 
 def test_stand_in_records_the_backward_and_tells_cafin_it_captures():
-    from cafin.core import runtime, steps
+    from cafin.core import route
     model = mlp()
     x, y = batches(1)[0]
     graph = Graph()
     with graph.capture():
-        assert runtime.capturing() and steps.capturing()
+        assert route.capturing() and route.captured() and not route.eager()
         nn.functional.cross_entropy(model(x), y).backward()
-    assert not runtime.capturing()
+    assert not route.capturing() and route.eager()
     names = [str(op[0]) for op in graph.ops]
     assert any("tanh_backward" in n for n in names), names  # the engine ran on this thread
     grad = model[0].weight.grad

@@ -1,9 +1,11 @@
 """The family's core: what every Kronecker-factored member shares and none owns, one file per
 concern.
 
+- `route.py`: the one place that decides how a step runs (`eager`, `compiled`, `captured`) and,
+  per member (`Route`), which op module (`cafin.ops` or `cafin.reference`) a tensor runs on.
 - `runtime.py`: `unwrap` (the model behind DDP/DataParallel/torch.compile wrappers: hooks go on
   the model itself, and checkpoints name its layers the same way with or without a wrapper),
-  `capturing` (a CUDA graph is being captured), `to_device` (a tensor on a device).
+  `to_device` (a tensor on a device).
 - `discovery.py`: `Layer` and `discover`, the layers of a model that a member accepts and that
   hold optimised parameters (their weight and bias), matched by identity (the first accepted
   module that holds a parameter owns it; tied parameters once). AdaFisher's registry of layer
@@ -34,7 +36,9 @@ from .failures import DropCounts, EigendecompositionWarning
 from .hooks import Hooks
 from .optimizer import CoreOptimizer, CurvatureOptimizer
 from .preconditioner import Preconditioner
-from .runtime import capturing, to_device, unwrap
+from . import route
+from .route import capturing
+from .runtime import to_device, unwrap
 from .steps import StepCounter, run_closure
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",

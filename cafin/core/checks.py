@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from . import route
 
 def real_number(value: Any, name: str) -> float:
     """A hyperparameter as a Python float, with an error naming it when it is not a real number
@@ -85,9 +86,9 @@ class Real:
             if value.dim() != 0 or not value.is_floating_point():
                 raise ValueError(f"{name} must be a number or a 0-dim float tensor, got a "
                                  f"{value.dtype} tensor of shape {tuple(value.shape)}")
-            if value.device.type != "cpu" or torch.compiler.is_compiling():
+            if value.device.type != "cpu" or route.compiled():
                 return
-        elif torch.compiler.is_compiling():
+        elif route.compiled():
             return
         self.check(value, name)
 
@@ -131,7 +132,7 @@ class Setting:
         raise NotImplementedError
 
     def check_live(self, value: Any, name: str) -> None:
-        if not torch.compiler.is_compiling():  # a compiled step reads it as a constant
+        if not route.compiled():  # a compiled step reads it as a constant
             self.check(value, name)
 
     def keep(self, value: Any, params: list[torch.Tensor], name: str) -> Any:

@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import nn
 
+from . import route
 from .discovery import Layer
 
 # Which live owner hooks which module, so a second optimizer on the same model is not silent.
@@ -60,7 +61,7 @@ class _ForwardHook:
         x = inputs[0].detach()
         if not can_take_statistics(module, x):
             return None
-        recomputing = not torch.compiler.is_compiling() and _recomputing_saved_tensors()
+        recomputing = not route.compiled() and _recomputing_saved_tensors()
         launch, step = owner._statistics_gate(self.layer, x.device)
         if not launch:
             return None
@@ -75,14 +76,14 @@ class _ForwardHook:
         # 3-D input, unbatched Conv2d) loses its hooks when modified in place, so the hook goes on
         # the tensor it views when that holds the same elements, or on a copy returned instead.
         target, returned = output, None
-        if not torch.compiler.is_compiling() and output._is_view():
+        if not route.compiled() and output._is_view():
             base = output._base
             if (base.numel() == output.numel() and base.is_contiguous() and output.is_contiguous()
                     and base.storage_offset() == output.storage_offset()):
                 target = base
             else:
                 target = returned = output.clone()
-        if _DYNAMO_REWRITES_TENSOR_HOOKS and torch.compiler.is_compiling():
+        if _DYNAMO_REWRITES_TENSOR_HOOKS and route.compiled():
             return _GradTap.apply(output, x, _GradHook(self, step, output.shape, None))
         target.register_hook(_GradHook(self, step, output.shape, saved))
         return returned
@@ -136,7 +137,7 @@ def _save(x: torch.Tensor):
     saved for backward: through the saved-tensor hooks in force (non-reentrant activation
     checkpointing then recomputes it in backward instead of holding it, `save_on_cpu` offloads
     it); with none, the tensor itself, which the layer's own backward holds already."""
-    if torch.compiler.is_compiling():
+    if route.compiled():
         return x
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
     return x if hooks is None else _Packed(hooks[1], hooks[0](x))
@@ -163,7 +164,7 @@ class _GradHook:
     def __init__(self, forward: _ForwardHook, step, shape, saved) -> None:
         self.forward, self.step, self.shape, self.saved = forward, step, shape, saved
         # A compiled forward's graph keeps x as one of its saved activations, freed with them.
-        self.eager = not torch.compiler.is_compiling()
+        self.eager = not route.compiled()
 
     def __call__(self, grad: torch.Tensor) -> None:
         x, step = self.saved, self.step

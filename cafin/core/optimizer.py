@@ -16,6 +16,7 @@ from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from ..sharding import check_sharded
+from . import route
 from .checks import Pair, as_rule, check_gradient
 from .collectives import distributed
 from .discovery import Layer
@@ -91,7 +92,7 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
         @functools.wraps(func)
         def wrapper(*args, **kwargs):
             self = args[0]
-            if (torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()
+            if (route.compiled() or torch._C._autograd._profiler_enabled()
                     or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
                     or _global_optimizer_pre_hooks or _global_optimizer_post_hooks):
                 return hooked(*args, **kwargs)
@@ -211,7 +212,7 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
         they are the same objects at the same versions; numbers are checked every time."""
         rules = self._rules
         values = [group[name] for name in rules]
-        eager = not torch.compiler.is_compiling()
+        eager = not route.compiled()
         versions = [_version_of(value) for value in values] if eager else [None] * len(values)
         seen = self._live_checked.get(id(group)) if eager else None
         if seen is not None and seen[0] is not group:  # another group at a reused address
@@ -251,7 +252,7 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
         key = (device, dtype)
         if key not in self._ones:  # members make them when they create state; here only for strays
             self._ones[key] = torch.ones((), device=device, dtype=dtype)
-            if not torch.compiler.is_compiling():
+            if not route.compiled():
                 torch._dynamo.mark_static_address(self._ones[key], guard=False)
         return self._ones[key]
 
@@ -449,7 +450,7 @@ class CurvatureOptimizer(CoreOptimizer):
         """Check every group before the step writes anything, and compare the ranks' layouts
         when they may have changed."""
         super()._begin_step()
-        if not self._ranks_checked and not torch.compiler.is_compiling() and distributed():
+        if not self._ranks_checked and not route.compiled() and distributed():
             self._check_ranks_agree()
 
     # ------------------------------------------------------------------ checkpoints

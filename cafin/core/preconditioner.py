@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from . import route
 from .checks import Real, real_number
 from .discovery import Layer
 from .hooks import Hooks
@@ -99,7 +100,7 @@ class Preconditioner(Captured):
         compiled step reads the tensors as they are). Every callable is called and checked
         before any tensor is written; with `quiet`, a bad value leaves them stale (the next
         eager use raises)."""
-        if torch.compiler.is_compiling() or not self._stale:
+        if route.compiled() or not self._stale:
             return
         try:
             values = {name: self._current(name) for name, v in self._values.items()

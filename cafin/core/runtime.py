@@ -1,9 +1,11 @@
-"""Where a step runs: the model behind its wrappers, whether a CUDA graph is being captured, a
-tensor on a given device."""
+"""Where a step's tensors live: the model behind its wrappers, a tensor on a given device. How a
+step runs (eager, compiled, captured) is `route.py`'s."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from .route import capturing  # noqa: F401  (members not yet asking the route)
 
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
@@ -13,10 +15,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, _WRAPPERS):
         model = model._orig_mod if isinstance(model, _COMPILED) else model.module
     return model
-
-
-def capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def to_device(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import capturing
+from . import route
 
 
 class StepCounter:
@@ -57,10 +57,10 @@ class StepCounter:
 
     def _latch(self) -> bool:
         """Whether decisions are made on the device from now on (latched once true)."""
-        if torch.compiler.is_compiling():
+        if route.compiled():
             self.device_gated = True  # a store, no read: no guard, no recompile when it flips
             return True
-        if not self.device_gated and capturing():
+        if not self.device_gated and route.captured():
             self.device_gated = True
         return self.device_gated
 

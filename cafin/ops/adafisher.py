@@ -12,6 +12,7 @@ from typing import Sequence
 
 import torch
 
+from ..core import route
 from ..maths import state_dtype
 from ..reference import adafisher as _reference
 
@@ -37,11 +38,6 @@ def _check_scalar_tensor(t, name, device, dtype=None):
         _check(t.dtype == dtype, f"{name} has dtype {t.dtype}, expected {dtype}", TypeError)
 
 
-def _capturing() -> bool:
-    from ..core import runtime  # imported here: cafin.core imports the ops
-    return runtime.capturing()
-
-
 def _hyperparameter(value, name, device, dtype, valid, rule):
     """A 0-dim `dtype` tensor on `device`. A Python number is checked and wrapped (a convenience
     for direct calls: optimizers keep their hyperparameters as tensors). A tensor's value is
@@ -50,7 +46,7 @@ def _hyperparameter(value, name, device, dtype, valid, rule):
         _check(valid(float(value)), f"{name} must be {rule}, got {value}")
         return torch.tensor(float(value), dtype=dtype, device=device)
     _check_scalar_tensor(value, name, device, dtype)
-    if value.device.type == "cpu" and not torch.compiler.is_compiling() and not _capturing():
+    if value.device.type == "cpu" and route.eager():
         _check(valid(float(value)), f"{name} must be {rule}, got {float(value)}")
     return value
 
@@ -165,7 +161,7 @@ def embedding_input_stats_(stat: torch.Tensor, indices: torch.Tensor, scale_grad
     # A compiled forward traces this inside a gradient hook, where Dynamo refuses a stride query:
     # there the caller is AdaFisher, whose statistics are contiguous by construction.
     _check(stat.dtype in (torch.float32, torch.float64) and stat.dim() == 1 and stat.numel() >= 2
-           and (torch.compiler.is_compiling() or stat.is_contiguous()),
+           and (route.compiled() or stat.is_contiguous()),
            "stat must be a contiguous 1-D float32/float64 tensor of num_embeddings + 1 entries")
     _check(stat.device == indices.device,
            f"stat is on {stat.device} but the indices are on {indices.device}")

@@ -8,6 +8,7 @@ from typing import Sequence
 
 import torch
 
+from ..core import route
 __all__ = ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_", "dykaf_apply_",
            "dykaf_split_normalize_", "dykaf_split_scale_"]
 
@@ -37,11 +38,6 @@ def _scalar(t, name, device: torch.device) -> None:
     _check(t.device == device, lambda: f"{_text(name)} is on {t.device}, expected {device}")
 
 
-def _capturing() -> bool:
-    from ..core import runtime  # imported here: cafin.core imports the ops
-    return runtime.capturing()
-
-
 def _nonnegative(value, name: str, device: torch.device) -> torch.Tensor:
     """A 0-dim float64 tensor on `device` holding a value >= 0 (a number is checked and wrapped;
     a tensor's value is checked where that costs no sync: on the CPU)."""
@@ -49,7 +45,7 @@ def _nonnegative(value, name: str, device: torch.device) -> torch.Tensor:
         _check(value >= 0, lambda: f"{name} must be >= 0, got {value}")
         return torch.tensor(float(value), dtype=torch.float64, device=device)
     _scalar(value, name, device)
-    if value.device.type == "cpu" and not torch.compiler.is_compiling() and not _capturing():
+    if value.device.type == "cpu" and route.eager():
         _check(float(value) >= 0, lambda: f"{name} must be >= 0, got {float(value)}")
     return value
 

@@ -7,6 +7,7 @@ from typing import Sequence
 
 import torch
 
+from ..core import route
 __all__ = ["kfac_factor_ema_", "kfac_eigen_scale_", "kfac_eigen_products_", "kfac_precondition_apply_"]
 
 
@@ -36,7 +37,7 @@ def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tens
     """factors[i] <- decay*factors[i] + (1-decay)*(S + S^T)/(2*counts[i]) where counts[i] > 0, S is
     finite (inf/NaN statistics are dropped) and, when step is given, step % interval == 0; stats
     and counts are emptied either way."""
-    if not torch.compiler.is_compiling():
+    if not route.compiled():
         _lengths([("factors", factors), ("stats", stats), ("counts", counts)])
         _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")
         if not factors:
@@ -60,7 +61,7 @@ def _kfac_factor_ema_fake(factors, stats, counts, decay, step=None, interval=1):
 def kfac_eigen_scale_(v: Sequence[torch.Tensor], dg: Sequence[torch.Tensor], da: Sequence[torch.Tensor],
                       damping: torch.Tensor) -> None:
     """v[i] [groups, d_g, d_a] <- v[i] / (dg[i] da[i]^T + damping), per group."""
-    if not torch.compiler.is_compiling():
+    if not route.compiled():
         _lengths([("v", v), ("dg", dg), ("da", da)])
         if v:
             _scalar(damping, "damping", v[0].device, torch.float64)
@@ -84,7 +85,7 @@ def kfac_eigen_products_(grads: Sequence[torch.Tensor], works: Sequence[torch.Te
     [d_g, d_a] or stacks [groups, d_g, d_a], float32 or float64. The products are ATen's GEMMs;
     on the CPU each entry's products run on one thread and the entries are shared out over the
     threads (a product of a few hundred rows gains little from MKL's own threads)."""
-    if not torch.compiler.is_compiling():
+    if not route.compiled():
         _lengths([("grads", grads), ("works", works), ("sources", sources), ("qa", qa), ("qg", qg),
                   ("dgda", dgda)])
     if not grads:
@@ -108,7 +109,7 @@ def kfac_precondition_apply_(weight_grads: Sequence[torch.Tensor], bias_grads: S
     S = sum_i <precond_i + shift_i, grad_i>; with abs_terms, the sum of the absolute values of
     each weight's and each bias's term (two-level K-FAC's Fisher norm). precond[i] may be a
     view of row-aligned storage (its rows equally spaced, each contiguous)."""
-    if not torch.compiler.is_compiling():
+    if not route.compiled():
         _lengths([("weight_grads", weight_grads), ("bias_grads", bias_grads), ("precond", precond)])
         _check(isinstance(abs_terms, bool), f"abs_terms must be a bool, got {abs_terms!r}", TypeError)
         if weight_grads:

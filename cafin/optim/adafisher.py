@@ -22,17 +22,16 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
-from .. import ops, reference
 from ..core import (
-    CurvatureOptimizer, DropCounts, Hooks, Int, Layer, Real, average_over_ranks, capturing,
-    check_int, check_range, checked_attribute, distributed, run_closure, to_device,
+    CurvatureOptimizer, DropCounts, Hooks, Int, Layer, Real, average_over_ranks, check_int,
+    check_range, checked_attribute, distributed, route, run_closure, to_device,
 )
+from ..core.route import Route
 from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
-_BACKENDS = {"fused": ops, "reference": reference}
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
 _OP_SETTINGS = ("lr", "beta", "weight_decay", "Lambda")  # in the op's order
 _grad_of = operator.attrgetter("grad")
@@ -70,8 +69,8 @@ class AdaFisher(CurvatureOptimizer):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; "
                             "cafin optimizers take the model first (parameters go in params=)")
-        if backend not in _BACKENDS:
-            raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+        # the op module, one for every device and dtype (the ops take any floating dtype)
+        impl = Route(backend, "AdaFisher", "adafisher_step_").ops()
         check_int(TCov, "TCov", 1)
         gamma = check_range(gamma, "gamma", 0.0, 10.0, low_open=True)
         if statistics not in ("per_step", "per_pass"):
@@ -91,7 +90,7 @@ class AdaFisher(CurvatureOptimizer):
         self.gamma = gamma
         self.TCov = TCov
         self.backend = backend
-        self._impl = _BACKENDS[backend]
+        self._impl = impl
         self._skipped = DropCounts()  # factor updates dropped for NaN or inf
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
@@ -118,7 +117,7 @@ class AdaFisher(CurvatureOptimizer):
             if not isinstance(betas, (tuple, list)) or len(betas) != 1:
                 raise ValueError(f"param group {index}: betas mirrors beta for LR schedulers and "
                                  f"must be a 1-tuple (beta,), got {betas!r}")
-            if not torch.compiler.is_compiling():
+            if not route.compiled():
                 try:
                     self._rules["beta"].check(betas[0], "betas[0] (beta)")
                 except (TypeError, ValueError) as e:
@@ -305,7 +304,7 @@ class AdaFisher(CurvatureOptimizer):
         parameter list (compared here, by identity) and in `_attach` (a new group, a checkpoint
         load), which drops them all. Not kept for sharded (FSDP2) parameters, whose local shards
         are taken at each step, nor while compiling."""
-        if torch.compiler.is_compiling():
+        if route.compiled():
             return None
         params = group["params"]
         kept = self._step_tensors.get(id(group))
@@ -365,7 +364,7 @@ class AdaFisher(CurvatureOptimizer):
         skipped = self._skipped.counter(device)
         # Non-finite statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
-        watch = device.type == "cpu" and not torch.compiler.is_compiling() and not capturing()
+        watch = device.type == "cpu" and route.eager()
         before = float(skipped) if watch else 0.0
         gamma = self._as_tensor(self.gamma, device, torch.float64)
         self._impl.fisher_average_(factors, stats, skipped, gamma, grad_side,
@@ -426,13 +425,13 @@ class AdaFisher(CurvatureOptimizer):
                                "use statistics='per_step' (the default) with a GradScaler")
         self._take_scheduled_betas()
         self._begin_step()  # checks everything before anything is written
-        if not torch.compiler.is_compiling():  # a compiled step would guard on the identity
+        if not route.compiled():  # a compiled step would guard on the identity
             for group in self.param_groups:
                 if group["betas"][0] is not group["beta"]:
                     group["betas"] = _BetaMirror((group["beta"],))
         groups = []
         for group in self.param_groups:
-            usual = None if torch.compiler.is_compiling() else self._usual_step(group)
+            usual = None if route.compiled() else self._usual_step(group)
             if usual is None:
                 lists: tuple[list, ...] = ([], [], [], [], [], [], [])
                 self._init_group(group, *lists)
@@ -447,7 +446,7 @@ class AdaFisher(CurvatureOptimizer):
                 for t in counts:
                     t.add_(self._steps.one(t.device))
             else:
-                devices = [] if torch.compiler.is_compiling() else self._steps.devices()
+                devices = [] if route.compiled() else self._steps.devices()
                 if len(devices) == 1:  # eager, one device: the list of one tensor, made at once
                     # (the overload taking a single tensor copies it for every entry on the CPU)
                     torch._foreach_add_(steps, [self._steps.one(devices[0])] * len(steps))
