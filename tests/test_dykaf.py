@@ -835,7 +835,7 @@ def test_checkpoint_through_torch_save_resumes_bit_identically(backend):
 def test_deepcopy_trains_identically(backend):
     model, opt = trained(backend, steps=4)
     twin_model, twin = copy.deepcopy((model, opt))
-    assert twin._impl is opt._impl  # the backend module is shared, not copied
+    assert twin._route is opt._route  # the route to the backend modules is shared, not copied
     assert all(twin.state[q]["exp_avg"].data_ptr() != opt.state[p]["exp_avg"].data_ptr()
                for p, q in zip(model.parameters(), twin_model.parameters()))
     rest = batches("cnn", 5, seed=4)

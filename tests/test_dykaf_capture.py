@@ -168,7 +168,7 @@ def test_device_decided_float32_steps_equal_eager_bit_for_bit(settings, monkeypa
     rotated moment where the eager step does. On the batched (CUDA) path, with the averages in
     their device form (CUDA's eager form too; on the CPU an eager step adds with a host alpha),
     device-decided steps equal eager ones bit for bit through three refresh intervals."""
-    from cafin.optim.dykaf import optimizer as dykaf_module
+    from cafin.optim.dykaf import update as dykaf_module
     average = dykaf_module._average_
     monkeypatch.setattr(dykaf_module, "_average_",
                         lambda xs, ys, keep, take, host=True: average(xs, ys, keep, take, host=False))

@@ -1,4 +1,4 @@
-"""DyKAF's state dict before a parameter's first step (cafin.optim.dykaf_unstarted): every
+"""DyKAF's state dict before a parameter's first step (cafin.optim.dykaf.unstarted): every
 parameter that requires grad has an entry with its state's keys and tensor shapes (`step` None),
 so that a fresh optimizer's state dict is a template for torch.distributed.checkpoint (the
 2-rank round trips are in tests/test_fsdp.py); such entries load as "not started"; and

@@ -57,7 +57,7 @@ def unstarted_entry(opt, p: torch.Tensor, group: dict[str, Any]) -> dict[str, An
     for key in ("factors", "bases"):
         entry[key] = [None if d is None else torch.zeros(d, d, dtype=work, device=device)
                       for d in sizes]
-    if opt.backend == "fused" and kind == "kron2d" and None not in sizes:
+    if opt._route.fused and kind == "kron2d" and None not in sizes:
         entry["exp_avg_rot"] = torch.zeros(p.shape, dtype=work, device=device)
         entry["exp_avg_rot_step"] = -1
     return entry
