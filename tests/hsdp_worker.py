@@ -167,7 +167,7 @@ def full_state(model, objs, member) -> tuple[dict, dict]:
     """(what every rank holds alike, gathered: full parameters, the optimizer's state and the
     preconditioner's; this rank's own entries: BatchNorm buffers, two-level's statistics)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-    from cafin.optim.twolevel_dcp import twolevel_checkpoint
+    from cafin.optim.twolevel import twolevel_checkpoint
     shared: dict = {}
     for (name, _), p in zip(model.named_parameters(), two_ranks.full_params(model)):
         shared[f"param.{name}"] = p

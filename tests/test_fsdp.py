@@ -268,7 +268,7 @@ def test_preconditioner_state_dict_as_dcp_template_is_refused(member, tmp_path_f
     if member.startswith("KFAC"):
         assert "expected BytesStorageMetadata" in message, message
     else:
-        assert kind == "RuntimeError" and "cafin.optim.twolevel_dcp" in message, message
+        assert kind == "RuntimeError" and "cafin.optim.twolevel.twolevel_checkpoint" in message, message
 
 
 @pytest.mark.parametrize("member", list(W.REFUSED))

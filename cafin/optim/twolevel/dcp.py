@@ -1,6 +1,6 @@
 """Two-level K-FAC's recipe for torch.distributed.checkpoint (DCP): what to save beside the
 optimizer's state dict, and how to read it back, for a `TwoLevelKFAC` whose ranks hold their own
-per-sample statistics."""
+per-sample statistics (`cafin.optim.twolevel.twolevel_checkpoint`, `twolevel_load`)."""
 from __future__ import annotations
 
 # TwoLevelKFAC's per-sample statistics of the last curvature step: each rank's own batch, so
