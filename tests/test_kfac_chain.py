@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cafin
-import cafin.optim.kfac.preconditioner as kfac_module
+import cafin.optim.kfac.preconditioning as kfac_module
 from cafin.maths import kfac as kfac_maths
 from stand_ins import Conv1D
 
