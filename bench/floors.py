@@ -193,7 +193,7 @@ def singd(model: nn.Module, structure: str = "diagonal") -> Floor:
     and for a layer whose products are GEMMs the natural gradient written and read (2 x 4 B per
     element); diagonal factors read once per layer."""
     import cafin
-    from cafin.structures import Diagonal, structure as structure_class
+    from cafin.optim.singd.structures import Diagonal, structure as structure_class
     work = _meta_copy(model)
     opt = cafin.SINGD(work, structures=(structure, structure), warn_unsupported=False)
     flop = extra = 0

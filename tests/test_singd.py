@@ -22,7 +22,7 @@ from torch import nn
 from torch.testing._internal.optests import generate_opcheck_tests
 
 import cafin
-from cafin import structures as S
+from cafin.optim.singd import structures as S
 
 import two_ranks
 

@@ -9,12 +9,13 @@ whose weight is stored [in, out]); Embedding (a Linear on one-hot inputs, its we
 one-hot rows have no cross terms). In every case the gradient as a matrix is [d_C, d_K]: output
 side by input side, with the bias as the last column.
 
-Structured matrices are tuples of tensors (`cafin.structures`). Every function here is pure
-(returns new tensors) except where its name ends in `_`.
+Structured matrices are tuples of tensors (`cafin.optim.singd.structures`). Every function here
+is pure (returns new tensors) except where its name ends in `_`.
 """
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +23,9 @@ from torch import Tensor, nn
 
 from ..core.modules import is_transposed_linear
 from ..layers import conv_padding
-from ..structures import Structure
+
+if TYPE_CHECKING:  # a type only: SINGD's package imports this module
+    from ..optim.singd.structures import Structure
 
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 

@@ -28,17 +28,17 @@ from typing import Any, Callable, Iterable, NamedTuple
 import torch
 from torch import Tensor, nn
 
-from ..core.modules import is_transposed_linear
-from ..core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
+from ...core.modules import is_transposed_linear
+from ...core import (Choice, CurvatureOptimizer, DropCounts, Flag, Hooks, Layer, average_over_ranks,
                          capturing, check_int, check_range, discover, distributed, hyperparameter_tensor,
                          real_number, unwrap)
-from ..maths import singd as singd_maths
-from .. import ops
-from .kaisa import greedy_assignment
-from ..sharding import (gather_to_owners, is_sharded, local, module_class, own_rows, rows,
+from ...maths import singd as singd_maths
+from ... import ops
+from ..kaisa import greedy_assignment
+from ...sharding import (gather_to_owners, is_sharded, local, module_class, own_rows, rows,
                         scatter_from_owners, shard_dim)
-from ..structures import STRUCTURES, Dense, Diagonal, Structure, structure
-from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
+from .structures import STRUCTURES, Dense, Diagonal, Structure, structure
+from .._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 _LOSS_AVERAGES = (None, "batch", "batch+sequence")
