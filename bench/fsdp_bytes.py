@@ -91,7 +91,7 @@ def _shard(model):
 def _rank(rank: int, world: int, outdir: str, steps: int) -> None:
     import torch.distributed as dist
     import cafin.optim.kfac.distribution as kfac_module
-    import cafin.optim.singd.optimizer as singd_module
+    import cafin.optim.singd.distribution as singd_module
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(outdir, "rendezvous"),
                             rank=rank, world_size=world)
