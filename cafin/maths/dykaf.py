@@ -11,6 +11,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from .eigh import protected_eigh
+
 # The constant the published one-sided fallback divides by: a side that is kept while the other is
 # over max_precond_dim starts at I / (||I|| * 1e-3) = I * 1000 / sqrt(d).
 ONE_SIDED_START = 1e-3
@@ -202,14 +204,13 @@ def eigenbasis(factor: torch.Tensor) -> torch.Tensor:
     """The first eigenbasis, with the published precision rule: eigh of factor.float() plus
     1e-30*I made in the default dtype (so float64 under a float64 default), eigenvalues in
     descending order, returned in the factor's dtype."""
-    n = factor.shape[0]
-    m = factor.float() + 1e-30 * torch.eye(n, device=factor.device)
-    try:
-        _, Q = torch.linalg.eigh(m)
-    except RuntimeError:  # as published: retry in float64 with a larger jitter
-        _, Q = torch.linalg.eigh(m.double() + 1e-10 * torch.eye(n, device=factor.device,
-                                                                 dtype=torch.float64))
-    return torch.flip(Q, [1]).to(factor.dtype)
+    first = torch.promote_types(torch.float32, torch.get_default_dtype())
+    # as published: any failure retried in float64 with a larger jitter, and no third attempt
+    d_q = protected_eigh(factor.float(), [(first, 1e-30), (torch.float64, 1e-10)], errors=(RuntimeError,))
+    if d_q is None:
+        raise torch.linalg.LinAlgError(f"DyKAF: the first eigendecomposition of a {tuple(factor.shape)} "
+                                       "factor failed in float32 and in float64")
+    return torch.flip(d_q[1], [1]).to(factor.dtype)
 
 
 def refresh_basis(factor: torch.Tensor, basis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
