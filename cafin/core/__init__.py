@@ -17,8 +17,8 @@ concern.
   statistics, holding the member weakly, safe with in-place activations, activation
   checkpointing and model copies; `can_take_statistics`, the inputs they take statistics of.
 - `collectives.py`: `distributed` and `average_over_ranks`, one collective over one flat buffer.
-- `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device) and
-  `EigendecompositionWarning`.
+- `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device, reported as
+  `NonFiniteStatisticsWarning`) and `EigendecompositionWarning`.
 - `checks.py`: the argument checks (`real_number`, `check_range`, `check_int`,
   `check_hyperparameter`, `hyperparameter_tensor`), the hyperparameter rules (`Real`, `Pair`,
   `Int`, `Flag`, `Choice`) and `checked_attribute` (an attribute checked whenever it is set).
@@ -32,7 +32,7 @@ from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_grad
                      hyperparameter_tensor, real_number)
 from .collectives import average_over_ranks, distributed
 from .discovery import Layer, discover
-from .failures import DropCounts, EigendecompositionWarning
+from .failures import DropCounts, EigendecompositionWarning, NonFiniteStatisticsWarning
 from .hooks import Hooks
 from .optimizer import CoreOptimizer, CurvatureOptimizer
 from .preconditioner import Preconditioner
@@ -42,7 +42,7 @@ from .runtime import to_device, unwrap
 from .steps import StepCounter, run_closure
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
-           "Flag", "Hooks", "Int", "Layer", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
+           "Flag", "Hooks", "Int", "Layer", "NonFiniteStatisticsWarning", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
            "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
            "check_range", "checked_attribute", "discover", "distributed", "hyperparameter_tensor", "real_number",
            "run_closure", "to_device", "unwrap"]

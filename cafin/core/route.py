@@ -97,5 +97,8 @@ class Route:
     def batched_products(device: torch.device) -> bool:
         return device.type != "cpu"
 
+    def __deepcopy__(self, memo) -> "Route":
+        return self  # fixed at construction and holding modules: a copied member shares it
+
     def __repr__(self) -> str:
         return f"Route({self.backend!r})"

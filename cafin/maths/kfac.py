@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
+    "eigen_decompose", "eigen_result", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
     "eigen_precondition_into",
     "aligned_empty", "rows_equally_spaced",
     "inverse_precondition", "kl_clip_scale",
@@ -33,7 +33,11 @@ def eigen_decompose(factor: torch.Tensor, *, decompose_dtype: torch.dtype = torc
                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """(d, Q) of symmetric factors [..., d, d]: eigh on a `decompose_dtype` copy (kfac-pytorch
     decomposes a float32 copy), cast to `out_dtype`, eigenvalues clamped at 0."""
-    d, q = torch.linalg.eigh(factor.to(decompose_dtype))
+    return eigen_result(*torch.linalg.eigh(factor.to(decompose_dtype)), out_dtype=out_dtype)
+
+
+def eigen_result(d: torch.Tensor, q: torch.Tensor, *, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An eigendecomposition as K-FAC keeps it: cast to `out_dtype`, eigenvalues clamped at 0."""
     return d.to(out_dtype).clamp(min=0.0), q.to(out_dtype)
 
 

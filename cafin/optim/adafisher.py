@@ -362,17 +362,15 @@ class AdaFisher(CurvatureOptimizer):
         one is dropped and counted."""
         device = factors[0].device
         skipped = self._skipped.counter(device)
-        # Non-finite statistics are dropped and counted on the device; where reading the count costs no
-        # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
-        watch = device.type == "cpu" and route.eager()
-        before = float(skipped) if watch else 0.0
         gamma = self._as_tensor(self.gamma, device, torch.float64)
         self._impl.fisher_average_(factors, stats, skipped, gamma, grad_side,
                                    to_device(grad_scale, device), to_device(found_inf, device))
-        if watch and float(skipped) > before:
-            warnings.warn(f"{type(self).__name__}: {int(float(skipped) - before)} curvature "
-                          "statistic(s) held NaN or inf and were dropped; their factors keep their "
-                          "previous values", RuntimeWarning, stacklevel=3)
+        # Non-finite statistics are dropped and counted on the device; where reading the count costs no
+        # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
+        if device.type == "cpu":
+            self._skipped.report(lambda n: f"{type(self).__name__}: {n} curvature statistic(s) held NaN "
+                                 "or inf and were dropped; their factors keep their previous values",
+                                 stacklevel=3)
 
     def _update_factors(self, grad_scale, found_inf) -> None:
         """On a step after statistics were taken: fold them into the factors (one call per

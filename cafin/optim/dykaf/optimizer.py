@@ -52,7 +52,6 @@ class DyKAF(Start, Update, Factors, Checkpoint, CoreOptimizer):
         "init": Choice("kron", "eps", "zeros"),
     }
     contiguous_params = False  # channels_last weights work (the apply writes a contiguous copy)
-    _not_copied = ("_route",)  # fixed at construction: a copy shares it
     # The numeric constructor arguments that are attributes, checked whenever set.
     rank_one_eps = checked_attribute("rank_one_eps", Real(0.0, inf, high_open=True, tensor=False))
     seed = checked_attribute("seed", _SETTINGS["seed"])
@@ -94,9 +93,6 @@ class DyKAF(Start, Update, Factors, Checkpoint, CoreOptimizer):
         super().__init__(params, defaults)
         self._sharded = check_sharded([p for g in self.param_groups for p in g["params"]],
                                       "DyKAF") is not None
-
-    def _copied_from(self, original: "DyKAF") -> None:
-        self._route = original._route
 
     # ------------------------------------------------------------------ merge_dims
     def _merged_shape(self, p: torch.Tensor, group) -> tuple[int, ...] | None:

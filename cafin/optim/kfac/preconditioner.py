@@ -109,7 +109,6 @@ class KFACPreconditioner(Settings, Layers, Statistics, Decompositions, Precondit
         # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
         # compiled or captured steps can add to it), and how many of them were already reported.
         self._skipped = DropCounts()
-        self._skipped_reported = 0
         # Whether step() decomposes on its interval; False leaves that to `decompose()` (a
         # CUDA-graph-captured step cannot hold eigh).
         self.decompose_in_step = True

@@ -3,7 +3,6 @@ of the statistics into the factors' moving averages (inf/NaN statistics dropped 
 the factor update of a step (on the host's interval or gated on the device)."""
 from __future__ import annotations
 
-import warnings
 
 import torch
 
@@ -84,16 +83,10 @@ class Statistics:
 
     def _report_skipped(self) -> None:
         """Warn of the statistics dropped since the last report (by this step's fold or by the
-        hooks' folds of its passes), where reading the count costs no sync: CPU counters, eager
+        hooks' folds of its passes) where reading the count costs no sync: CPU counters, eager
         steps. On CUDA the count is `skipped_factor_updates`."""
-        if route.captured():  # a read of the count: the next eager step reports it
-            return
-        total = self._skipped.total(cpu_only=True)
-        if total > self._skipped_reported:
-            warnings.warn(f"KFACPreconditioner: {total - self._skipped_reported} factor statistic(s) "
-                          "held inf/NaN and were dropped; their factors keep their previous values",
-                          RuntimeWarning, stacklevel=5)
-            self._skipped_reported = total
+        self._skipped.report(lambda n: f"KFACPreconditioner: {n} factor statistic(s) held inf/NaN and "
+                             "were dropped; their factors keep their previous values", stacklevel=5)
 
     def reset_batch(self) -> None:
         """Drop the statistics taken since the last factor update."""
