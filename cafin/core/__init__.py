@@ -12,7 +12,7 @@ concern.
   types (`cafin/layers.py`) is AdaFisher's own: it discovers through it (`cafin.layers.discover`).
 - `steps.py`: `StepCounter`, k, the completed optimizer steps, on the host while steps run
   eagerly and on every device as a tensor that device-gated ops read after a compile or a
-  CUDA-graph capture; `run_closure`, a step's closure that leaves no trace when it raises.
+  CUDA-graph capture; `run_closure`, a step's closure that leaves no trace when it raises (`undo_on_error`).
 - `hooks.py`: `Hooks`, the forward hooks and output-gradient tensor hooks that feed a member's
   statistics, holding the member weakly, safe with in-place activations, activation
   checkpointing and model copies; `can_take_statistics`, the inputs they take statistics of.
@@ -39,10 +39,10 @@ from .preconditioner import Preconditioner
 from . import route
 from .route import capturing
 from .runtime import to_device, unwrap
-from .steps import StepCounter, run_closure
+from .steps import StepCounter, run_closure, undo_on_error
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
            "Flag", "Hooks", "Int", "Layer", "NonFiniteStatisticsWarning", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
            "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
            "check_range", "checked_attribute", "discover", "distributed", "hyperparameter_tensor", "real_number",
-           "run_closure", "to_device", "unwrap"]
+           "run_closure", "to_device", "undo_on_error", "unwrap"]

@@ -2,6 +2,8 @@
 step's closure, run so that a closure that raises leaves no trace."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import route
@@ -122,14 +124,21 @@ class Captured:
         return None
 
 
-def run_closure(closure, pass_state: list[torch.Tensor]):
-    """`closure()` with grad enabled. If it raises, the tensors its passes add to (statistics
-    accumulators, counters) are put back as they were: a step that raises leaves no trace."""
+@contextlib.contextmanager
+def undo_on_error(pass_state: list[torch.Tensor]):
+    """Put the tensors a step's passes add to (statistics accumulators, counters) back as they
+    were if the block raises: a closure that raises, or a step rejected after its closure ran,
+    leaves no trace, and the step can be retried, closure and all."""
     saved = [t.clone() for t in pass_state]
     try:
-        with torch.enable_grad():
-            return closure()
+        yield
     except BaseException:
         if pass_state:
             torch._foreach_copy_(pass_state, saved)
         raise
+
+
+def run_closure(closure, pass_state: list[torch.Tensor]):
+    """`closure()` with grad enabled, undone (`undo_on_error`) if it raises."""
+    with undo_on_error(pass_state), torch.enable_grad():
+        return closure()

@@ -9,7 +9,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ...core import Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attribute, route
+from ...core import (Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attribute, route,
+                     run_closure)
 from ...core.route import BACKENDS, Route
 from ...core.steps import StepCounter
 from ...maths import dykaf as dykaf_maths
@@ -111,8 +112,7 @@ class DyKAF(Start, Update, Factors, Checkpoint, CoreOptimizer):
         """One step; a closure is evaluated with grad enabled and its loss returned."""
         loss = None
         if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+            loss = run_closure(closure, [])  # no hooks: its passes add to nothing of DyKAF's
         self._begin_step()  # checks everything before anything is written
         self._called.value = True  # for the LR scheduler's call-order warning
         if self._sharded:  # FSDP2: the update reads full gradients; each rank keeps its rows
