@@ -69,7 +69,8 @@ class Settings:
         self.T_inv = check_int(T_inv, "T_inv", 1)
         self.constraint_norm = bool(constraint_norm)
         self.batch_size = check_int(batch_size, "batch_size", 1)
-        if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in (*COARSE_SPACES, "none"):
+        known = (*COARSE_SPACES, "none")
+        if not isinstance(coarse_space, str) or _ALIASES.get(coarse_space, coarse_space) not in known:
             raise ValueError(f"coarse_space must be one of {list(COARSE_SPACES)}, 'tselepidis' or 'none', "
                              f"got {coarse_space!r}")
         self.coarse_space = _ALIASES.get(coarse_space, coarse_space)
