@@ -3,6 +3,8 @@ concern.
 
 - `route.py`: the one place that decides how a step runs (`eager`, `compiled`, `captured`) and,
   per member (`Route`), which op module (`cafin.ops` or `cafin.reference`) a tensor runs on.
+- `amp.py`: what `torch.amp.GradScaler` hands a member, and the scale of statistics taken from
+  scaled gradients.
 - `runtime.py`: `unwrap` (the model behind DDP/DataParallel/torch.compile wrappers: hooks go on
   the model itself, and checkpoints name its layers the same way with or without a wrapper),
   `to_device` (a tensor on a device).
@@ -36,7 +38,7 @@ from .failures import DropCounts, EigendecompositionWarning, NonFiniteStatistics
 from .hooks import Hooks
 from .optimizer import CoreOptimizer, CurvatureOptimizer
 from .preconditioner import Preconditioner
-from . import route
+from . import amp, route
 from .route import capturing
 from .runtime import to_device, unwrap
 from .steps import StepCounter, run_closure, undo_on_error

@@ -26,6 +26,7 @@ from ..core import (
     CurvatureOptimizer, DropCounts, Hooks, Int, Layer, Real, average_over_ranks, check_int,
     check_range, checked_attribute, distributed, route, run_closure, to_device,
 )
+from ..core import amp
 from ..core.route import Route
 from ..layers import discover, supported_names
 from ..sharding import is_sharded, local, module_class, rows
@@ -392,12 +393,8 @@ class AdaFisher(CurvatureOptimizer):
             grad_side += [False, True]
         if self.statistics == "per_step":
             if grad_scale is None and found_inf is not None:  # gradients unscaled before step()
-                if self.grad_scaler is None:
-                    raise RuntimeError(
-                        f"{type(self).__name__}: gradients were unscaled before step() "
-                        "(scaler.unscale_), so the gradient statistics, taken from scaled "
-                        "gradients, cannot be unscaled: pass grad_scaler=scaler to the optimizer")
-                grad_scale = self.grad_scaler._get_scale_async()
+                grad_scale = amp.scale_for_statistics(self.grad_scaler, type(self).__name__,
+                                                      "the gradient statistics")
             for factors, stats, grad_side in by_device.values():
                 self._fold_statistics(factors, stats, grad_side, grad_scale, found_inf)
         if distributed():
@@ -415,8 +412,7 @@ class AdaFisher(CurvatureOptimizer):
                 keys += ("fisher_S", "fisher_H")
             pass_state = [self.state[r.anchor][key] for r in self._curvature for key in keys]
             loss = run_closure(closure, pass_state + list(self._skipped.counts.values()))
-        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf = amp.handed_over(self)
         if found_inf is not None and self.statistics == "per_pass":
             raise RuntimeError("a GradScaler steps this optimizer, but statistics='per_pass' has "
                                "already folded scaled gradient statistics into the factors: "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ... import factors
-from ...core import Layer, distributed, route
+from ...core import Layer, amp, distributed, route
 from ...maths import kfac as kfac_maths
 
 
@@ -40,13 +40,9 @@ class Statistics:
     def take_grad_statistics(self, layer: Layer, g: torch.Tensor, step) -> None:
         """Take the statistics of `layer` from its output gradient; its hook calls this."""
         st = self._state[layer.name]
-        if self.grad_scaler is not None:
-            scale = self.grad_scaler
-            if hasattr(scale, "_get_scale_async"):
-                s = scale._get_scale_async()
-                g = g / (s.to(g.device) if s is not None else 1.0)
-            else:
-                g = g / scale()
+        scale = None if self.grad_scaler is None else amp.current_scale(self.grad_scaler)
+        if scale is not None:
+            g = g / (scale.to(g.device) if isinstance(scale, torch.Tensor) else scale)
         factors.kfac_grad_factor(layer.module, g, self.kfac_approx, out=st.stat_G, accumulate=True,
                                  dtype=st.stat_G.dtype)
         st.count_G.add_(1)
