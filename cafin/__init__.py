@@ -13,6 +13,7 @@ def cuda_kernels_built() -> bool:
 
 from .optim import (SINGD, AdaFisher, AdaFisherW, DyKAF, KFACPreconditioner, LambdaParamScheduler,  # noqa: E402
                     TwoLevelKFAC)
+from .core.failures import EigendecompositionWarning, NonFiniteStatisticsWarning  # noqa: E402
 from .graphs import StepGraphs  # noqa: E402
 from .layers import LayerType, register, supported_types  # noqa: E402
 # cafin.nn.MultiheadAttention, replace_multihead_attention; not in __all__, so that
@@ -20,4 +21,5 @@ from .layers import LayerType, register, supported_types  # noqa: E402
 from . import nn  # noqa: E402
 
 __all__ = ["AdaFisher", "AdaFisherW", "DyKAF", "KFACPreconditioner", "LambdaParamScheduler", "SINGD", "TwoLevelKFAC",
-           "StepGraphs", "LayerType", "register", "supported_types", "cuda_kernels_built"]
+           "StepGraphs", "LayerType", "register", "supported_types", "cuda_kernels_built",
+           "NonFiniteStatisticsWarning", "EigendecompositionWarning"]

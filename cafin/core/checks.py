@@ -206,3 +206,25 @@ def check_gradient(p: torch.Tensor, owner: str, where: str) -> None:
         raise ValueError(f"{where}: its gradient is a {grad.dtype} tensor of shape "
                          f"{tuple(grad.shape)} on {grad.device}, expected {p.dtype} of "
                          f"shape {tuple(p.shape)} on {p.device}")
+
+
+def checkpoint_tensor(value: Any, what: str, shape, *, dtype: torch.dtype | None = None,
+                      device: torch.device | None = None, finite: bool = True,
+                      nonnegative: bool = False) -> torch.Tensor:
+    """A tensor of a checkpoint, checked before anything is written: a real floating tensor of
+    `shape`, finite and >= 0 where asked (in the dtype it will be kept in: a float64 value that
+    overflows float32 is refused). Returned detached: copied onto `device` in `dtype` where
+    either is given, else as it is."""
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise TypeError(f"{what} must be a real floating tensor, got "
+                        f"{getattr(value, 'dtype', type(value).__name__)}")
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{what} has shape {tuple(value.shape)}, expected {tuple(shape)}")
+    out = value.detach()
+    if dtype is not None or device is not None:
+        out = out.to(device=device, dtype=dtype, copy=True)
+    if finite and not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{what} holds non-finite (inf/NaN) values")
+    if nonnegative and bool((out < 0).any()):
+        raise ValueError(f"{what} holds negative values")
+    return out

@@ -17,7 +17,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from ..sharding import check_sharded
 from . import route
-from .checks import Pair, as_rule, check_gradient
+from .checks import Pair, as_rule, check_gradient, checkpoint_tensor
 from .collectives import distributed
 from .discovery import Layer
 from .hooks import Hooks
@@ -336,18 +336,12 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
             value = saved[key]
             if key == "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
                 value = torch.tensor(float(value))  # torch.optim style: a Python number
-            if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-                raise TypeError(f"checkpoint {key} of parameter {index} must be a real "
-                                f"floating tensor, got {getattr(value, 'dtype', type(value).__name__)}")
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"checkpoint {key} of parameter {index} has shape "
-                                 f"{tuple(value.shape)}, expected {tuple(shape)}")
+            value = checkpoint_tensor(value, f"checkpoint {key} of parameter {index}", shape,
+                                      dtype=dtype, device=p.device, finite=key in self.finite_state)
             if key == "step" and not (math.isfinite(float(value)) and float(value) >= 0):
                 raise ValueError(f"checkpoint step of parameter {index} must be >= 0, "
                                  f"got {float(value)}")
-            if key in self.finite_state and not torch.isfinite(value).all():
-                raise ValueError(f"checkpoint {key} of parameter {index} holds non-finite values")
-            entry[key] = value.detach().to(device=p.device, dtype=dtype, copy=True)
+            entry[key] = value
         return entry
 
     def _loaded(self, record: Any) -> None:

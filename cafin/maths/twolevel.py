@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .eigh import protected_eigh
+
 __all__ = ["coarse_matrix_pairwise", "factor_eigh", "coarse_inverse"]
 
 
@@ -46,10 +48,7 @@ def coarse_matrix_pairwise(rows: list[torch.Tensor], grads: list[torch.Tensor], 
 def factor_eigh(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The eigendecomposition (eigenvalues ascending, eigenvectors in column-major layout, as
     LAPACK returns them) of one damped Kronecker factor [n, n], or None where it fails."""
-    try:
-        return torch.linalg.eigh(matrix)
-    except torch.linalg.LinAlgError:
-        return None
+    return protected_eigh(matrix, [(matrix.dtype, 0.0)])
 
 
 def coarse_inverse(f_coarse: torch.Tensor) -> torch.Tensor:

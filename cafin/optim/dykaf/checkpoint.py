@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...core import Int, Real
+from ...core.checks import checkpoint_tensor
 from ...maths import state_dtype
 from .unstarted import check_unstarted, unstarted_entry
 from .update import _FOLLOWS_DEVICE_STEP
@@ -97,7 +98,8 @@ class Checkpoint:
         work = state_dtype(p.dtype)
 
         def tensor(key, shape, dtype=work, nonnegative=False):
-            return _saved_tensor(saved[key], f"{where}: {key}", shape, dtype, p.device, nonnegative)
+            return checkpoint_tensor(saved[key], f"{where}: {key}", shape, dtype=dtype, device=p.device,
+                                     nonnegative=nonnegative)
 
         def setting(key, rule):
             rule.check(saved[key], f"{where}: {key}")
@@ -138,27 +140,10 @@ def _checked_factors(where: str, saved: dict[str, Any], kind: str, modes: tuple[
             raise ValueError(f"{where}: {key} must be a list of {len(modes)} entries (one per "
                              f"mode of {modes}), got {type(value).__name__} "
                              f"{len(value) if isinstance(value, (list, tuple)) else ''}".rstrip())
-        out[key] = [None if x is None else _saved_tensor(x, f"{where}: {key}[{k}]", (d, d), dtype, device)
+        out[key] = [None if x is None else checkpoint_tensor(x, f"{where}: {key}[{k}]", (d, d), dtype=dtype, device=device)
                     for k, (x, d) in enumerate(zip(value, modes))]
     if [f is None for f in out["factors"]] != [b is None for b in out["bases"]]:
         raise ValueError(f"{where}: factors and bases must be None for the same modes")
     if kind == "kron4d" and any(f is None for f in out["factors"]):
         raise ValueError(f"{where}: a kron4d state needs all four factors")
-    return out
-
-
-def _saved_tensor(value, what: str, shape, dtype: torch.dtype, device: torch.device,
-                  nonnegative: bool = False) -> torch.Tensor:
-    """A checkpoint's tensor, checked (real, of `shape`, finite; >= 0 when asked) and copied
-    onto `device` in `dtype`, its strides kept."""
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        raise TypeError(f"{what} must be a real floating tensor, got "
-                        f"{getattr(value, 'dtype', type(value).__name__)}")
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"{what} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-    out = value.detach().to(device=device, dtype=dtype, copy=True)
-    if not bool(torch.isfinite(out).all()):
-        raise ValueError(f"{what} holds non-finite values")
-    if nonnegative and bool((out < 0).any()):
-        raise ValueError(f"{what} holds negative values")
     return out

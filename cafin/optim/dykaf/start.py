@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...core import NonFiniteStatisticsWarning
 from ...maths import dykaf as dykaf_maths
 from ...maths import state_dtype
 from .factors import _ema
@@ -119,7 +120,7 @@ class Start:
         warnings.warn(f"DyKAF: parameter of shape {tuple(p.shape)}: its first gradient {why}; "
                       f"dropped (its drop {wait[0]}, {self._dropped} in all): its state is not "
                       f"built, and it tries again with the gradient of {wait[1] + 1} step(s) "
-                      "from now", RuntimeWarning, stacklevel=6)
+                      "from now", NonFiniteStatisticsWarning, stacklevel=6)
 
     @property
     def skipped_factor_updates(self) -> int:

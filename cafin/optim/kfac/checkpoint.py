@@ -9,6 +9,7 @@ from typing import Any, Mapping
 import torch
 
 from ...core import check_int
+from ...core.checks import checkpoint_tensor
 
 
 class Checkpoint:
@@ -110,19 +111,9 @@ def _checkpoint_factor(t: Any, own: torch.Tensor, what: str) -> torch.Tensor | N
     None: no statistics yet."""
     if t is None:
         return None
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"state_dict {what} must be a tensor or None, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"state_dict {what} must be a floating tensor, got {t.dtype}")
-    shape = tuple(t.shape)
-    t = t.detach()
-    if t.dim() == own.dim() - 1:
+    if isinstance(t, torch.Tensor) and t.dim() == own.dim() - 1:
         t = t.unsqueeze(0)
-    if tuple(t.shape) != tuple(own.shape):
-        raise ValueError(f"state_dict {what} has shape {shape}, expected {tuple(own.shape)}")
-    if not bool(torch.isfinite(t).all()):
-        raise ValueError(f"state_dict {what} has non-finite entries")
-    return t
+    return checkpoint_tensor(t, f"state_dict {what}", own.shape)
 
 
 def kfac_checkpoint_template(preconditioner) -> dict:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ...core.checks import checkpoint_tensor
 from ...factors import factor_sizes
 from .settings import _STATE
 
@@ -16,18 +17,6 @@ def _checkpoint_int(value, name: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"checkpoint {name} must be an int >= {low}, got {value!r}")
     return value
-
-
-def _checkpoint_tensor(value, name: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
-    """A copy of a checkpoint tensor in `dtype` on `device`, after checking it."""
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        raise TypeError(f"checkpoint {name} must be a real floating tensor, got "
-                        f"{value.dtype if isinstance(value, torch.Tensor) else type(value).__name__}")
-    if tuple(value.shape) != tuple(shape):
-        raise ValueError(f"checkpoint {name} has shape {tuple(value.shape)}, expected {tuple(shape)}")
-    if not bool(torch.isfinite(value).all()):
-        raise ValueError(f"checkpoint {name} holds inf/NaN values")
-    return value.detach().to(device=device, dtype=dtype, copy=True)
 
 
 class Checkpoint:
@@ -74,7 +63,7 @@ class Checkpoint:
         device = self._layers[0].module.weight.device  # a checkpoint read on the CPU (DCP)
         for j, name in enumerate(("f_coarse", "f_coarse_inv")):
             if fs[j] is not None:
-                fs[j] = _checkpoint_tensor(fs[j], name, (n, n), self._work[0], device)
+                fs[j] = checkpoint_tensor(fs[j], f"checkpoint {name}", (n, n), dtype=self._work[0], device=device)
         if fs[0] is not None and not new_state:
             raise ValueError("checkpoint has a coarse matrix (f_coarse) but no layer state")
         if not new_state and k > 0:
@@ -137,7 +126,7 @@ class Checkpoint:
                   "L_x": (d_in,), "Q_x": (d_in, d_in), "L_g": (d_out,), "Q_g": (d_out, d_out)}
         entry = {"num_locations": T}
         for key, shape in shapes.items():
-            entry[key] = _checkpoint_tensor(saved[key], f"{where}: {key}", shape, self._work[i], w.device)
+            entry[key] = checkpoint_tensor(saved[key], f"checkpoint {where}: {key}", shape, dtype=self._work[i], device=w.device)
         for key in ("Q_x", "Q_g"):
             # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
             # then round as they did before the save (a bit-identical resume)

@@ -9,12 +9,8 @@ import warnings
 import torch
 from torch import nn
 
+from ...core import NonFiniteStatisticsWarning
 from ...factors import input_rows
-
-
-class NonFiniteStatisticsWarning(UserWarning):
-    """A step's statistics (or its new coarse matrix) held inf/NaN: they were dropped and the
-    curvature keeps its previous values (`TwoLevelKFAC.dropped_statistics` counts the drops)."""
 
 
 def layer_rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
