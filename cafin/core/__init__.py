@@ -24,6 +24,8 @@ concern.
 - `checks.py`: the argument checks (`real_number`, `check_range`, `check_int`,
   `check_hyperparameter`, `hyperparameter_tensor`), the hyperparameter rules (`Real`, `Pair`,
   `Int`, `Flag`, `Choice`) and `checked_attribute` (an attribute checked whenever it is set).
+- `copies.py`: what a deepcopy of a member copies and shares (`copy_member`), and `HookOwner`
+  (`remove_hooks`), for both bases.
 - `optimizer.py`: the bases of the members that are torch optimizers, `CoreOptimizer` (model or
   not) and `CurvatureOptimizer` (hook-based, on a model).
 - `preconditioner.py`: `Preconditioner`, the base of the members that rewrite `.grad` and leave

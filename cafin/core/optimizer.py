@@ -7,7 +7,6 @@ import copy
 import functools
 import math
 import operator
-import types
 import warnings
 from typing import Any
 
@@ -19,6 +18,7 @@ from ..sharding import check_sharded
 from . import route
 from .checks import Pair, as_rule, check_gradient, checkpoint_tensor
 from .collectives import distributed
+from .copies import HookOwner, copy_member
 from .discovery import Layer
 from .hooks import Hooks
 from .runtime import unwrap
@@ -154,13 +154,7 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
 
     def __deepcopy__(self, memo):
         """A copy optimises copies of the parameters, with state of its own."""
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if isinstance(value, types.ModuleType):  # a backend (cafin.ops, cafin.reference): shared
-                setattr(new, key, value)
-            elif key not in self._not_copied:
-                setattr(new, key, copy.deepcopy(value, memo))
+        new = copy_member(self, memo, self._not_copied)
         new._copied_from(self)
         return new
 
@@ -348,7 +342,7 @@ class CoreOptimizer(Captured, torch.optim.Optimizer):
         """After a checkpoint replaced the state and the groups' settings."""
 
 
-class CurvatureOptimizer(CoreOptimizer):
+class CurvatureOptimizer(HookOwner, CoreOptimizer):
     """What every hook-based member that is a torch optimizer shares, beyond `CoreOptimizer`:
     the model, its supported layers, a step counter, hooks held weakly, the layout that
     checkpoints and ranks compare.
@@ -414,12 +408,6 @@ class CurvatureOptimizer(CoreOptimizer):
 
     def _layout(self) -> list:
         raise NotImplementedError
-
-    def remove_hooks(self) -> None:
-        """Remove the statistics hooks from the model (the optimizer then keeps its factors)."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
 
     def _check_ranks_agree(self) -> None:
         """Every rank must hold the same factors, or the collective over them would hang or mix

@@ -15,7 +15,6 @@ optimizer members, so that each member's file keeps only its statistics and its 
 """
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
@@ -23,12 +22,13 @@ import torch
 
 from . import route
 from .checks import Real, real_number
+from .copies import HookOwner, copy_member
 from .discovery import Layer
 from .hooks import Hooks
 from .steps import Captured, StepCounter
 
 
-class Preconditioner(Captured):
+class Preconditioner(HookOwner, Captured):
     """A member sets `settings` (name -> `Real` rule) and, where kfac-pytorch takes callables of
     the step, `callable_settings = True`; `optional_settings` may be None (off: NaN in their
     tensors). It calls `_init_settings(values)` and `_start(layers)` in its constructor, and
@@ -142,22 +142,8 @@ class Preconditioner(Captured):
             self._steps.tensor(device)
         self._hooks: Hooks | None = Hooks(self, layers)
 
-    def remove_hooks(self) -> None:
-        """Remove the statistics hooks from the model (the factors are kept)."""
-        if self._hooks is not None:
-            self._hooks.remove()
-            self._hooks = None
-
     def __deepcopy__(self, memo):
-        from .. import ops, reference  # the backends, which members keep in tables
-        for shared in (ops, reference, getattr(self, "process_group", None)):
-            if shared is not None:
-                memo.setdefault(id(shared), shared)
-        new = type(self).__new__(type(self))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            if key != "_hooks":
-                setattr(new, key, copy.deepcopy(value, memo))
+        new = copy_member(self, memo, ("_hooks",))
         new._hooks = Hooks(new, new._layers) if self._hooks is not None else None
         return new
 
