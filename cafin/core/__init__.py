@@ -41,12 +41,11 @@ from .hooks import Hooks
 from .optimizer import CoreOptimizer, CurvatureOptimizer
 from .preconditioner import Preconditioner
 from . import amp, route
-from .route import capturing
 from .runtime import to_device, unwrap
 from .steps import StepCounter, run_closure, undo_on_error
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
            "Flag", "Hooks", "Int", "Layer", "NonFiniteStatisticsWarning", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
-           "as_rule", "average_over_ranks", "capturing", "check_gradient", "check_hyperparameter", "check_int",
+           "as_rule", "average_over_ranks", "check_gradient", "check_hyperparameter", "check_int",
            "check_range", "checked_attribute", "discover", "distributed", "hyperparameter_tensor", "real_number",
            "run_closure", "to_device", "undo_on_error", "unwrap"]

@@ -5,8 +5,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .route import capturing  # noqa: F401  (members not yet asking the route)
-
 _COMPILED = torch._dynamo.eval_frame.OptimizedModule
 _WRAPPERS = (nn.parallel.DistributedDataParallel, nn.DataParallel, _COMPILED)
 
