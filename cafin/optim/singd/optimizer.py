@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor, nn
 
-from ...core import CurvatureOptimizer, DropCounts, distributed, unwrap
+from ...core import CurvatureOptimizer, DropCounts, amp, distributed, run_closure, undo_on_error, unwrap
 from ...core.route import Route
 from .._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 from .checkpoint import Checkpoint
@@ -53,7 +53,6 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
     finite_state = tuple(f"{f}.{i}" for f in FACTORS for i in range(MAX_PARTS)) + (
         "H_count", "P_K", "P_C", "momentum_buffer")
     # the Route holds the op modules, which a copy shares (as the core shares a module attribute)
-    _not_copied = CurvatureOptimizer._not_copied + ("_route", "_op_modules")
     _step_supports_amp_scaling = True
 
     def __init__(self, model: nn.Module, params: Iterable | None = None, lr: float = 0.001,
@@ -114,10 +113,6 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
     def _graph_settings(self) -> tuple:
         return tuple((f"param group {i}: T", group["T"]) for i, group in enumerate(self.param_groups))
 
-    def _copied_from(self, original: "SINGD") -> None:
-        super()._copied_from(original)
-        self._route, self._op_modules = original._route, original._op_modules
-
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None):
         """One SINGD step; a closure is evaluated with grad enabled and its loss returned."""
@@ -125,16 +120,10 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
         if closure is None:
             scale, divide, divisor, found_inf = self._prepare_step()
         else:
-            # A closure that raises, or a step rejected after it ran, must not leave the
-            # statistics of its passes behind (the step will be retried, closure and all).
-            saved = self._save_statistics()
-            try:
-                with torch.enable_grad():
-                    loss = closure()
+            # A step rejected after its closure ran is undone like a closure that raises.
+            with undo_on_error(self._pass_state()):
+                loss = run_closure(closure, [])
                 scale, divide, divisor, found_inf = self._prepare_step()
-            except BaseException:
-                self._restore_statistics(saved)
-                raise
         self._manual_scale = None
         if scale != 1.0 and self._init_scale == 1.0 and self._steps.value() == 0:
             warnings.warn(f"Detected non-zero gradient scaling ({scale} at step 0). Consider passing "
@@ -158,8 +147,7 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
         the GradScaler's tensor holding that divisor, if it is one)."""
         self._begin_step()
         self._lr_cov_now = self._evaluate_lr_cov()
-        grad_scale = getattr(self, "grad_scale", None)  # set by torch.amp.GradScaler.step
-        found_inf = getattr(self, "found_inf", None)
+        grad_scale, found_inf = amp.handed_over(self)
         divisor = None
         if self._manual_scale is not None:  # set_current_grad_scale, as singd
             scale, divide = self._manual_scale, self._manual_scale
@@ -169,11 +157,8 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
         elif found_inf is not None:
             # scaler.unscale_(opt) ran before the step (clipping): the gradients are unscaled,
             # but the H_C taken from scaled gradients still needs this step's scale.
-            if self.grad_scaler is None:
-                raise RuntimeError("SINGD: gradients were unscaled before step() (scaler.unscale_), "
-                                   "so H_C, taken from scaled gradients, needs the scale: pass "
-                                   "grad_scaler=scaler to SINGD")
-            scale, divide = float(self.grad_scaler.get_scale()), 1.0
+            scale = float(amp.scale_for_statistics(self.grad_scaler, "SINGD", "H_C"))
+            divide = 1.0
         else:
             scale = divide = 1.0
         return scale, divide, divisor, found_inf

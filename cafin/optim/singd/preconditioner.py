@@ -10,13 +10,12 @@ accumulators are reset) and counted on the device.
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from ...core import Layer, route
+from ...core import Layer
 from .settings import lr_cov_value, work_dtype
 
 
@@ -99,11 +98,9 @@ class Preconditioner:
     def _update_preconditioners(self, items: list[tuple[Layer, bool | None]], c_g) -> None:
         """Every due layer's preconditioner update (`items`: each layer with whether the host says
         it is due, None once the device decides); while the CPU counts the dropped ones without a
-        sync (eager), a RuntimeWarning says how many."""
+        sync (eager), a NonFiniteStatisticsWarning says how many."""
         if not items:
             return
-        watch = [c for d, c in self._skipped.counts.items() if d.type == "cpu"] if route.eager() else []
-        before = sum(float(c) for c in watch)
         momentum: dict[tuple, tuple[list, ...]] = {}
         pending = [self._queue_momentum(layer, due_host, c_g, momentum) for layer, due_host in items]
         for (device, _), lists in momentum.items():
@@ -111,12 +108,10 @@ class Preconditioner:
         for (device, _), lists in self._factor_steps(pending).items():
             self._ops(device).singd_factor_step_(*lists)
         self._finish_updates(pending)
-        dropped = sum(float(c) for c in watch) - before
-        if dropped > 0:  # attributed to step()'s caller (past _step, step, torch's wrappers)
-            warnings.warn(f"{type(self).__name__}: {int(dropped)} preconditioner update(s) dropped: "
-                          "the accumulated curvature (H_K, H_C) held NaN or inf; those layers keep "
-                          "their factors K, C and their accumulators are reset", RuntimeWarning,
-                          stacklevel=6)
+        # attributed to step()'s caller (past _step, step, torch's wrappers)
+        self._skipped.report(lambda n: f"{type(self).__name__}: {n} preconditioner update(s) dropped: "
+                             "the accumulated curvature (H_K, H_C) held NaN or inf; those layers keep "
+                             "their factors K, C and their accumulators are reset", stacklevel=6)
 
     def _queue_momentum(self, layer: Layer, due_host: bool | None, c_g, momentum: dict) -> _PendingUpdate:
         """Add a layer's factors to the momentum op's (device, dtype) buckets; returns what the

@@ -1,6 +1,6 @@
 """SINGD's curvature statistics: what the hooks add to a layer's accumulators H_K, H_C, H_count
-from its inputs and output gradients on the steps k with k % T == 0, and the copies that take a
-failed closure's passes back.
+from its inputs and output gradients on the steps k with k % T == 0, and which of them a failed
+closure's passes must give back.
 """
 from __future__ import annotations
 
@@ -62,22 +62,15 @@ class Statistics:
         else:  # device gated: counted only on steps k with k % T == 0
             count.add_((torch.remainder(step, group["T"]) == 0).to(count.dtype))
 
-    def _save_statistics(self) -> list[tuple[Tensor, Tensor]]:
-        """Copies of the accumulators that passes of this step can add to (the layers whose
-        statistics are taken at this step), to take a failed closure's passes back."""
-        saved = []
+    def _pass_state(self) -> list[Tensor]:
+        """The accumulators that passes of this step can add to (the layers whose statistics are
+        taken at this step): what a failed closure's passes must give back."""
+        out = []
         for layer in self._curvature:
             T = self._group(layer)["T"]
             valid = isinstance(T, int) and not isinstance(T, bool) and T >= 1  # else: rejected later
             if valid and self._steps.host_due(T) is False:
                 continue  # no pass of this step takes statistics for it
-            state = self.state[layer.anchor]
-            for t in self._parts(layer, "H_K") + self._parts(layer, "H_C") + (state["H_count"],):
-                saved.append((t, t.clone()))
-        return saved
-
-    def _restore_statistics(self, saved: list[tuple[Tensor, Tensor]]) -> None:
-        """Write back what `_save_statistics` copied."""
-        if saved:
-            torch._foreach_copy_([t for t, _ in saved], [copy for _, copy in saved])
+            out += [*self._parts(layer, "H_K"), *self._parts(layer, "H_C"), self.state[layer.anchor]["H_count"]]
+        return out
 
