@@ -10,7 +10,8 @@ with rows a [groups, N, d_in] and g [groups, N, d_out] (groups = 1 but for group
 convolutions). Linear takes any leading dims (N = their product); a convolution takes the patches
 of its input, entry order (c, k_1, ..., k_n) as `weight[o].flatten()`, with stride, padding
 ('same', 'valid', asymmetric, non-zero modes), dilation and groups, one row per output location.
-Conv2d unfolds with `F.unfold`; Conv1d and Conv3d with strided views of the padded input.
+What each layer type is (its rows, patches, padding, sizes, which side of its weight is stored
+transposed) is its view's (`cafin.core.views`); this module adds K-FAC's covariances and scalings.
 
 An Embedding's rows a are one-hot (out = onehot(x) W, W [num_embeddings, dim]): its A is diagonal,
 kept as the vector of token counts, never as a vocabulary-sized matrix. Its weight gradient is
@@ -27,11 +28,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from .core.modules import is_transposed_linear
-from .layers import conv_padding
+from .core.views import view_of
 
 # Bytes of unfolded patches one chunk may hold (per covariance call).
 CHUNK_BYTES = 32 << 20
@@ -50,22 +49,32 @@ __all__ = [
 ]
 
 
+def _view(module: nn.Module):
+    view = view_of(module)
+    if view is None or not view.kronecker:
+        raise TypeError(f"no dense statistics for {type(module).__name__}")
+    return view
+
+
 def supports(module: nn.Module) -> bool:
-    return (isinstance(module, (nn.Linear, nn.Embedding) + _CONVS)
-            or is_transposed_linear(module))
+    view = view_of(module)
+    return view is not None and view.kronecker
 
 
 def is_conv(module: nn.Module) -> bool:
-    return isinstance(module, _CONVS)
+    view = view_of(module)
+    return view is not None and view.conv
 
 
 def _linear_like(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+    view = view_of(module)
+    return view is not None and view.kronecker and not view.conv and not view.diagonal_input
 
 
 def diagonal_input(module: nn.Module) -> bool:
     """Whether the layer's A is diagonal and kept as a vector [groups, d_a] (Embedding)."""
-    return isinstance(module, nn.Embedding)
+    view = view_of(module)
+    return view is not None and view.diagonal_input
 
 
 def _bias(module: nn.Module) -> bool:
@@ -92,148 +101,24 @@ def groups_of(module: nn.Module) -> int:
 def factor_sizes(module: nn.Module) -> tuple[int, int, int]:
     """(groups, d_a, d_g): A is [groups, d_a, d_a] (bias column included; [groups, d_a] when
     `diagonal_input`), G [groups, d_g, d_g]."""
-    bias = _bias(module)
-    if isinstance(module, nn.Linear):
-        return 1, module.in_features + bias, module.out_features
-    if is_transposed_linear(module):
-        return 1, module.nx + bias, module.nf
-    if isinstance(module, nn.Embedding):
-        return 1, module.num_embeddings, module.embedding_dim
-    if is_conv(module):
-        g = module.groups
-        d = module.in_channels // g * math.prod(module.kernel_size)
-        return g, d + bias, module.out_channels // g
-    raise TypeError(f"no dense statistics for {type(module).__name__}")
-
-
-def _conv_input(module: nn.Conv2d, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
-    """The input as unfold must see it (batched, padded when unfold cannot pad it) and the
-    symmetric padding left for unfold."""
-    if x.dim() == 3:
-        x = x.unsqueeze(0)
-    top, bottom, left, right = conv_padding(module)
-    if module.padding_mode != "zeros":
-        return F.pad(x, [left, right, top, bottom], mode=module.padding_mode), (0, 0)
-    if top != bottom or left != right:
-        return F.pad(x, [left, right, top, bottom]), (0, 0)
-    return x, (top, left)
-
-
-def _out_size(module: nn.Conv2d, x: torch.Tensor, padding) -> tuple[int, int]:
-    sizes = []
-    for i in range(2):
-        span = module.dilation[i] * (module.kernel_size[i] - 1) + 1
-        sizes.append((x.shape[2 + i] + 2 * padding[i] - span) // module.stride[i] + 1)
-    return sizes[0], sizes[1]
-
-
-def _padded_nd(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A Conv1d/Conv3d input batched and padded as the convolution pads it ('same' puts the odd
-    one at the end, as torch does; non-zero modes honoured)."""
-    if x.dim() == len(module.kernel_size) + 1:  # unbatched
-        x = x.unsqueeze(0)
-    pads = list(module._reversed_padding_repeated_twice)
-    if not any(pads):
-        return x
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return F.pad(x, pads, mode=mode)
-
-
-def _out_size_nd(module: nn.Module, xp: torch.Tensor) -> list[int]:
-    return _out_sizes(module, xp.shape[2:])
-
-
-def _out_sizes(module: nn.Module, padded: list[int]) -> list[int]:
-    """Output sizes of a convolution over padded spatial sizes."""
-    return [(s - module.dilation[i] * (k - 1) - 1) // module.stride[i] + 1
-            for i, (s, k) in enumerate(zip(padded, module.kernel_size))]
-
-
-def _patches_nd(module: nn.Module, xp: torch.Tensor) -> torch.Tensor:
-    """Patches [b, C * prod(k), L] of a padded Conv1d/Conv3d batch chunk, entry order
-    (c, k_1, ..., k_n), locations in row-major output order (what F.unfold gives for Conv2d)."""
-    p = xp
-    for i, k in enumerate(module.kernel_size):  # one strided window per spatial dim, no copy
-        p = p.unfold(2 + i, module.dilation[i] * (k - 1) + 1, module.stride[i])
-    n = len(module.kernel_size)
-    p = p[(Ellipsis,) + tuple(slice(None, None, d) for d in module.dilation)]  # the dilated taps
-    # [b, C, o_1..o_n, k_1..k_n] -> [b, C, k_1..k_n, o_1..o_n]
-    p = p.permute(0, 1, *range(2 + n, 2 + 2 * n), *range(2, 2 + n))
-    return p.reshape(p.shape[0], -1, math.prod(p.shape[2 + n:]))
+    return _view(module).sizes(module)
 
 
 def locations(module: nn.Module, g: torch.Tensor) -> int:
     """Output locations per sample L (1 for Linear and Embedding), from the output gradient."""
-    if is_conv(module):
-        return math.prod(g.shape[g.dim() - len(module.kernel_size):])
-    return 1
-
-
-def _unfold(module: nn.Conv2d, x: torch.Tensor, padding) -> torch.Tensor:
-    """Patches [b, C*kh*kw, L] of a padded batch chunk."""
-    return F.unfold(x, module.kernel_size, dilation=module.dilation, padding=padding,
-                    stride=module.stride)
-
-
-def _patch_chunks(module: nn.Module, x: torch.Tensor, dtype: torch.dtype, chunk_bytes: int):
-    """The patches of a convolution input, a few samples at a time, as [b, groups, d, L]."""
-    groups = module.groups
-    d = module.in_channels // groups * math.prod(module.kernel_size)
-    if isinstance(module, nn.Conv2d):
-        xp, padding = _conv_input(module, x)
-        L = math.prod(_out_size(module, xp, padding))
-        extract = lambda chunk: _unfold(module, chunk, padding)  # noqa: E731
-    else:
-        xp = _padded_nd(module, x)
-        L = math.prod(_out_size_nd(module, xp))
-        extract = lambda chunk: _patches_nd(module, chunk)  # noqa: E731
-    per_sample = max(1, groups * d * L * torch.empty((), dtype=dtype).element_size())
-    step = max(1, chunk_bytes // per_sample)
-    for s in range(0, xp.shape[0], step):
-        p = extract(xp[s:s + step].to(dtype))  # [b, groups*d, L]
-        yield p.view(p.shape[0], groups, d, p.shape[2])
-
-
-def _token_counts(module: nn.Embedding, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[num_embeddings] how often each token occurs in x; padding_idx tokens are not counted
-    (their row of the weight gets no gradient: the input they give the weight's gradient is 0)."""
-    idx = x.reshape(-1)
-    if module.padding_idx is not None:
-        idx = idx[idx != module.padding_idx]
-    counts = torch.zeros(module.num_embeddings, dtype=dtype, device=x.device)
-    return counts.index_add_(0, idx, torch.ones(idx.shape, dtype=dtype, device=x.device))
+    return _view(module).locations(module, g)
 
 
 def input_rows(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The rows a [groups, N, d_in] (no bias column; one-hot rows for an Embedding). A
     convolution materialises the whole unfold: use `input_covariance` when only the covariance
     is needed."""
-    if _linear_like(module):
-        return x.reshape(-1, x.shape[-1]).unsqueeze(0)
-    if isinstance(module, nn.Embedding):
-        rows = F.one_hot(x.reshape(-1), module.num_embeddings).to(module.weight.dtype)
-        if module.padding_idx is not None:
-            rows[:, module.padding_idx] = 0
-        return rows.unsqueeze(0)
-    if not isinstance(module, nn.Conv2d):
-        p = torch.cat(list(_patch_chunks(module, x, x.dtype, 1 << 62)))  # [B, g, d, L]
-        return p.permute(1, 0, 3, 2).reshape(module.groups, -1, p.shape[2])
-    x, padding = _conv_input(module, x)
-    p = _unfold(module, x, padding)  # [B, C*kh*kw, L]
-    g = module.groups
-    b, _, L = p.shape
-    return p.view(b, g, -1, L).permute(1, 0, 3, 2).reshape(g, b * L, -1)
+    return _view(module).input_rows(module, x)
 
 
 def grad_rows(module: nn.Module, g: torch.Tensor) -> torch.Tensor:
     """The rows g [groups, N, d_out / groups] of an output gradient."""
-    if not is_conv(module):
-        return g.reshape(-1, g.shape[-1]).unsqueeze(0)
-    if g.dim() == len(module.kernel_size) + 1:
-        g = g.unsqueeze(0)
-    groups = module.groups
-    g = g.flatten(2)
-    return g.permute(0, 2, 1).reshape(-1, groups, g.shape[1] // groups).transpose(0, 1)
+    return _view(module).grad_rows(module, g)
 
 
 def _accumulate_block(out, rows_t, scale, first, bias):
@@ -257,11 +142,10 @@ def _accumulate_block(out, rows_t, scale, first, bias):
 def _reduced_input(module: nn.Module, x: torch.Tensor, dtype, chunk_bytes):
     """The input rows averaged over each sample's shared locations, [groups, d, B] (Linear: over
     every dim between the first and the last; a convolution: over its output locations)."""
-    if _linear_like(module):
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        return x.reshape(x.shape[0], -1, x.shape[-1]).to(dtype).mean(1).t().unsqueeze(0)
-    means = [p.mean(3) for p in _patch_chunks(module, x, dtype, chunk_bytes)]  # [b, g, d]
+    view = _view(module)
+    if not view.conv:
+        return view.sample_rows(module, x).to(dtype).mean(1).t().unsqueeze(0)
+    means = [p.mean(3) for p in view.patch_chunks(module, x, dtype, chunk_bytes)]  # [b, g, d]
     return torch.cat(means).permute(1, 2, 0)
 
 
@@ -276,28 +160,29 @@ def input_covariance(module: nn.Module, x: torch.Tensor, *, scale: float = 1.0,
     dtype: the weight's).
     `approx="reduce"` takes one row per sample, its rows' mean over the shared locations."""
     bias = _bias(module) if bias is None else bias
-    if isinstance(module, nn.Embedding):  # x holds indices: the counts take the weight's dtype
+    view = _view(module)
+    if view.diagonal_input:  # x holds indices: the counts take the weight's dtype
         dtype = dtype or (out.dtype if out is not None else module.weight.dtype)
-        counts = _token_counts(module, x, dtype).mul_(scale).unsqueeze(0)
+        counts = view.token_counts(module, x, dtype).mul_(scale).unsqueeze(0)
         if out is None:
             return counts
         if tuple(out.shape) != tuple(counts.shape):
             raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(counts.shape)}")
         return out.add_(counts) if accumulate else out.copy_(counts)
     dtype = dtype or (out.dtype if out is not None else x.dtype)
-    groups, _, _ = factor_sizes(module)
+    groups, _, _ = view.sizes(module)
     if approx == "reduce":
         rows_t = _reduced_input(module, x, dtype, chunk_bytes)
         d = rows_t.shape[1]
         chunks = [rows_t]
-    elif _linear_like(module):
+    elif not view.conv:
         d = x.shape[-1]
         rows_t = x.reshape(-1, d).to(dtype).t().unsqueeze(0)
         chunks = [rows_t]
     else:
-        d = module.in_channels // groups * math.prod(module.kernel_size)
+        d = view.patch_size(module)
         chunks = (p.permute(1, 2, 0, 3).reshape(groups, d, -1)
-                  for p in _patch_chunks(module, x, dtype, chunk_bytes))
+                  for p in view.patch_chunks(module, x, dtype, chunk_bytes))
     size = d + bias
     if out is None:
         out = torch.zeros(groups, size, size, dtype=dtype, device=x.device)
@@ -320,15 +205,13 @@ def grad_covariance(module: nn.Module, g: torch.Tensor, *, scale: float = 1.0,
     `approx="reduce"` takes one row per sample, its rows' sum over the shared locations (an
     Embedding's rows are always expanded)."""
     dtype = dtype or (out.dtype if out is not None else g.dtype)
-    if not is_conv(module):
-        if approx == "reduce" and _linear_like(module):
-            if g.dim() == 1:
-                g = g.unsqueeze(0)
-            g = g.to(dtype).reshape(g.shape[0], -1, g.shape[-1]).sum(1)
+    view = _view(module)
+    if not view.conv:
+        if approx == "reduce" and not view.diagonal_input:
+            g = view.sample_rows(module, g.to(dtype)).sum(1)
         rows_t = g.reshape(-1, g.shape[-1]).to(dtype).t().unsqueeze(0)
     else:
-        if g.dim() == len(module.kernel_size) + 1:
-            g = g.unsqueeze(0)
+        g = view.batched(g)
         groups = module.groups
         if approx == "reduce":
             g = g.to(dtype).flatten(2).sum(2)  # [B, C_out]
@@ -344,24 +227,15 @@ def grad_covariance(module: nn.Module, g: torch.Tensor, *, scale: float = 1.0,
 # --------------------------------------------------------------- kfac-pytorch's normalisation
 def _rows_and_locations(module, t, from_grad):
     """(N, L): expanded rows and output locations per sample."""
-    if isinstance(module, nn.Embedding) and not from_grad:
+    view = _view(module)
+    if view.diagonal_input and not from_grad:
         return t.numel(), 1
-    if not is_conv(module):
+    if not view.conv:
         return t.numel() // t.shape[-1], 1
-    n = len(module.kernel_size)
     if from_grad:
-        L = math.prod(t.shape[t.dim() - n:])
-        batch = t.shape[0] if t.dim() == n + 2 else 1
-        return batch * L, L
-    if isinstance(module, nn.Conv2d):
-        xp, padding = _conv_input(module, t)
-        oh, ow = _out_size(module, xp, padding)
-        return xp.shape[0] * oh * ow, oh * ow
-    batch = t.shape[0] if t.dim() == n + 2 else 1
-    pads = module._reversed_padding_repeated_twice  # the last dim's pair first
-    padded = [s + pads[2 * (n - 1 - i)] + pads[2 * (n - 1 - i) + 1]
-              for i, s in enumerate(t.shape[t.dim() - n:])]
-    L = math.prod(_out_sizes(module, padded))
+        L = view.locations(module, t)
+        return view.batched(t).shape[0] * L, L
+    batch, L = view.input_locations(module, t)
     return batch * L, L
 
 
@@ -383,7 +257,7 @@ def kfac_input_factor(module, x, approx: str = "expand", **kwargs) -> torch.Tens
     expand and reduce relate as in Eschenhagen et al. (2023); equal to expand when T = 1."""
     n, L = _rows_and_locations(module, x, False)
     scale = 1.0 / (L * L * max(n, 1))
-    if approx == "reduce" and not isinstance(module, nn.Embedding):
+    if approx == "reduce" and not diagonal_input(module):
         return input_covariance(module, x, scale=scale * _shared(module, x), approx=approx, **kwargs)
     return input_covariance(module, x, scale=scale, **kwargs)
 
@@ -400,7 +274,8 @@ def kfac_grad_factor(module, g, approx: str = "expand", **kwargs) -> torch.Tenso
 def weight_is_transposed(module: nn.Module) -> bool:
     """Whether the weight is stored [input side, gradient side]: an Embedding's [vocab, dim], a
     `Conv1D`'s [in, out]."""
-    return isinstance(module, nn.Embedding) or is_transposed_linear(module)
+    view = view_of(module)
+    return view is not None and view.transposed
 
 
 def weight_grad_view(module: nn.Module, weight_grad: torch.Tensor) -> torch.Tensor:
@@ -413,11 +288,7 @@ def weight_grad_view(module: nn.Module, weight_grad: torch.Tensor) -> torch.Tens
 def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,
                 bias_grad: torch.Tensor | None) -> torch.Tensor:
     """[groups, d_g, d_a]: the weight gradient per group with the bias gradient as last column."""
-    groups, _, d_g = factor_sizes(module)
-    w = weight_grad_view(module, weight_grad).reshape(groups, d_g, -1)
-    if bias_grad is None:
-        return w
-    return torch.cat([w, bias_grad.reshape(groups, d_g, 1)], dim=2)
+    return _view(module).grad_matrix(module, weight_grad, bias_grad)
 
 
 def grad_matrix_destinations(module: nn.Module, out: torch.Tensor
