@@ -7,7 +7,9 @@ The layers: Linear; Conv1d, Conv2d and Conv3d (rows = patches); transformers' `C
 whose weight is stored [in, out]); Embedding (a Linear on one-hot inputs, its weight stored
 [num_embeddings, dim]: the input side K is over the vocabulary and always diagonal, since
 one-hot rows have no cross terms). In every case the gradient as a matrix is [d_C, d_K]: output
-side by input side, with the bias as the last column.
+side by input side, with the bias as the last column. What each layer type is (its rows,
+patches and padding, which side of its weight is stored transposed) is its view's
+(`cafin.core.views`); this module keeps singd's conventions on top of it.
 
 Structured matrices are tuples of tensors (`cafin.optim.singd.structures`). Every function here
 is pure (returns new tensors) except where its name ends in `_`.
@@ -18,22 +20,18 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.modules import is_transposed_linear
-from ..layers import conv_padding
+from ..core.views import view_of
 
 if TYPE_CHECKING:  # a type only: SINGD's package imports this module
     from ..optim.singd.structures import Structure
 
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
 def is_transposed(module: nn.Module) -> bool:
     """Whether the weight is stored [input side, output side] (Embedding, transformers' Conv1D),
     the transpose of Linear's [out, in]."""
-    return isinstance(module, nn.Embedding) or is_transposed_linear(module)
+    view = view_of(module)
+    return view is not None and view.transposed
 
 
 def has_bias(module: nn.Module) -> bool:
@@ -41,74 +39,43 @@ def has_bias(module: nn.Module) -> bool:
 
 
 def dims(module: nn.Module) -> tuple[int, int]:
-    """(d_K, d_C): the input side (bias column included) and the output side of a layer."""
-    w = module.weight
-    if isinstance(module, nn.Embedding):
-        return w.shape[0], w.shape[1]
-    if is_transposed_linear(module):
-        return w.shape[0] + has_bias(module), w.shape[1]
-    return w.shape[1:].numel() + has_bias(module), w.shape[0]
+    """(d_K, d_C): the input side (bias column included) and the output side of a layer (all
+    groups of a grouped convolution: singd keeps one K for every group)."""
+    groups, d_a, d_g = view_of(module).sizes(module)
+    return d_a, groups * d_g
 
 # The rows follow singd's conventions, not cafin.factors' (one row set per group, unscaled), so
 # that SINGD reproduces singd's numbers: group-averaged patches, "reduce" = mean of the input rows /
 # sum of the gradient rows over shared locations, 1/sqrt(rows) and sqrt(loss terms) scalings.
 
 
-def _conv_input_4d(module: nn.Conv2d, x: Tensor) -> tuple[Tensor, list[int]]:
-    """The input padded as the convolution pads it (padding_mode honoured), and the zero padding
-    left for unfold."""
-    if x.dim() == 3:  # unbatched
-        x = x.unsqueeze(0)
-    if module.padding_mode != "zeros":
-        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), [0] * 4
-    pads = conv_padding(module)  # [top, bottom, left, right]
-    if pads[0] != pads[1] or pads[2] != pads[3]:  # 'same' with an odd total: pad explicitly
-        return F.pad(x, [pads[2], pads[3], pads[0], pads[1]]), [0] * 4
-    return x, pads
-
-
-def patches(module: nn.Conv1d | nn.Conv3d, x: Tensor) -> Tensor:
-    """[b, locations, C/groups * prod(kernel)] of a Conv1d or Conv3d input (any ConvNd), entry
+def patches(module: nn.Module, x: Tensor) -> Tensor:
+    """[b, locations, C/groups * prod(kernel)] of a Conv1d, Conv2d or Conv3d input, entry
     order (c, k_1, ..., k_n) as `weight[o].flatten()`, locations in the output's order: the
     input padded as the convolution pads it (zeros or its padding_mode, 'same' with torch's
     split), averaged over channel groups (singd's convention for Conv2d), windows cut with
     stride and dilation."""
-    n = len(module.kernel_size)
-    if x.dim() == n + 1:  # unbatched
-        x = x.unsqueeze(0)
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    view = view_of(module)
+    x, padding = view.padded(module, x)
+    return view.patches(module, _group_mean(module, x), padding, locations_first=True)
+
+
+def _group_mean(module: nn.Module, x: Tensor) -> Tensor:
+    """A padded convolution input averaged over its channel groups (singd's one K per layer)."""
     b, c = x.shape[:2]
-    x = x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
-    for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
-        x = x.unfold(2 + i, d * (k - 1) + 1, s)  # [b, c, out..., span...]
-    x = x[(Ellipsis, *[slice(None, None, d) for d in module.dilation])]
-    x = x.permute(0, *range(2, 2 + n), 1, *range(2 + n, 2 + 2 * n))  # [b, out..., c, k...]
-    return x.reshape(b, -1, x.shape[1 + n:].numel())
+    return x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
 
 
 def input_rows(module: nn.Module, x: Tensor, kfac_approx: str) -> Tensor:
     """a [rows, d_K]: input rows (with a ones column for a bias) divided by sqrt(rows), so that
     a^T a is the mean outer product (not for Embedding: `embedding_inner`)."""
-    if isinstance(module, (nn.Conv1d, nn.Conv3d)):
+    view = view_of(module)
+    if view.conv:
         p = patches(module, x)
         a = p.reshape(-1, p.shape[2]) if kfac_approx == "expand" else p.mean(1)
-    elif isinstance(module, nn.Conv2d):
-        x, pads = _conv_input_4d(module, x)
-        b, c = x.shape[:2]
-        # singd averages the input over channel groups (one K for every group)
-        x = x.reshape(b, module.groups, c // module.groups, *x.shape[2:]).mean(1)
-        cols = F.unfold(x, module.kernel_size, dilation=module.dilation,
-                        padding=(pads[0], pads[2]), stride=module.stride)  # [b, D, L]
-        if kfac_approx == "expand":
-            a = cols.transpose(1, 2).reshape(-1, cols.shape[1])
-        else:
-            a = cols.mean(2)
     else:
-        if x.dim() == 1:
-            x = x.unsqueeze(0)
-        a = x.reshape(-1, x.shape[-1]) if kfac_approx == "expand" else \
-            x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
+        rows = view.sample_rows(module, x)  # [b, locations, d]
+        a = rows.reshape(-1, rows.shape[-1]) if kfac_approx == "expand" else rows.mean(1)
     if has_bias(module):
         a = torch.cat([a, a.new_ones(a.shape[0], 1)], dim=1)
     return a / math.sqrt(a.shape[0])
@@ -143,14 +110,7 @@ def embedding_inner(k: Tensor, module: nn.Embedding, x: Tensor, kfac_approx: str
 def grad_rows(module: nn.Module, g: Tensor, loss_average: str | None, kfac_approx: str) -> Tensor:
     """g [rows, d_C]: output-gradient rows times sqrt(number of loss terms) ("batch": B,
     "batch+sequence": B times the shared locations, None: 1); "reduce" sums over locations."""
-    if isinstance(module, CONVOLUTIONS):
-        if g.dim() == len(module.kernel_size) + 1:  # unbatched
-            g = g.unsqueeze(0)
-        g = g.flatten(2).transpose(1, 2)  # [b, locations, c]
-    elif g.dim() == 1:
-        g = g.unsqueeze(0).unsqueeze(1)
-    else:
-        g = g.reshape(g.shape[0], -1, g.shape[-1])
+    g = view_of(module).sample_rows(module, g)  # [b, locations, c]
     scale = 1.0
     if loss_average is not None:
         terms = g.shape[0] * (g.shape[1] if loss_average == "batch+sequence" else 1)
@@ -167,10 +127,8 @@ def gradient_matrix(module: nn.Module, weight_grad: Tensor | None, bias_grad: Te
     bias = has_bias(module)
     if weight_grad is None:
         gw = torch.zeros(d_c, d_k - bias, dtype=like.dtype, device=like.device)
-    elif is_transposed(module):
-        gw = weight_grad.mT
     else:
-        gw = weight_grad.reshape(d_c, -1)
+        gw = view_of(module).weight_matrix(module, weight_grad)
     if not bias:
         return gw
     gb = bias_grad if bias_grad is not None else torch.zeros(d_c, dtype=gw.dtype, device=gw.device)

@@ -14,10 +14,9 @@ from torch import Tensor, nn
 
 from ...core import Choice, Flag, Layer, check_int, check_range, hyperparameter_tensor, real_number
 from ...core import route
-from ...core.modules import is_transposed_linear
+from ...core.views import view_of
 from .structures import structure
 
-SUPPORTED = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
 # Rules of the settings the statistics hooks read, shared by the constructor's, a checkpoint's and
 # the forward pass's checks.
 _LOSS_AVERAGE = Choice(None, "batch", "batch+sequence")
@@ -35,7 +34,9 @@ def _check_statistics_choices(group: dict[str, Any], where: str) -> None:
 
 
 def supports(module: nn.Module) -> bool:
-    return isinstance(module, SUPPORTED) or is_transposed_linear(module)
+    """Linear, Conv1d/2d/3d, Embedding and transformers' Conv1D: the layers with a Kronecker view."""
+    view = view_of(module)
+    return view is not None and view.kronecker
 
 
 def check_options(layer: Layer) -> None:

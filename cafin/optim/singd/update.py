@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core import Layer, distributed, route
-from ...core.modules import is_transposed_linear
+from ...core import views
 from ...maths import singd as singd_maths
 from ...sharding import local, own_rows
 from .distribution import own_rows_of
@@ -165,7 +165,7 @@ class ParameterUpdate:
         """Whether the whole step of this layer is one elementwise kernel (on one process):
         cafin's kernels on its device, diagonal K and C in the parameters' op-math dtype."""
         if (not self._kernels(layer.anchor.device) or sk is not Diagonal or sc is not Diagonal
-                or is_transposed_linear(layer.module)):  # its bias column is not the weight's
+                or views.view_of(layer.module) is views.CONV1D):  # its bias column is not the weight's
             return False
         work = work_dtype(layer.anchor.dtype)
         return (K[0].dtype == work and C[0].dtype == work
