@@ -8,7 +8,7 @@ parameters, then the root) and trains a few steps with K-FAC (COMM_OPT and MEM_O
 - owner scheme (what the members do): each layer's gradient rows to its owner and the
   preconditioned rows back, two all_to_alls; received = the bytes that arrive from other ranks;
 - all-gather (what they did, and still do where no owner can be chosen): the same gradients
-  gathered on every rank by `cafin.sharding.gather_rows`, run beside the owner scheme on the same
+  gathered on every rank by `cafin.core.distribution.sharding.gather_rows`, run beside the owner scheme on the same
   gradients and counted, its result unused;
 - full gradients held: the elements of whole gradients a rank holds at once (its owned layers'
   under the owner scheme; every gathered layer's under the all-gather).
@@ -53,7 +53,7 @@ def _count(counter: dict) -> None:
 def _beside(counter: dict):
     """Wrap gather_to_owners: also run the all-gather on the same gradients (counted apart) and
     count the full gradients each way holds."""
-    import cafin.sharding as sharding
+    import cafin.core.distribution.sharding as sharding
     original = sharding.gather_to_owners
 
     def both(tensors, owners):

@@ -3,7 +3,7 @@ GPT-2-small-sized model at 8, 64 and 512 ranks: `python -m bench distributed --p
 
 Per strategy, with the factor sizes of every layer, per rank and step:
 - decompose: the slowest rank's decompositions per inverse step, c * sum of n^3 over its
-  factors (the greedy assignment of cafin.optim.kaisa; c measured by `measure_c`);
+  factors (the greedy assignment of cafin.core.distribution.kaisa; c measured by `measure_c`);
 - factors: the factor all-reduce, sum of d_A^2 + d_G^2 (half of it with symmetry_aware), every
   factor update; a ring all-reduce moves 2 (W-1)/W of it over each rank's link;
 - second-order: the exchange of decompositions inside a gradient worker column, on inverse
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from cafin.optim.kaisa import KaisaAssignment, factor_costs
+from cafin.core.distribution.kaisa import KaisaAssignment, factor_costs
 
 NVLINK_GBS = 450.0  # per GPU and direction, H100 NVLink 4 (nominal)
 IB_GBS = 50.0  # per GPU, one 400 Gb/s NDR link (nominal)
@@ -97,7 +97,7 @@ def predict(sizes: dict[str, tuple[int, int, int]], world: int, fraction: float,
     factors = sum(g * (d_a * d_a + d_g * d_g) for g, d_a, d_g in sizes.values())
     grads = {name: g * d_a * d_g for name, (g, d_a, d_g) in sizes.items()}
     columns = len(a.columns)
-    # each rank of a column receives the other members' shares (cafin.optim.kaisa.exchange)
+    # each rank of a column receives the other members' shares (cafin.core.distribution.kaisa.exchange)
     gather_second = max(received([second[r] for r in col]) for col in a.columns)
     # a rank receives the gradients of the layers outside its column, from its row
     gather_grads = received([sum(grads[n] for n in sizes if a.column(n) == c) for c in range(columns)])

@@ -139,7 +139,7 @@ def submesh_case(rank) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     import cafin
-    from cafin.sharding import check_sharded, rows
+    from cafin.core.distribution.sharding import check_sharded, rows
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("stage", "replicate", "shard"))
     model = hsdp_shard(F.make_model(DTYPE), mesh["replicate", "shard"])
     group = check_sharded(model.parameters(), "test")

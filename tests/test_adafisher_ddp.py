@@ -55,15 +55,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-@pytest.fixture
-def one_thread():
-    """CPU kernels may split reductions by thread: match the workers' single thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------ launching
 _LAUNCHES: dict[tuple[str, str], tuple[Path, str | None]] = {}
 

@@ -303,14 +303,6 @@ def test_deepcopy_of_optimizer_steps_its_own_model(backend):
 
 
 # ----------------------------------------------------------------------------- 5. compile
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 def _schedule_run(backend, compiled, tensors):
     model = tiny_mlp()
     opt = AdaFisher(model, lr=1e-2, TCov=3, weight_decay=0.01, backend=backend)

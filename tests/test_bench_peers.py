@@ -22,6 +22,8 @@ from bench.convergence import DigitsCNN, load_data, main as convergence_main, op
 from bench.models import GPT, mlp, resnet18  # noqa: E402
 from bench.peers import MUON, MuonAdamW, muon_routes, soap_available  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # CI installs the bench extra, which holds heavyball on Python >= 3.11: SOAP must be there.
 SOAP_EXPECTED = sys.version_info >= (3, 11)
 
@@ -32,14 +34,6 @@ def test_heavyball_imports_where_the_bench_extra_has_it():
         assert ok, why
     else:
         assert "heavyball" in why
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------ routing

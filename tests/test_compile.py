@@ -14,6 +14,8 @@ from torch._dynamo.utils import counters
 import cafin
 from devices import CUDA_MARKS
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 OPTIMIZERS = [cafin.AdaFisher, cafin.AdaFisherW]
 BACKENDS = ["fused", "reference"]
 # (device, backend): on CUDA the fused backend, whose kernels a compiled step calls; each CUDA case
@@ -59,14 +61,6 @@ def train(cls, backend, data, compiled, TCov=5, device="cpu"):
             step()
         sched.step()
     return model, opt
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("device,backend", PLACES)

@@ -22,6 +22,8 @@ import torch
 from bench.convergence import (adafisher_spec, fused_available, load_data, lockstep, main,
                                parameter_difference, train)
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 PARAM_TOL = 1e-6  # FP32 lockstep, parameters and exp_avg, max|a-b| / max|b| per tensor
 FACTOR_TOL = 2e-5  # FP32 lockstep, fisher_S / fisher_H (and the statistic accumulators)
 FLOAT64_END_TOL = 1e-10  # float64, independent runs, parameters after 2 epochs
@@ -30,16 +32,6 @@ FLOAT64_END_TOL = 1e-10  # float64, independent runs, parameters after 2 epochs
 @pytest.fixture(scope="module")
 def data():
     return load_data()
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """This 6k-parameter CNN gains nothing from intra-op threads, and on a busy 2-core machine
-    two threads make each step several times slower. (The tolerances hold with 2 threads too.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_fused_kernels_are_built():

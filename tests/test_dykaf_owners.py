@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import cafin
-from cafin.optim.kaisa import greedy_assignment
+from cafin.core.distribution.kaisa import greedy_assignment
 
 import two_ranks
 

@@ -92,7 +92,7 @@ SHAPES = {"0": [(3, 2, 3, 3), (3,)], "4": [(7, 48), (7,)], "7": [(3, 7), (3,)], 
 
 def own_numel(shape, rank: int) -> int:
     """Elements of a gradient of `shape` in the shard of `rank` (torch.chunk rows over W.WORLD)."""
-    from cafin.sharding import shard_rows
+    from cafin.core.distribution.sharding import shard_rows
     start, stop = shard_rows(shape[0], W.WORLD, rank)
     return (stop - start) * math.prod(shape[1:])
 

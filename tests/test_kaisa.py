@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cafin
-from cafin.optim.kaisa import KaisaAssignment, factor_costs, greedy_assignment, receiver_rows, worker_columns
+from cafin.core.distribution.kaisa import KaisaAssignment, factor_costs, greedy_assignment, receiver_rows, worker_columns
 
 import two_ranks
 
@@ -402,7 +402,7 @@ def test_factor_allreduce_sends_a_diagonal_factor_whole(symmetric, monkeypatch):
     """An Embedding's A is kept as its diagonal [groups, n]: it travels whole beside the square
     factors (their upper triangles with symmetry_aware) and comes back in place."""
     import torch.distributed as dist
-    from cafin.optim.kaisa import allreduce_factors
+    from cafin.core.distribution.kaisa import allreduce_factors
     sent = []
 
     def all_reduce(flat, group=None):  # a world of two ranks holding the same factors

@@ -764,14 +764,6 @@ generate_opcheck_tests(
 
 
 # ------------------------------------------------------------------------------- compile
-@pytest.fixture
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("method", ["eigen", "inverse"])
 def test_compiled_step_equals_eager_without_recompiles(method, fresh_dynamo):
     kw = dict(compute_method=method, factor_update_steps=2, inv_update_steps=3, kl_clip=1e-4)

@@ -11,16 +11,10 @@ import torch
 from bench import text_task
 from bench.convergence import main as convergence_main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TINY = ["--steps", "4", "--eval-every", "2", "--layers", "1", "--width", "16", "--heads", "2", "--context", "16",
         "--batch-size", "2", "--train-bytes", "8192", "--heldout-bytes", "2048"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_split_is_deterministic_and_disjoint():

@@ -18,7 +18,8 @@ concern.
 - `hooks.py`: `Hooks`, the forward hooks and output-gradient tensor hooks that feed a member's
   statistics, holding the member weakly, safe with in-place activations, activation
   checkpointing and model copies; `can_take_statistics`, the inputs they take statistics of.
-- `collectives.py`: `distributed` and `average_over_ranks`, one collective over one flat buffer.
+- `distribution/`: work over ranks for every member: `collectives.py` (`distributed`,
+  `average_over_ranks`), `kaisa.py` (owner assignments and `exchange`), `sharding.py` (FSDP2, HSDP).
 - `failures.py`: `DropCounts` (statistics dropped for inf/NaN, counted per device, reported as
   `NonFiniteStatisticsWarning`) and `EigendecompositionWarning`.
 - `checks.py`: the argument checks (`real_number`, `check_range`, `check_int`,
@@ -34,7 +35,7 @@ concern.
 from .checks import (Choice, Flag, Int, Pair, Real, Setting, as_rule, check_gradient,
                      check_hyperparameter, check_int, check_range, checked_attribute,
                      hyperparameter_tensor, real_number)
-from .collectives import average_over_ranks, distributed
+from .distribution.collectives import average_over_ranks, distributed
 from .discovery import Layer, discover
 from .failures import DropCounts, EigendecompositionWarning, NonFiniteStatisticsWarning
 from .hooks import Hooks
@@ -45,7 +46,8 @@ from .runtime import to_device, unwrap
 from .steps import StepCounter, run_closure, undo_on_error
 
 __all__ = ["Choice", "CoreOptimizer", "CurvatureOptimizer", "DropCounts", "EigendecompositionWarning",
-           "Flag", "Hooks", "Int", "Layer", "NonFiniteStatisticsWarning", "Pair", "Preconditioner", "Real", "Setting", "StepCounter",
+           "Flag", "Hooks", "Int", "Layer", "NonFiniteStatisticsWarning", "Pair", "Preconditioner", "Real",
+           "Setting", "StepCounter",
            "as_rule", "average_over_ranks", "check_gradient", "check_hyperparameter", "check_int",
            "check_range", "checked_attribute", "discover", "distributed", "hyperparameter_tensor", "real_number",
            "run_closure", "to_device", "undo_on_error", "unwrap"]

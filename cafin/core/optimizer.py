@@ -14,10 +14,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from ..sharding import check_sharded
+from .distribution.sharding import check_sharded
 from . import route
 from .checks import Pair, as_rule, check_gradient, checkpoint_tensor
-from .collectives import distributed
+from .distribution.collectives import distributed
 from .copies import HookOwner, copy_member
 from .discovery import Layer
 from .hooks import Hooks

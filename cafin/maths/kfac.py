@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .eigh import protected_eigh
+
 __all__ = [
     "eigen_decompose", "eigen_result", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
     "eigen_precondition_into",
@@ -30,10 +32,16 @@ def kl_clip_scale(vg_sum: torch.Tensor, kl_clip: torch.Tensor) -> torch.Tensor:
 
 
 def eigen_decompose(factor: torch.Tensor, *, decompose_dtype: torch.dtype = torch.float32,
-                    out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                    out_dtype: torch.dtype = torch.float32, retry_in: tuple[torch.dtype, ...] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(d, Q) of symmetric factors [..., d, d]: eigh on a `decompose_dtype` copy (kfac-pytorch
-    decomposes a float32 copy), cast to `out_dtype`, eigenvalues clamped at 0."""
-    return eigen_result(*torch.linalg.eigh(factor.to(decompose_dtype)), out_dtype=out_dtype)
+    decomposes a float32 copy), cast to `out_dtype`, eigenvalues clamped at 0. With `retry_in`,
+    an eigh that fails is tried again in each of those dtypes (`protected_eigh`), and None is
+    returned where every attempt fails."""
+    if not retry_in:
+        return eigen_result(*torch.linalg.eigh(factor.to(decompose_dtype)), out_dtype=out_dtype)
+    d_q = protected_eigh(factor, [(dtype, 0.0) for dtype in (decompose_dtype, *retry_in)])
+    return None if d_q is None else eigen_result(*d_q, out_dtype=out_dtype)
 
 
 def eigen_result(d: torch.Tensor, q: torch.Tensor, *, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ from ..core import (
 from ..core import amp
 from ..core.route import Route
 from ..layers import discover, supported_names
-from ..sharding import is_sharded, local, module_class, rows
+from ..core.distribution.sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 

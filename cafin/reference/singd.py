@@ -37,7 +37,7 @@ def singd_diag_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers
 
 
 def _eye_mask(t: Tensor, kind: int) -> Tensor:
-    """The identity's ones in a part's storage (see cafin.structures.Structure.eye_kinds)."""
+    """The identity's ones in a part's storage (see cafin.optim.singd.structures.Structure.eye_kinds)."""
     if kind == 2:
         return torch.ones_like(t)
     out = torch.zeros_like(t)

@@ -140,7 +140,8 @@ def _checked_factors(where: str, saved: dict[str, Any], kind: str, modes: tuple[
             raise ValueError(f"{where}: {key} must be a list of {len(modes)} entries (one per "
                              f"mode of {modes}), got {type(value).__name__} "
                              f"{len(value) if isinstance(value, (list, tuple)) else ''}".rstrip())
-        out[key] = [None if x is None else checkpoint_tensor(x, f"{where}: {key}[{k}]", (d, d), dtype=dtype, device=device)
+        out[key] = [None if x is None else
+                    checkpoint_tensor(x, f"{where}: {key}[{k}]", (d, d), dtype=dtype, device=device)
                     for k, (x, d) in enumerate(zip(value, modes))]
     if [f is None for f in out["factors"]] != [b is None for b in out["bases"]]:
         raise ValueError(f"{where}: factors and bases must be None for the same modes")

@@ -14,7 +14,7 @@ from ...core import (Choice, CoreOptimizer, Flag, Int, Pair, Real, checked_attri
 from ...core.route import BACKENDS, Route
 from ...core.steps import StepCounter
 from ...maths import dykaf as dykaf_maths
-from ...sharding import check_sharded, full_parameters
+from ...core.distribution.sharding import check_sharded, full_parameters
 from .._docs import _backend_doc, _params_doc, _published_bugs_doc
 from .checkpoint import Checkpoint
 from .factors import Factors

@@ -10,11 +10,11 @@ Under DDP every rank holds the same factors and bases (the gradients are average
 refresh is every rank's. The owners are chosen afresh at each refresh step, among the bases due
 at that step, as distributed Shampoo's DDP distributor balances its blocks: by cost (d^3: the
 products and the QR), most expensive first, each to the least loaded rank (ties: the lowest
-rank), with `cafin.optim.kaisa.greedy_assignment`; every rank computes the same assignment from
+rank), with `cafin.core.distribution.kaisa.greedy_assignment`; every rank computes the same assignment from
 the same parameters. A first eigendecomposition costs d^3 as well, and is assigned with the
 refreshes of its step. The unit is the basis, not the parameter: a model whose largest matrix
 holds most of the work (an MLP's 784 x 512 input layer) splits far better by mode. The exchange is
-`cafin.optim.kaisa.exchange`: one all_gather, or one broadcast per rank with a share when a padded
+`cafin.core.distribution.kaisa.exchange`: one all_gather, or one broadcast per rank with a share when a padded
 all_gather would more than double what is received.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import torch
 
-from ...core.collectives import distributed
+from ...core.distribution.collectives import distributed
 from ...maths import dykaf as dykaf_maths
-from ..kaisa import exchange, greedy_assignment
+from ...core.distribution.kaisa import exchange, greedy_assignment
 
 __all__ = ["RefreshOwners", "refresh_owners"]
 

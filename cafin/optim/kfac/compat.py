@@ -3,7 +3,7 @@ distribution options (`allreduce_bucket_cap_mb`, `assignment_strategy`, `colocat
 `grad_worker_fraction`, `symmetry_aware`), checked as kfac-pytorch checks them.
 
 `kaisa_options` validates and normalises them into one frozen record that the preconditioner
-keeps; cafin.optim.kaisa distributes the work with them.
+keeps; cafin.core.distribution.kaisa distributes the work with them.
 """
 from __future__ import annotations
 

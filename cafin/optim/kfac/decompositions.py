@@ -10,7 +10,6 @@ import torch
 
 from ...core import EigendecompositionWarning
 from ...maths import kfac as kfac_maths
-from ...maths.eigh import protected_eigh
 from .compat import ComputeMethod
 from .state import _LayerState
 
@@ -130,9 +129,10 @@ class Decompositions:
         if gate is not None:  # compiled: no exception to catch
             return kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
                                               out_dtype=self.inv_dtype)
-        d_q = protected_eigh(stacked, [(self.decompose_dtype, 0.0), (torch.float64, 0.0)])
+        d_q = kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
+                                         out_dtype=self.inv_dtype, retry_in=(torch.float64,))
         if d_q is not None:
-            return kfac_maths.eigen_result(*d_q, out_dtype=self.inv_dtype)
+            return d_q
         names = [layer.name for layer in self._layers if any(self._state[layer.name] is st for st in sts)]
         warnings.warn(f"KFACPreconditioner: the eigendecomposition of the {side.upper()} factor of "
                       f"{names} failed in {self.decompose_dtype} and in float64; they keep their "

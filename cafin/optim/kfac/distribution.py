@@ -1,4 +1,4 @@
-"""K-FAC over ranks: the KAISA assignment (cafin.optim.kaisa) and its process groups, the factor
+"""K-FAC over ranks: the KAISA assignment (cafin.core.distribution.kaisa) and its process groups, the factor
 all-reduce, the sharing of decompositions within a column and of preconditioned gradients within
 a row, and FSDP2's gradient gathering (to each layer's owner, or to every rank) and KL clip."""
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from ... import factors
 from ...core import Layer, distributed
 from ...maths import kfac as kfac_maths
-from ...sharding import (gather_rows, gather_to_owners, is_sharded, local, own_rows, scatter_from_owners,
-                         shard_dim, shard_group, shard_groups)
-from ..kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
+from ...core.distribution.sharding import (gather_rows, gather_to_owners, is_sharded, local, own_rows,
+                                           scatter_from_owners, shard_dim, shard_group, shard_groups)
+from ...core.distribution.kaisa import KaisaAssignment, allreduce_factors, exchange, factor_costs
 from .compat import ComputeMethod
 from .state import _LayerState
 
@@ -23,7 +23,7 @@ class Distribution:
 
     def _assign_work(self, loglevel: int) -> None:
         """KAISA: which rank decomposes each factor and which ranks precondition each layer
-        (cafin.optim.kaisa), the same on every rank; the process groups that share second-order
+        (cafin.core.distribution.kaisa), the same on every rank; the process groups that share second-order
         data (a column) and preconditioned gradients (a row); layers this rank does not
         precondition hold no second-order data."""
         import torch.distributed as dist

@@ -25,7 +25,7 @@ from torch import nn
 from ... import factors
 from ...core import Choice, DropCounts, route, unwrap
 from ...core.preconditioner import Preconditioner
-from ...sharding import check_sharded
+from ...core.distribution.sharding import check_sharded
 from .._docs import _backend_doc, _process_group_doc
 from .checkpoint import Checkpoint
 from .compat import AssignmentStrategy, ComputeMethod, DistributedStrategy

@@ -10,7 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from ...core import hyperparameter_tensor, real_number
-from ...sharding import module_class
+from ...core.distribution.sharding import module_class
 from .settings import check_settings
 
 

@@ -1,6 +1,6 @@
 """SINGD under torch.distributed: the curvature averaged over the ranks (one collective per
 reduction kind), the natural gradient all-reduced as singd does, and FSDP2/HSDP's sharded layers:
-each gathered whole to one owner rank of its shard group (`cafin.sharding`), chosen by the cost
+each gathered whole to one owner rank of its shard group (`cafin.core.distribution.sharding`), chosen by the cost
 of its natural gradient, whose pieces go back as rows.
 """
 from __future__ import annotations
@@ -9,8 +9,8 @@ from torch import Tensor
 
 from ...core import Layer, average_over_ranks
 from ...maths import singd as singd_maths
-from ...sharding import gather_to_owners, is_sharded, local, rows, scatter_from_owners, shard_dim
-from ..kaisa import greedy_assignment
+from ...core.distribution.sharding import gather_to_owners, is_sharded, local, rows, scatter_from_owners, shard_dim
+from ...core.distribution.kaisa import greedy_assignment
 from .structures import Diagonal
 
 

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from ...core import Layer, distributed, route
 from ...core import views
 from ...maths import singd as singd_maths
-from ...sharding import local, own_rows
+from ...core.distribution.sharding import local, own_rows
 from .distribution import own_rows_of
 from .settings import work_dtype
 from .structures import Diagonal

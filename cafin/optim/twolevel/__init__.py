@@ -26,7 +26,7 @@ the coarse assembly then sit in torch.cond branches). damping, alpha and clippin
 tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
 allow, the new coarse matrix are averaged in one collective (docs/twolevel.md, "Data parallel"),
 and the decompositions are shared out: each factor's eigendecomposition, and the coarse matrix's
-inverse, is made by one owner rank (the greedy assignment of cafin.optim.kaisa, balanced by
+inverse, is made by one owner rank (the greedy assignment of cafin.core.distribution.kaisa, balanced by
 cost) and the results reach every rank in one exchange per (device, dtype).
 
 One file per job, each a part (mixin) of `TwoLevelKFAC` or plain functions:
@@ -39,7 +39,7 @@ One file per job, each a part (mixin) of `TwoLevelKFAC` or plain functions:
 - `decompositions.py`: the factors' eigendecompositions (checked, retried in float64).
 - `coarse.py`: the coarse vectors and the coarse matrix F_c (per `backend`), its EMA.
 - `preconditioning.py`: the first level, the coarse correction and the write over the gradients.
-- `distribution.py`: owner ranks (cafin.optim.kaisa), exchanges, averages, FSDP2 gathering.
+- `distribution.py`: owner ranks (cafin.core.distribution.kaisa), exchanges, averages, FSDP2 gathering.
 - `checkpoint.py`: `state_dict` and the checked `load_state_dict`.
 - `dcp.py`: the torch.distributed.checkpoint recipe (`twolevel_checkpoint`, `twolevel_load`).
 """

@@ -126,7 +126,8 @@ class Checkpoint:
                   "L_x": (d_in,), "Q_x": (d_in, d_in), "L_g": (d_out,), "Q_g": (d_out, d_out)}
         entry = {"num_locations": T}
         for key, shape in shapes.items():
-            entry[key] = checkpoint_tensor(saved[key], f"checkpoint {where}: {key}", shape, dtype=self._work[i], device=w.device)
+            entry[key] = checkpoint_tensor(saved[key], f"checkpoint {where}: {key}", shape,
+                                           dtype=self._work[i], device=w.device)
         for key in ("Q_x", "Q_g"):
             # eigh's column-major layout, which a checkpoint (DCP) may not keep: the products
             # then round as they did before the save (a bit-identical resume)

@@ -1,6 +1,6 @@
 """Two-level K-FAC under torch.distributed: the owner rank of every decomposition (each
 factor's eigendecomposition and the coarse matrix's inverse, assigned greedily by cost with
-cafin.optim.kaisa), their exchange, the average of the statistics over the ranks, and FSDP2's
+cafin.core.distribution.kaisa), their exchange, the average of the statistics over the ranks, and FSDP2's
 gathering of the full gradients."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from ...core import average_over_ranks, distributed
 from ...factors import factor_sizes
 from ...maths import twolevel as twolevel_maths
-from ...sharding import gather_rows
-from ..kaisa import exchange, factor_costs, greedy_assignment
+from ...core.distribution.sharding import gather_rows
+from ...core.distribution.kaisa import exchange, factor_costs, greedy_assignment
 
 
 class Distribution:

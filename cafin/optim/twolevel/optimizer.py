@@ -12,7 +12,7 @@ from torch import nn
 from ...core import Int, Real, checked_attribute, distributed, route, unwrap
 from ...core.preconditioner import Preconditioner
 from ...maths import state_dtype
-from ...sharding import check_sharded
+from ...core.distribution.sharding import check_sharded
 from .._docs import _process_group_doc, _published_bugs_doc
 from .checkpoint import Checkpoint
 from .coarse import Coarse

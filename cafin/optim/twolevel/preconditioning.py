@@ -10,7 +10,7 @@ import torch
 
 from ...core import average_over_ranks, distributed, route
 from ...maths import kfac as kfac_maths
-from ...sharding import local, own_rows
+from ...core.distribution.sharding import local, own_rows
 from .coarse import location_projections
 from .decompositions import kfac_inverse
 

@@ -12,7 +12,7 @@ from torch import nn
 from ...core import check_int, discover, distributed
 from ...core.modules import is_transposed_linear
 from ...core.route import Route
-from ...sharding import is_sharded, module_class
+from ...core.distribution.sharding import is_sharded, module_class
 from ..kfac.compat import AssignmentStrategy, as_enum
 
 COARSE_SPACES = ("nicolaides", "spectral", "residual", "tpselepedis")

@@ -1,5 +1,5 @@
 """Collectives the members share: whether torch.distributed is up, and one all_reduce over one
-flat buffer (over the parameters' FSDP2 mesh when they are sharded: `cafin.sharding` holds what
+flat buffer (over the parameters' FSDP2 mesh when they are sharded: `cafin.core.distribution.sharding` holds what
 the members share for `fully_shard`)."""
 from __future__ import annotations
 
