@@ -6,13 +6,14 @@ A parameter of a supported module viewed as [rows = len(S), cols] is preconditio
 F~[r, c] = S[r] * H[h_offset + c] + damping. A parameter the layer type names `transposed` is
 stored the other way round, its rows on the activation side (an Embedding's [num_embeddings, dim],
 transformers' Conv1D's [in, out]): viewed as [rows, cols = len(S)], F~[r, c] = H[h_offset + r] *
-S[c] + damping. Adding a layer type is one `register` call.
+S[c] + damping. Adding a layer type is one `register` call. What a built-in layer type is (its
+sizes, which side of its weight is stored transposed, a convolution's padding) is its view's
+(`cafin.core.views`); the registry adds AdaFisher's statistic ops and its 2-vector H of a norm.
 The statistic functions take `impl`, the backend (`cafin.ops` or `cafin.reference`), which
 provides the ops of the same names.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import discovery
-from .core.modules import is_transposed_linear
+from .core.views import CONV1D, CONVS, EMBEDDING, view_of
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,26 @@ def _first_holders(model: nn.Module, optimised: list) -> dict:
     return first
 
 
+def _s_size(m: nn.Module) -> int:
+    """S's length: the gradient side of every group."""
+    groups, _, d_g = view_of(m).sizes(m)
+    return groups * d_g
+
+
+def _h_size(m: nn.Module) -> int:
+    """H's length: the input side with the bias entry."""
+    return view_of(m).sizes(m)[1]
+
+
+def _weight_and_bias(m: nn.Module) -> dict[str, int]:
+    """The weight reads H from 0, the bias its last entry."""
+    return {"weight": 0, "bias": view_of(m).sizes(m)[1] - (m.bias is not None)}
+
+
+def _transposed(view) -> frozenset[str]:
+    return frozenset({"weight"}) if view.transposed else frozenset()
+
+
 # ------------------------------------------------------------------------------------ Linear
 def _linear_input(impl, stat, module, x, step, interval):
     impl.sumsq_stats_(stat, x, x.dim() - 1, x.dim(), module.bias is not None, step, interval)
@@ -164,61 +185,36 @@ def _last_dim_grad(impl, stat, module, g, step, interval):
 
 register(LayerType(
     nn.Linear,
-    s_size=lambda m: m.out_features,
-    h_size=lambda m: m.in_features + (m.bias is not None),
-    h_offsets=lambda m: {"weight": 0, "bias": m.in_features},
+    s_size=_s_size,
+    h_size=_h_size,
+    h_offsets=_weight_and_bias,
     input_stats=_linear_input,
     grad_stats=_last_dim_grad,
 ))
 
 
 # ------------------------------------------------------------------------------------ Conv2d
-def _conv_patch_size(m: nn.Conv2d) -> int:
-    return m.in_channels // m.groups * m.kernel_size[0] * m.kernel_size[1]
-
-
 def conv_padding(module: nn.Conv2d) -> list[int]:
     """Zero padding [top, bottom, left, right] of a Conv2d, with 'same'/'valid' resolved."""
-    if module.padding == "valid":
-        return [0, 0, 0, 0]
-    if module.padding == "same":
-        pads = []
-        for d, k in zip(module.dilation, module.kernel_size):
-            total = d * (k - 1)
-            pads += [total // 2, total - total // 2]  # torch pads the extra one at the end
-        return pads
-    ph, pw = module.padding
-    return [ph, ph, pw, pw]
+    return [p for pair in CONVS[2].padding_pairs(module) for p in pair]
 
 
 def _conv_input(impl, stat, module, x, step, interval):
-    if x.dim() == 3:  # unbatched input
-        x = x.unsqueeze(0)
-    if module.padding_mode != "zeros":
-        # Non-zero padding is materialised once, as the convolution itself does.
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
-        padding = [0, 0, 0, 0]
-    else:
-        padding = conv_padding(module)
+    # A non-zero padding is materialised once, as the convolution itself does; the kernel pads
+    # with zeros.
+    x, pairs = CONVS[2].mode_padded(module, x)
+    padding = [p for pair in pairs for p in pair]
     impl.conv2d_input_stats_(stat, x, list(module.kernel_size), list(module.stride), padding,
                              list(module.dilation), module.groups, module.bias is not None,
                              step, interval)
 
 
 def _conv_grad(impl, stat, module, g, step, interval):
-    if g.dim() == 3:
-        g = g.unsqueeze(0)
-    impl.sumsq_stats_(stat, g, 1, 2, False, step, interval)
+    impl.sumsq_stats_(stat, view_of(module).batched(g), 1, 2, False, step, interval)
 
 
-register(LayerType(
-    nn.Conv2d,
-    s_size=lambda m: m.out_channels,
-    h_size=lambda m: _conv_patch_size(m) + (m.bias is not None),
-    h_offsets=lambda m: {"weight": 0, "bias": _conv_patch_size(m)},
-    input_stats=_conv_input,
-    grad_stats=_conv_grad,
-))
+_CONV = dict(s_size=_s_size, h_size=_h_size, h_offsets=_weight_and_bias, grad_stats=_conv_grad)
+register(LayerType(nn.Conv2d, input_stats=_conv_input, **_CONV))
 
 
 # ---------------------------------------------------------------------- BatchNorm2d, LayerNorm
@@ -239,7 +235,7 @@ _NORM_OFFSETS = {"weight": 0, "bias": 1}
 
 register(LayerType(
     nn.BatchNorm2d,
-    s_size=lambda m: m.num_features,
+    s_size=_s_size,
     h_size=lambda m: 2,
     h_offsets=lambda m: _NORM_OFFSETS,
     input_stats=_norm_input,
@@ -248,7 +244,7 @@ register(LayerType(
 
 register(LayerType(
     nn.LayerNorm,
-    s_size=lambda m: math.prod(m.normalized_shape),
+    s_size=_s_size,
     h_size=lambda m: 2,
     h_offsets=lambda m: _NORM_OFFSETS,
     input_stats=_norm_input,
@@ -262,33 +258,15 @@ register(LayerType(
 # [C_out, C_in/G, kd, kh, kw]) and its output depths into the batch, which leaves a Conv2d over
 # height and width with the same patch entries and the same divisor B*od*oh*ow*D. This copies
 # the input kd/stride_d times, against kd*kh*kw times for an unfold of the whole patch.
-def _patch_size(m: nn.modules.conv._ConvNd) -> int:
-    return m.in_channels // m.groups * math.prod(m.kernel_size)
-
-
-def _batched_padded(module: nn.modules.conv._ConvNd, x):
-    """The input with a batch dim and, for a non-zero padding_mode, padded as the convolution pads
-    it; and the zero padding still to apply, [before, after] per spatial dim ('same'/'valid'
-    resolved as torch resolves them)."""
-    spatial = len(module.kernel_size)
-    if x.dim() == spatial + 1:  # unbatched input
-        x = x.unsqueeze(0)
-    pairs = module._reversed_padding_repeated_twice  # [last dim before, after, ..., first dim ...]
-    if module.padding_mode != "zeros":
-        return F.pad(x, pairs, mode=module.padding_mode), [[0, 0] for _ in range(spatial)]
-    pads = [[pairs[2 * i], pairs[2 * i + 1]] for i in range(spatial)]
-    return x, pads[::-1]
-
-
 def _conv1d_input(impl, stat, module, x, step, interval):
-    x, ((left, right),) = _batched_padded(module, x)
+    x, ((left, right),) = CONVS[1].mode_padded(module, x)
     impl.conv2d_input_stats_(stat, x.unsqueeze(2), [1, module.kernel_size[0]], [1, module.stride[0]],
                              [0, 0, left, right], [1, module.dilation[0]], module.groups,
                              module.bias is not None, step, interval)
 
 
 def _conv3d_input(impl, stat, module, x, step, interval):
-    x, ((front, back), (top, bottom), (left, right)) = _batched_padded(module, x)
+    x, ((front, back), (top, bottom), (left, right)) = CONVS[3].mode_padded(module, x)
     if front or back:
         x = F.pad(x, (0, 0, 0, 0, front, back))
     kd, sd, dd = module.kernel_size[0], module.stride[0], module.dilation[0]
@@ -302,20 +280,8 @@ def _conv3d_input(impl, stat, module, x, step, interval):
                              module.bias is not None, step, interval)
 
 
-def _conv_nd_grad(impl, stat, module, g, step, interval):
-    if g.dim() == len(module.kernel_size) + 1:  # unbatched
-        g = g.unsqueeze(0)
-    impl.sumsq_stats_(stat, g, 1, 2, False, step, interval)
-
-
-_CONV_ND = dict(
-    s_size=lambda m: m.out_channels,
-    h_size=lambda m: _patch_size(m) + (m.bias is not None),
-    h_offsets=lambda m: {"weight": 0, "bias": _patch_size(m)},
-    grad_stats=_conv_nd_grad,
-)
-register(LayerType(nn.Conv1d, input_stats=_conv1d_input, **_CONV_ND))
-register(LayerType(nn.Conv3d, input_stats=_conv3d_input, **_CONV_ND))
+register(LayerType(nn.Conv1d, input_stats=_conv1d_input, **_CONV))
+register(LayerType(nn.Conv3d, input_stats=_conv3d_input, **_CONV))
 
 
 # ------------------------------------------------------------------------------- Embedding
@@ -342,28 +308,28 @@ def _embedding_refused(module: nn.Embedding) -> str | None:
 
 register(LayerType(
     nn.Embedding,
-    s_size=lambda m: m.embedding_dim,
-    h_size=lambda m: m.num_embeddings,
+    s_size=_s_size,
+    h_size=_h_size,
     h_offsets=lambda m: {"weight": 0},
     input_stats=_embedding_input,
     grad_stats=_last_dim_grad,
-    transposed=frozenset({"weight"}),
+    transposed=_transposed(EMBEDDING),
     refuse=_embedding_refused,
 ))
 
 
 # ------------------------------------------------------------------ transformers' Conv1D
 # GPT-2's projections: a Linear whose weight is stored [in, out]; recognised by its shape contract
-# (`cafin.core.modules.is_transposed_linear`), so transformers is never imported. Its bias stays
-# on the gradient side ([out]: S[r] * H[in]), as Linear's.
+# (its view, `cafin.core.views.TransposedLinearView`), so transformers is never imported. Its bias
+# stays on the gradient side ([out]: S[r] * H[in]), as Linear's.
 register(LayerType(
     nn.Module,
-    s_size=lambda m: m.nf,
-    h_size=lambda m: m.nx + (m.bias is not None),
-    h_offsets=lambda m: {"weight": 0, "bias": m.nx},
+    s_size=_s_size,
+    h_size=_h_size,
+    h_offsets=_weight_and_bias,
     input_stats=_linear_input,
     grad_stats=_last_dim_grad,
-    transposed=frozenset({"weight"}),
-    matches=is_transposed_linear,
+    transposed=_transposed(CONV1D),
+    matches=CONV1D.accepts,
     name="transformers Conv1D",
 ))
