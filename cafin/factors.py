@@ -282,7 +282,8 @@ def weight_grad_view(module: nn.Module, weight_grad: torch.Tensor) -> torch.Tens
     """The weight gradient oriented [gradient side, input side] as a view: the transpose of a
     weight stored [input side, gradient side] (`weight_is_transposed`), the gradient itself
     otherwise."""
-    return weight_grad.t() if weight_is_transposed(module) else weight_grad
+    view = view_of(module)
+    return weight_grad if view is None else view.weight_view(module, weight_grad)
 
 
 def grad_matrix(module: nn.Module, weight_grad: torch.Tensor,

@@ -9,7 +9,15 @@ from torch import nn
 from cafin.core import views
 from cafin.core.views import view_of
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Every tensor and layer here in float64 (and the default put back for other files)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 class Conv1D(nn.Module):
@@ -204,3 +212,11 @@ def test_view_of():
     bad = Conv1D(2, 3)
     bad.nx = 5  # the shape contract does not hold: not recognised
     assert view_of(bad) is None
+
+
+def test_view_named_and_dtype():
+    assert views.view_named("Conv1D") is views.CONV1D and views.view_named("Conv2d") is views.CONVS[2]
+    with pytest.raises(ValueError, match="'Dense' names no module view"):
+        views.view_named("Dense")
+    lin = nn.Linear(3, 2)
+    assert view_of(lin).input_rows(lin, torch.randn(4, 3)).dtype == torch.float64

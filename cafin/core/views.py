@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["View", "LinearView", "TransposedLinearView", "ConvView", "EmbeddingView",
-           "BatchNormView", "LayerNormView", "VIEWS", "view_of", "is_transposed_linear"]
+           "BatchNormView", "LayerNormView", "VIEWS", "view_of", "view_named", "is_transposed_linear"]
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -350,9 +350,21 @@ EMBEDDING, BATCHNORM, LAYERNORM = EmbeddingView(), BatchNormView(), LayerNormVie
 VIEWS: tuple[View, ...] = (LINEAR, *CONVS.values(), EMBEDDING, CONV1D, BATCHNORM, LAYERNORM)
 
 
+_BY_LABEL = {view.label: view for view in VIEWS}
+
+
 def view_of(module: nn.Module) -> View | None:
     """The view of `module`'s type (its subclasses count), or None."""
     for view in VIEWS:
         if view.accepts(module):
             return view
     return None
+
+
+def view_named(label: str) -> View:
+    """The view whose `label` is `label` ("Linear", "Conv2d", "Conv1D", ...): for a member that
+    keeps a layer's type by name (in a checkpointed param group) and not the module."""
+    try:
+        return _BY_LABEL[label]
+    except KeyError:
+        raise ValueError(f"label {label!r} names no module view; known: {sorted(_BY_LABEL)}") from None

@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from ...core import average_over_ranks, distributed, route
+from ...core.views import view_named
 from ...maths import kfac as kfac_maths
 from ...core.distribution.sharding import local, own_rows
 from .coarse import location_projections
@@ -17,9 +18,8 @@ from .decompositions import kfac_inverse
 
 def weight_matrix(group, w: torch.Tensor) -> torch.Tensor:
     """A weight gradient as [d_out, d_in]: a view (a Conv1D's [in, out] transposed)."""
-    if group["layer_type"] == "Conv1D":
-        return w.t()
-    return w.reshape(w.shape[0], -1)
+    view = view_named(group["layer_type"])
+    return w.t() if view.transposed else w.reshape(w.shape[0], -1)
 
 
 def grad_matrix(group, grads=None) -> torch.Tensor:
@@ -61,13 +61,13 @@ class Preconditioning:
             pres = []
             for group, state, raw in zip(self.param_groups, states, raws):
                 p = kfac_inverse(state, raw)
-                locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
+                locations = view_named(group["layer_type"]).conv or state["num_locations"] != 1
                 pres.append(p / state["num_locations"] if locations else p)
             return pres
         pres = []
         products: dict[tuple, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
         for i, (group, state, raw) in enumerate(zip(self.param_groups, states, raws)):
-            locations = group["layer_type"] == "Conv2d" or state["num_locations"] != 1
+            locations = view_named(group["layer_type"]).conv or state["num_locations"] != 1
             scaling = self._scaling(i, state, state["num_locations"] if locations else 1)
             mid, work = self._product_buffers(i, raw)
             products[(raw.device, raw.dtype)].append((mid, work, raw, state["Q_x"], state["Q_g"], scaling))
@@ -120,7 +120,8 @@ class Preconditioning:
             bs = [g["params"][1].grad if len(g["params"]) == 2 else ws[i].new_empty(0)
                   for i, g in enumerate(self.param_groups)]
         # [d_out, ...] views: a Conv1D's transposed gradient is written through a copy below
-        ws = [w.t() if g["layer_type"] == "Conv1D" else w for w, g in zip(ws, self.param_groups)]
+        ws = [w.t() if view_named(g["layer_type"]).transposed else w
+              for w, g in zip(ws, self.param_groups)]
         # the kernel writes contiguous gradients: others (channels_last, Conv1D) through a copy
         targets = [t if t.is_contiguous() else t.contiguous() for t in (*ws, *bs)]
         # the directions are in the state dtype (float32 for float16/bfloat16 gradients)

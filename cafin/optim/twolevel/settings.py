@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ...core import check_int, discover, distributed
-from ...core.modules import is_transposed_linear
+from ...core.views import view_of
 from ...core.route import Route
 from ...core.distribution.sharding import is_sharded, module_class
 from ..kfac.compat import AssignmentStrategy, as_enum
@@ -24,16 +24,17 @@ _STATE = ("x", "gy", "num_locations", "xxt", "ggt", *_EIGEN)  # a layer's state,
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # the kernel that writes the gradients (K-FAC's), the op a Route probes for the device
 _KERNEL = "kfac_precondition_apply_"
+# The views of the layers two-level K-FAC preconditions (transformers' Conv1D: a Linear with its
+# weight stored transposed, [in, out]).
+_PUBLISHED = ("Linear", "Conv2d", "Conv1D")
 
 
 def _accept(module: nn.Module) -> bool:
     # The published code registers by exact class name, so subclasses are skipped (FSDP2's
-    # generated subclass of a sharded module is named by the class it wraps). transformers'
-    # Conv1D is a Linear with its weight stored transposed, [in, out].
-    name = module_class(module).__name__
-    if isinstance(module, (nn.Linear, nn.Conv2d)):
-        return name in ("Linear", "Conv2d")
-    return name == "Conv1D" and is_transposed_linear(module)
+    # generated subclass of a sharded module is named by the class it wraps).
+    view = view_of(module)
+    return (view is not None and view.label in _PUBLISHED
+            and module_class(module).__name__ == view.label)
 
 
 def _refuse_layers_without_curvature(model: nn.Module) -> None:
@@ -41,11 +42,12 @@ def _refuse_layers_without_curvature(model: nn.Module) -> None:
     Conv1d, Conv3d) is an error naming it: its gradient would silently go unpreconditioned."""
     for name, module in model.named_modules():
         kind = type(module).__name__
-        if not isinstance(module, (nn.Embedding, nn.Conv1d, nn.Conv3d)):
+        view = view_of(module)
+        if view is None or not view.kronecker or view.label in _PUBLISHED:
             continue
         if not any(p.requires_grad for p in module.parameters(recurse=False)):
             continue
-        if isinstance(module, nn.Embedding):
+        if view.diagonal_input:
             # Its input rows are one-hot: the dense input factor and its eigendecomposition would
             # be num_embeddings x num_embeddings, and a tied output layer adds to its gradient.
             raise ValueError(f"layer '{name}': TwoLevelKFAC does not precondition Embedding layers (their "

@@ -7,10 +7,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import nn
 
 from ...core import NonFiniteStatisticsWarning
-from ...factors import input_rows
+from ...core.views import view_of
 
 
 def layer_rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -19,20 +18,21 @@ def layer_rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
     dims), as a Conv2d has its output positions."""
     # published: grad_output * grad_output.size(0), the per-sample gradient of a mean loss
     m, x, gy = layer.module, x.to(dtype), gy.to(dtype) * gy.shape[0]
-    if isinstance(m, nn.Conv2d):
-        rows = input_rows(m, x)[0]
-        T = gy.shape[-1] * gy.shape[-2]
-        gy = gy.reshape(-1, gy.shape[-3], T).transpose(1, 2).reshape(-1, gy.shape[-3])
+    view = view_of(m)
+    if view.conv:
+        rows = view.input_rows(m, x)[0]
+        T = view.locations(m, gy)
+        gy = view.sample_rows(m, gy).reshape(-1, gy.shape[-3])
     else:
         if x.dim() < 2 or x.shape[0] == 0 or x[0].numel() == 0:
             raise ValueError(f"layer '{layer.name}': {type(m).__name__} input must be [batch, ..., "
                              f"features] with at least one sample and location, got shape {tuple(x.shape)}")
-        rows = input_rows(m, x)[0]
+        rows = view.input_rows(m, x)[0]
         T = rows.shape[0] // x.shape[0]
         gy = gy.reshape(-1, gy.shape[-1])
     if m.bias is not None:
         rows = torch.cat([rows, torch.ones_like(rows[:, :1])], dim=1)
-    elif not isinstance(m, nn.Conv2d):
+    elif not view.conv:
         # a Linear's rows are its input: stored rows are written in place by compiled and
         # captured steps, so they get memory of their own
         rows = rows.clone()
