@@ -183,14 +183,10 @@ def _last_dim_grad(impl, stat, module, g, step, interval):
     impl.sumsq_stats_(stat, g, g.dim() - 1, g.dim(), False, step, interval)
 
 
-register(LayerType(
-    nn.Linear,
-    s_size=_s_size,
-    h_size=_h_size,
-    h_offsets=_weight_and_bias,
-    input_stats=_linear_input,
-    grad_stats=_last_dim_grad,
-))
+# What every layer with a Kronecker view reads of it; a Linear's statistics are also Conv1D's.
+_VIEWED = dict(s_size=_s_size, h_size=_h_size, h_offsets=_weight_and_bias)
+_LINEAR = dict(_VIEWED, input_stats=_linear_input, grad_stats=_last_dim_grad)
+register(LayerType(nn.Linear, **_LINEAR))
 
 
 # ------------------------------------------------------------------------------------ Conv2d
@@ -213,7 +209,7 @@ def _conv_grad(impl, stat, module, g, step, interval):
     impl.sumsq_stats_(stat, view_of(module).batched(g), 1, 2, False, step, interval)
 
 
-_CONV = dict(s_size=_s_size, h_size=_h_size, h_offsets=_weight_and_bias, grad_stats=_conv_grad)
+_CONV = dict(_VIEWED, grad_stats=_conv_grad)
 register(LayerType(nn.Conv2d, input_stats=_conv_input, **_CONV))
 
 
@@ -223,33 +219,15 @@ def _norm_input(impl, stat, module, x, step, interval):
     impl.norm_input_stats_(stat, x, step, interval)
 
 
-def _batchnorm_grad(impl, stat, module, g, step, interval):
-    impl.norm_grad_stats_(stat, g, 1, 2, step, interval)
+def _norm_grad(impl, stat, module, g, step, interval):
+    start, end = view_of(module).feature_dims(module, g)  # BatchNorm's dim 1, LayerNorm's last
+    impl.norm_grad_stats_(stat, g, start, end, step, interval)
 
 
-def _layernorm_grad(impl, stat, module, g, step, interval):
-    impl.norm_grad_stats_(stat, g, g.dim() - len(module.normalized_shape), g.dim(), step, interval)
-
-
-_NORM_OFFSETS = {"weight": 0, "bias": 1}
-
-register(LayerType(
-    nn.BatchNorm2d,
-    s_size=_s_size,
-    h_size=lambda m: 2,
-    h_offsets=lambda m: _NORM_OFFSETS,
-    input_stats=_norm_input,
-    grad_stats=_batchnorm_grad,
-))
-
-register(LayerType(
-    nn.LayerNorm,
-    s_size=_s_size,
-    h_size=lambda m: 2,
-    h_offsets=lambda m: _NORM_OFFSETS,
-    input_stats=_norm_input,
-    grad_stats=_layernorm_grad,
-))
+_NORM = dict(s_size=_s_size, h_size=lambda m: 2, h_offsets=lambda m: {"weight": 0, "bias": 1},
+             input_stats=_norm_input, grad_stats=_norm_grad)
+register(LayerType(nn.BatchNorm2d, **_NORM))
+register(LayerType(nn.LayerNorm, **_NORM))
 
 
 # ------------------------------------------------------------------------- Conv1d and Conv3d
@@ -324,11 +302,7 @@ register(LayerType(
 # stays on the gradient side ([out]: S[r] * H[in]), as Linear's.
 register(LayerType(
     nn.Module,
-    s_size=_s_size,
-    h_size=_h_size,
-    h_offsets=_weight_and_bias,
-    input_stats=_linear_input,
-    grad_stats=_last_dim_grad,
+    **_LINEAR,
     transposed=_transposed(CONV1D),
     matches=CONV1D.accepts,
     name="transformers Conv1D",
