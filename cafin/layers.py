@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .core import discovery
-from .core.views import CONV1D, CONVS, EMBEDDING, view_of
+from .core.views import BATCHNORM, CONV1D, CONVS, EMBEDDING, LAYERNORM, view_of
 
 
 @dataclass(frozen=True)
@@ -205,12 +205,14 @@ def _conv_input(impl, stat, module, x, step, interval):
                              step, interval)
 
 
-def _conv_grad(impl, stat, module, g, step, interval):
-    impl.sumsq_stats_(stat, view_of(module).batched(g), 1, 2, False, step, interval)
+def _conv_grad(view):
+    # the view bound here, not looked up: the hooks run this every statistics step
+    def grad_stats(impl, stat, module, g, step, interval):
+        impl.sumsq_stats_(stat, view.batched(g), 1, 2, False, step, interval)
+    return grad_stats
 
 
-_CONV = dict(_VIEWED, grad_stats=_conv_grad)
-register(LayerType(nn.Conv2d, input_stats=_conv_input, **_CONV))
+register(LayerType(nn.Conv2d, input_stats=_conv_input, grad_stats=_conv_grad(CONVS[2]), **_VIEWED))
 
 
 # ---------------------------------------------------------------------- BatchNorm2d, LayerNorm
@@ -219,15 +221,17 @@ def _norm_input(impl, stat, module, x, step, interval):
     impl.norm_input_stats_(stat, x, step, interval)
 
 
-def _norm_grad(impl, stat, module, g, step, interval):
-    start, end = view_of(module).feature_dims(module, g)  # BatchNorm's dim 1, LayerNorm's last
-    impl.norm_grad_stats_(stat, g, start, end, step, interval)
+def _norm_grad(view):
+    def grad_stats(impl, stat, module, g, step, interval):
+        start, end = view.feature_dims(module, g)  # BatchNorm's dim 1, LayerNorm's last
+        impl.norm_grad_stats_(stat, g, start, end, step, interval)
+    return grad_stats
 
 
 _NORM = dict(s_size=_s_size, h_size=lambda m: 2, h_offsets=lambda m: {"weight": 0, "bias": 1},
-             input_stats=_norm_input, grad_stats=_norm_grad)
-register(LayerType(nn.BatchNorm2d, **_NORM))
-register(LayerType(nn.LayerNorm, **_NORM))
+             input_stats=_norm_input)
+register(LayerType(nn.BatchNorm2d, grad_stats=_norm_grad(BATCHNORM), **_NORM))
+register(LayerType(nn.LayerNorm, grad_stats=_norm_grad(LAYERNORM), **_NORM))
 
 
 # ------------------------------------------------------------------------- Conv1d and Conv3d
@@ -258,8 +262,8 @@ def _conv3d_input(impl, stat, module, x, step, interval):
                              module.bias is not None, step, interval)
 
 
-register(LayerType(nn.Conv1d, input_stats=_conv1d_input, **_CONV))
-register(LayerType(nn.Conv3d, input_stats=_conv3d_input, **_CONV))
+register(LayerType(nn.Conv1d, input_stats=_conv1d_input, grad_stats=_conv_grad(CONVS[1]), **_VIEWED))
+register(LayerType(nn.Conv3d, input_stats=_conv3d_input, grad_stats=_conv_grad(CONVS[3]), **_VIEWED))
 
 
 # ------------------------------------------------------------------------------- Embedding
