@@ -291,7 +291,7 @@ def test_embedding_stats_op_arguments():
 def test_transposed_linear_recognised_by_its_contract():
     """A class named Conv1D with nx, nf and a [nx, nf] weight, its subclasses and FSDP2's
     generated subclass; not torch's Conv1d, nor a Conv1D of another shape contract."""
-    from cafin.core.modules import is_transposed_linear
+    from cafin.core.views import is_transposed_linear
 
     class Sub(_Conv1D):
         pass

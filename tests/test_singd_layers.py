@@ -196,7 +196,7 @@ def test_transformers_conv1d_equals_linear_with_transposed_weight(structures, bi
 
 
 def test_conv1d_recognised_by_its_shape_contract_also_under_fsdp_class_swap():
-    from cafin.core.modules import is_transposed_linear
+    from cafin.core.views import is_transposed_linear
 
     class Mixin:
         pass

@@ -15,8 +15,7 @@ concern.
 - `views.py`: one view per module type (Linear, Conv1d/2d/3d, Embedding, transformers' Conv1D,
   BatchNorm, LayerNorm) and `view_of`: which side of the weight is stored transposed, the input
   rows (a convolution's patches and padding), the output-gradient rows, the gradient as a
-  [groups, out, in] matrix with its bias column, the sizes; every member's statistics read them
-  (`modules.py` keeps `is_transposed_linear`'s old name).
+  [groups, out, in] matrix with its bias column, the sizes; every member's statistics read them.
 - `steps.py`: `StepCounter`, k, the completed optimizer steps, on the host while steps run
   eagerly and on every device as a tensor that device-gated ops read after a compile or a
   CUDA-graph capture; `run_closure`, a step's closure that leaves no trace when it raises (`undo_on_error`).
