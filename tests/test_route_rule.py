@@ -4,6 +4,10 @@ the backend itself. A new fork elsewhere is the kind no CPU test walks."""
 import pathlib
 import re
 
+import torch
+
+from cafin.core import route
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "cafin"
 ROUTE = ROOT / "core" / "route.py"
 FORBIDDEN = {
@@ -44,3 +48,21 @@ def test_the_rule_sees_a_fork():
     allowed = ["if route.eager():", "if self._route.fused:", "route.captured()"]
     for line in allowed:
         assert not any(re.search(p, line) for p in FORBIDDEN), line
+
+
+def test_the_route_answers_inside_a_fullgraph_compile():
+    """A member asks its Route inside a step that may be compiled; the answer for a CUDA device
+    (a dispatcher query) is a constant of the build that Dynamo evaluates while tracing, not a
+    graph break. Asked here on the CPU, where only the query for "cuda" can show it."""
+    chosen = route.Route("fused", "a member", "kfac_precondition_apply_")
+
+    def step(x, device):
+        ops = chosen.ops(device, torch.float32)
+        return x + 1 if chosen.runs_kernels(device, torch.float32) and ops is not None else x - 1
+
+    compiled = torch.compile(step, fullgraph=True, backend="eager")
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        x = torch.ones(3)
+        torch.testing.assert_close(compiled(x, device), step(x, device))
+    assert route.Route("reference", "a member", "kfac_precondition_apply_").ops(
+        torch.device("cpu"), torch.float32) is chosen.ops(torch.device("cuda"), torch.bfloat16)

@@ -61,9 +61,16 @@ def check_backend(backend: object, owner: str) -> str:
 def has_kernels(device: torch.device, op: str) -> bool:
     """This build registers `cafin::<op>` for the device (the CPU always; CUDA when the
     extension was built with its CUDA kernels)."""
-    if device.type == "cpu":
+    return _registered(device.type, op)
+
+
+# A constant of the build: torch.compile evaluates it while tracing (the dispatcher query itself
+# is no op Dynamo can trace, and a step that asks it would break a fullgraph compile).
+@torch._dynamo.assume_constant_result
+def _registered(device_type: str, op: str) -> bool:
+    if device_type == "cpu":
         return True
-    key = {"cuda": "CUDA"}.get(device.type)
+    key = {"cuda": "CUDA"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(f"cafin::{op}", key)
 
 
