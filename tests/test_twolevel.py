@@ -853,7 +853,7 @@ def test_a_nonfinite_batch_is_dropped_with_a_warning(coarse):
     x[3, 2] = math.nan
     with pytest.warns(NonFiniteStatisticsWarning, match="dropped"):
         run_ours(opt, net, x, t)
-    assert opt.dropped_statistics >= 1
+    assert opt.dropped_statistics >= 1 and opt.skipped_factor_updates == opt.dropped_statistics
     for g, old in zip(opt.param_groups, kept):
         assert all(torch.equal(opt.state[g["params"][0]][k], old[k]) for k in keys)
     assert torch.isfinite(opt.f_coarse).all() and torch.isfinite(opt.f_coarse_inv).all()

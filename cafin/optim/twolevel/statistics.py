@@ -149,6 +149,13 @@ class Statistics:
             self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
         return gate
 
+    @property
+    def skipped_factor_updates(self) -> int:
+        """Curvature updates dropped because their statistics (or the coarse matrix) held inf or
+        NaN: the count every member keeps under this name (here `dropped_statistics`, counted on
+        the host, which decides every two-level step)."""
+        return self.dropped_statistics
+
     def _drop(self, what: str) -> None:
         self.dropped_statistics += 1
         warnings.warn(f"TwoLevelKFAC: step {self._iteration_counter}: {what} held inf/NaN and were "
