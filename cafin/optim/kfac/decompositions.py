@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from ...core import EigendecompositionWarning
+from ...core.route import Route
 from ...maths import kfac as kfac_maths
 from .compat import ComputeMethod
 from .state import _LayerState
@@ -70,7 +71,8 @@ class Decompositions:
                 if f.dim() == 2:  # a diagonal factor: its own eigenvalues, basis I
                     self._diagonal_decomposition(self._state[layer.name], results, eigenvalues, prediv)
                     continue
-                key = (f.shape[1:], f.dtype, f.device) if f.device.type != "cpu" else (layer.name, None, f.device)
+                batched = Route.batched_products(f.device)
+                key = (f.shape[1:], f.dtype, f.device) if batched else (layer.name, None, f.device)
                 buckets[key].append(self._state[layer.name])
             for (_, _, device), sts in buckets.items():
                 stacked = torch.cat([getattr(st, side.upper()) for st in sts])
