@@ -2,7 +2,7 @@
 
 Two decisions:
 
-- **How this step runs** (`mode`): eagerly, traced by torch.compile, or captured in a CUDA graph.
+- **How this step runs**: eagerly, traced by torch.compile, or captured in a CUDA graph.
   torch forces this one per call; members ask the question they need answered: `eager()` (the
   host may read a device value, keep a host cache, warn: a read costs at most a sync),
   `compiled()` (Dynamo is tracing: a host value would become a guard), `captured()` (a CUDA graph
@@ -45,11 +45,6 @@ def captured() -> bool:
 def eager() -> bool:
     """Neither traced nor captured: the host may read device values, keep host caches and warn."""
     return not compiled() and not capturing()
-
-
-def mode() -> str:
-    """"eager", "compiled" or "captured": how this call runs."""
-    return "compiled" if compiled() else "captured" if capturing() else "eager"
 
 
 def check_backend(backend: object, owner: str) -> str:
