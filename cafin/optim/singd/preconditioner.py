@@ -40,13 +40,6 @@ class _PendingUpdate(NamedTuple):
     due_host: bool | None
 
 
-def scalar_tensor(value, device, dtype) -> Tensor:
-    """A 0-dim tensor of `value` in `dtype` (a Python float is not rounded through float32)."""
-    if isinstance(value, Tensor):
-        return value.detach().to(device=device, dtype=dtype).clone().reshape(())
-    return torch.tensor(float(value), device=device, dtype=dtype)
-
-
 class Preconditioner:
     """The update of the factors K, C and their momenta (a mixin of `SINGD`)."""
 
@@ -57,7 +50,9 @@ class Preconditioner:
             lr_cov = self._lr_cov_now.get(id(group))
             if lr_cov is None:  # device gated: the callable takes the step tensor, unchecked
                 lr_cov = group["lr_cov"](self._steps.tensor(device))
-        return scalar_tensor(lr_cov, device, dtype)
+        # The group's own 0-dim tensor where it is one already (no copy per layer and step);
+        # a number times the cached one, which a compiled step keeps symbolic.
+        return self._as_tensor(lr_cov, device, dtype)
 
     def _evaluate_lr_cov(self) -> dict[int, Any]:
         """Each callable lr_cov of a group with a preconditioner update due at this step, called
@@ -102,7 +97,8 @@ class Preconditioner:
         if not items:
             return
         momentum: dict[tuple, tuple[list, ...]] = {}
-        pending = [self._queue_momentum(layer, due_host, c_g, momentum) for layer, due_host in items]
+        scalars: dict[tuple, tuple[Tensor, ...]] = {}  # a group's, made once per device and dtypes
+        pending = [self._queue_momentum(layer, due_host, c_g, momentum, scalars) for layer, due_host in items]
         for (device, _), lists in momentum.items():
             self._ops(device).singd_momentum_(*lists)
         for (device, _), lists in self._factor_steps(pending).items():
@@ -113,7 +109,8 @@ class Preconditioner:
                              "the accumulated curvature (H_K, H_C) held NaN or inf; those layers keep "
                              "their factors K, C and their accumulators are reset", stacklevel=6)
 
-    def _queue_momentum(self, layer: Layer, due_host: bool | None, c_g, momentum: dict) -> _PendingUpdate:
+    def _queue_momentum(self, layer: Layer, due_host: bool | None, c_g, momentum: dict,
+                        scalars: dict) -> _PendingUpdate:
         """Add a layer's factors to the momentum op's (device, dtype) buckets; returns what the
         factor step needs of the layer."""
         group = self._group(layer)
@@ -129,11 +126,14 @@ class Preconditioner:
         else:  # m is not kept: the op writes the new one into scratch
             m_K = tuple(torch.empty_like(h) for h in H_K)
             m_C = tuple(torch.empty_like(h) for h in H_C)
-        scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
         (K_tK, pi_k), (C_tC, pi_c) = sk.inner_parts(K), sc.inner_parts(C)
         wk, wc = work_dtype(dk), work_dtype(dc)
-        scale_k, scale_c = self._as_tensor(scale, device, wk), self._as_tensor(scale, device, wc)
-        alpha1_k, alpha1_c = self._as_tensor(alpha1, device, wk), self._as_tensor(alpha1, device, wc)
+        key = (id(group), device, wk, wc)
+        if key not in scalars:
+            scale = 0.5 * ((1.0 - alpha1) if group["normalize_lr_cov"] else 1.0)
+            scalars[key] = (self._as_tensor(scale, device, wk), self._as_tensor(scale, device, wc),
+                            self._as_tensor(alpha1, device, wk), self._as_tensor(alpha1, device, wc))
+        scale_k, scale_c, alpha1_k, alpha1_c = scalars[key]
         damping_k = self._hyperparameter(group, "damping", device, wk)
         damping_c = self._hyperparameter(group, "damping", device, wc)
         if group["kfac_like"]:
