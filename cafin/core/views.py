@@ -69,9 +69,6 @@ class View:
     def has_bias(module: nn.Module) -> bool:
         return getattr(module, "bias", None) is not None
 
-    def groups(self, module: nn.Module) -> int:
-        return 1
-
     def sizes(self, module: nn.Module) -> tuple[int, int, int]:
         """(groups, d_a, d_g): A is [groups, d_a, d_a] with the bias column, G [groups, d_g, d_g]."""
         raise NotImplementedError
@@ -169,9 +166,6 @@ class ConvView(View):
         self.dims = dims
         self.module_type = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[dims - 1]
         self.label = self.module_type.__name__
-
-    def groups(self, module):
-        return module.groups
 
     def patch_size(self, module) -> int:
         """d_in of one group: C_in / groups * prod(kernel)."""

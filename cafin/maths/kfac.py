@@ -14,7 +14,7 @@ import torch
 from .eigh import protected_eigh
 
 __all__ = [
-    "eigen_decompose", "eigen_result", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
+    "eigen_decompose", "damped_inverse", "eigenvalue_reciprocal", "eigen_precondition",
     "eigen_precondition_into",
     "aligned_empty", "rows_equally_spaced",
     "inverse_precondition", "kl_clip_scale",
@@ -39,12 +39,13 @@ def eigen_decompose(factor: torch.Tensor, *, decompose_dtype: torch.dtype = torc
     an eigh that fails is tried again in each of those dtypes (`protected_eigh`), and None is
     returned where every attempt fails."""
     if not retry_in:
-        return eigen_result(*torch.linalg.eigh(factor.to(decompose_dtype)), out_dtype=out_dtype)
+        return _eigen_result(*torch.linalg.eigh(factor.to(decompose_dtype)), out_dtype=out_dtype)
     d_q = protected_eigh(factor, [(dtype, 0.0) for dtype in (decompose_dtype, *retry_in)])
-    return None if d_q is None else eigen_result(*d_q, out_dtype=out_dtype)
+    return None if d_q is None else _eigen_result(*d_q, out_dtype=out_dtype)
 
 
-def eigen_result(d: torch.Tensor, q: torch.Tensor, *, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _eigen_result(d: torch.Tensor, q: torch.Tensor, *,
+                  out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """An eigendecomposition as K-FAC keeps it: cast to `out_dtype`, eigenvalues clamped at 0."""
     return d.to(out_dtype).clamp(min=0.0), q.to(out_dtype)
 

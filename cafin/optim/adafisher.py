@@ -368,10 +368,9 @@ class AdaFisher(CurvatureOptimizer):
                                    to_device(grad_scale, device), to_device(found_inf, device))
         # Non-finite statistics are dropped and counted on the device; where reading the count costs no
         # sync (CPU, eager) it also becomes a warning. On CUDA: `skipped_factor_updates`.
-        if device.type == "cpu":
-            self._skipped.report(lambda n: f"{type(self).__name__}: {n} curvature statistic(s) held NaN "
-                                 "or inf and were dropped; their factors keep their previous values",
-                                 stacklevel=3)
+        self._skipped.report(lambda n: f"{type(self).__name__}: {n} curvature statistic(s) held NaN "
+                             "or inf and were dropped; their factors keep their previous values",
+                             stacklevel=3)
 
     def _update_factors(self, grad_scale, found_inf) -> None:
         """On a step after statistics were taken: fold them into the factors (one call per
