@@ -354,13 +354,16 @@ class CurvatureOptimizer(HookOwner, CoreOptimizer):
     checkpoint_settings: tuple[str, ...] = ()
     _not_copied = ("_hooks",)
     _group_records = ("curvature",)
+    # Whether a compiled step decides from the host count (a graph per phase, no curvature work on
+    # the others) or, as a captured one, on the device (one graph): core.steps.StepCounter.
+    _host_decides_compiled = True
 
     def __init__(self, model: nn.Module, params, defaults: dict[str, Any], process_group=None):
         if process_group is not None and not distributed():
             raise ValueError("process_group given but torch.distributed is not initialised")
         self.model = unwrap(model)
         self.process_group = process_group
-        self._steps = StepCounter()
+        self._steps = StepCounter(self._host_decides_compiled)
         self._hooks: Hooks | None = None
         self._curvature: list[Layer] = []
         self._attached = False

@@ -12,13 +12,18 @@ from . import route
 class StepCounter:
     """k = completed optimizer steps.
 
-    While steps run eagerly the host counts them and decides which passes take statistics, so
-    nothing is launched on the other passes. A compiled step cannot keep a host count (a Python int
-    it changed would be a new constant, and a recompile, every step; a tensor's version counter
-    moves a backend-dependent number of times per step), and a CUDA-graph replay runs no Python at
-    all: after either, the counter is "device gated" for good. Then every statistic op is launched
-    on every pass with the per-device k tensor and decides on the device, and the host reads k from
-    that tensor when it must (checkpoints).
+    The host counts the steps and decides which passes take statistics and which steps do
+    curvature work, so nothing is launched on the others, eagerly and under torch.compile alike:
+    a compiled step reads the host count as a guard (Dynamo makes the count symbolic once it has
+    changed, so the guards are on the phase, `k % interval == 0`, not on k: a compiled step builds
+    one graph per phase, not per step; `torch.compile(dynamic=False)` would specialise on every k
+    and recompile every step). A member whose kernels decide on the device at no cost (AdaFisher's
+    statistics exit early) may keep one graph for every phase instead (`host_decides_compiled=False`).
+
+    A CUDA-graph replay runs no Python at all: once a step is captured the counter is "device
+    gated" for good. Then every statistic op is launched on every pass with the per-device k
+    tensor and decides on the device, and the host reads k from that tensor when it must
+    (checkpoints).
 
     A device-gated counter can still be told k by the host: `cafin.StepGraphs` knows which step
     each graph it replays is, so it "pins" k while it captures (or runs eagerly) one step. Then
@@ -27,10 +32,14 @@ class StepCounter:
     intervals are due) and replayed only on steps of that phase. The work that is launched still
     decides on the device, as every gated step does, so a pinned step computes what an unpinned
     gated step computes.
+
+    Whether the host may *read* a device value (a finiteness check, a warning) is another
+    question, the route's (`route.eager()`): a compiled step knows k but may not read tensors.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, host_decides_compiled: bool = True) -> None:
         self.host = 0
+        self.host_decides_compiled = host_decides_compiled
         self.device_gated = False
         self.stepped = False  # whether any step ran (for the LR scheduler's call-order warning)
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -59,7 +68,7 @@ class StepCounter:
 
     def _latch(self) -> bool:
         """Whether decisions are made on the device from now on (latched once true)."""
-        if route.compiled():
+        if route.compiled() and not self.host_decides_compiled:
             self.device_gated = True  # a store, no read: no guard, no recompile when it flips
             return True
         if not self.device_gated and route.captured():

@@ -58,6 +58,9 @@ class AdaFisher(CurvatureOptimizer):
     finite_state = ("exp_avg", "fisher_S", "fisher_H", "stat_S", "stat_H")
 
     decoupled_weight_decay = False
+    # The statistics kernels exit early on the device on passes that are not due, at no cost: a
+    # compiled step decides on the device and stays one graph for every phase.
+    _host_decides_compiled = False
     # torch.amp.GradScaler.step then hands over `grad_scale` and `found_inf` device tensors
     # instead of unscaling: the kernel unscales, and skips everything when found_inf is set.
     _step_supports_amp_scaling = True
