@@ -32,6 +32,7 @@ verdict where the issue sets a goal.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import math
@@ -40,7 +41,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -266,6 +267,39 @@ def _IN_PLACE_GEMMS() -> dict:
 
     aten = torch.ops.aten
     return {aten.addmm_: addmm_, aten.baddbmm_: baddbmm_}
+
+
+class Profiled(NamedTuple):
+    flops: int
+    ops: collections.Counter  # how many times each op ran, by the profiler's name
+
+
+def profiled(fn: Callable[[], object]) -> Profiled:
+    """FLOPs and ops of `fn()` as the profiler records them (GEMMs, convolutions and elementwise
+    ops carry FLOPs, a FLOP-bearing op inside another counted once; an eigendecomposition
+    carries none), without a Python mode: a compiled function runs under it as it runs anywhere
+    (Dynamo refuses dispatch modes) and keeps its caches. Compare two of these counts, never
+    one with `count_flops`'s."""
+    from torch.profiler import ProfilerActivity, profile
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as count_flops: workers are not recorded
+    try:
+        with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+            fn()
+    finally:
+        torch.set_num_threads(threads)
+    total, ops = 0, collections.Counter()
+    for event in prof.events():
+        ops[event.name] += 1
+        if not event.flops:
+            continue
+        parent = event.cpu_parent
+        while parent is not None and not parent.flops:
+            parent = parent.cpu_parent
+        if parent is None:
+            total += event.flops
+    return Profiled(int(total), ops)
 
 
 def count_flops(fn: Callable[[], object]) -> int:

@@ -577,9 +577,11 @@ def test_twolevel_takes_conv1d():
 
 # ------------------------------------------------------------------------------ compiled step
 @pytest.mark.parametrize("method", ["eigen"])
-def test_compiled_step_equals_eager(method):
-    """The device-gated step (folds and decompositions decided on the device) with a diagonal
-    factor in it: torch.compile(step) trains as the eager step."""
+@pytest.mark.parametrize("decides", ["host", "device"])
+def test_compiled_step_equals_eager(method, decides):
+    """A compiled step with a diagonal factor in it trains as the eager step, both where the host
+    count decides the folds and decompositions (torch.compile's way) and where the device does
+    (a captured step's way, forced here under torch.compile)."""
     torch._dynamo.reset()
     torch.manual_seed(9)
     base = Tiny(padding_idx=0)
@@ -591,6 +593,7 @@ def test_compiled_step_equals_eager(method):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         pre = cafin.KFACPreconditioner(model, compute_method=method, factor_update_steps=2, inv_update_steps=2,
                                        compute_eigenvalue_outer_product=method == "eigen")
+        pre._steps.host_decides_compiled = decides == "host"
         step = torch.compile(pre.step, fullgraph=True) if compiled else pre.step
         for i, x in enumerate(batches):
             opt.zero_grad()
@@ -601,6 +604,6 @@ def test_compiled_step_equals_eager(method):
     eager, _ = run(False)
     compiled, pre = run(True)
     torch._dynamo.reset()
-    assert pre._steps.device_gated
+    assert pre._steps.device_gated == (decides == "device")
     for a, b in zip(eager.parameters(), compiled.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

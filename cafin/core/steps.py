@@ -80,7 +80,7 @@ class StepCounter:
         on the device (None when the host already decided that k % interval == 0)."""
         if self._latch():
             return self.host_due(interval) is None, self.tensor(device)
-        return self.host % interval == 0, None
+        return self.host_due(interval), None
 
     def host_due(self, interval: int, offset: int = 0) -> bool | None:
         """(k + offset) % interval == 0 as the host knows it, or None once the device decides.
@@ -88,7 +88,10 @@ class StepCounter:
         a due one None (its work is launched, and decides on the device as on any gated step).
         `offset`: for a count that runs alongside k (a parameter's own step count)."""
         if not self._latch():
-            return (self.host + offset) % interval == 0
+            # A branch, not the comparison's value: under torch.compile the count is symbolic, and
+            # a symbolic answer would fail the `is False` / `is None` tests members make (Dynamo's
+            # bool() keeps it symbolic); the branch guards on the phase and gives a constant.
+            return True if (self.host + offset) % interval == 0 else False  # noqa: SIM210
         if self.pinned is None:
             return None
         due = (self.pinned + offset) % interval == 0

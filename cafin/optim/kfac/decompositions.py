@@ -9,6 +9,7 @@ from collections import defaultdict
 import torch
 
 from ...core import EigendecompositionWarning
+from ...core import route
 from ...core.route import Route
 from ...maths import kfac as kfac_maths
 from .compat import ComputeMethod
@@ -34,19 +35,23 @@ class Decompositions:
 
     def _update_inverses(self) -> None:
         """On inv_update_steps: eagerly, this rank's share of the decompositions, then shared; a
-        device-gated step decomposes every factor on the device (no collective)."""
+        compiled or device-gated step decomposes every factor on the device (no collective), a
+        device-gated one kept only where the device's k says it is due."""
         due = self._steps.host_due(self.inv_update_steps)
-        if due is None:
-            self._check_device_gated()
-            devices = {self._state[layer.name].A.device for layer in self._layers}
-            if len(devices) > 1:
-                raise RuntimeError("a device-gated K-FAC step needs every layer on one device")
-            if devices:
-                device = devices.pop()
-                # every layer is this rank's to precondition (COMM_OPT, checked): all of them
-                self._decompose(torch.remainder(self._steps.tensor(device), self.inv_update_steps) == 0)
-        elif due:
+        if due is False:
+            return
+        if due and route.eager():
             self._compute_inverses()
+            return
+        self._check_device_gated()
+        devices = {self._state[layer.name].A.device for layer in self._layers}
+        if len(devices) > 1:
+            raise RuntimeError("a compiled or device-gated K-FAC step needs every layer on one device")
+        if devices:
+            device = devices.pop()
+            # every layer is this rank's to precondition (COMM_OPT, checked): all of them
+            self._decompose(None if due else
+                            torch.remainder(self._steps.tensor(device), self.inv_update_steps) == 0)
 
     def _decompose(self, gate: torch.Tensor | None, sides: set[tuple[str, str]] | None = None) -> None:
         """Decompositions of the live layers' factors (those in `sides`; None: all), batched
@@ -128,7 +133,7 @@ class Decompositions:
     def _eigen_decompose(self, stacked, sts, side, gate):
         """(d, q) of stacked factors; eagerly, a failed eigh is retried in float64, and if that
         fails too, None (with a warning: the layers keep their previous decompositions)."""
-        if gate is not None:  # compiled: no exception to catch
+        if gate is not None or not route.eager():  # no exception to catch, no warning
             return kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,
                                               out_dtype=self.inv_dtype)
         d_q = kfac_maths.eigen_decompose(stacked, decompose_dtype=self.decompose_dtype,

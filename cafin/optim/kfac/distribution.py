@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from ... import factors
-from ...core import Layer, distributed
+from ...core import Layer, distributed, route
 from ...maths import kfac as kfac_maths
 from ...core.distribution.sharding import (gather_rows, gather_to_owners, is_sharded, local, own_rows,
                                            scatter_from_owners, shard_dim, shard_group, shard_groups)
@@ -131,7 +131,7 @@ class Distribution:
             st.decomposed = ok == [1.0, 1.0]
 
     def _check_device_gated(self) -> None:
-        if self._steps.device_gated and self.assignment.broadcast_gradients():
+        if (self._steps.device_gated or not route.eager()) and self.assignment.broadcast_gradients():
             raise RuntimeError("a compiled or captured K-FAC step needs grad_worker_fraction=1 "
                                "(COMM_OPT) under torch.distributed: the preconditioned gradients "
                                "of MEM_OPT and HYBRID_OPT are shared by eager collectives")

@@ -106,6 +106,7 @@ class KFACPreconditioner(Settings, Layers, Statistics, Decompositions, Precondit
         self._factor_update_steps = factor_update_steps
         self._inv_update_steps = inv_update_steps
         self._mini_steps: dict[str, int] = defaultdict(int)
+        self._unfolded = False  # statistics a compiled forward took, for the step to fold
         # Statistics dropped for inf/NaN entries, counted on each device (float32: no sync, and
         # compiled or captured steps can add to it), and how many of them were already reported.
         self._skipped = DropCounts()

@@ -21,11 +21,15 @@ class Statistics:
         # compiled forward traces only if they write no Python state.
         if launch:
             self._state[layer.name].seen = True
+            if not self._host_folds():
+                self._unfolded = True  # the step folds this pass's statistics
         return launch, step
 
     def _host_folds(self) -> bool:
-        """Whether the hooks fold on the host's count (eager, update_factors_in_hook)."""
-        return self._update_factors_in_hook and not self._steps.device_gated
+        """Whether the hooks fold on the host's count (eager, update_factors_in_hook); a
+        compiled forward leaves the fold to the step (a hook that writes Python state breaks
+        the graph)."""
+        return self._update_factors_in_hook and not self._steps.device_gated and route.eager()
 
     def take_input_statistics(self, layer: Layer, x: torch.Tensor, step) -> None:
         """Take the statistics of `layer` from its input; its hook calls this."""
@@ -99,7 +103,8 @@ class Statistics:
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
                 cs = [t for st in sts for t in (st.count_A, st.count_G)]
                 self._fold_statistics(fs, ss, cs, device, step, self.factor_update_steps)
-        elif gated and not self._update_factors_in_hook:
+        elif gated and (not self._update_factors_in_hook or self._unfolded):
+            self._unfolded = False
             for device, sts in self._by_device().items():
                 fs = [t for st in sts for t in (st.A, st.G)]
                 ss = [t for st in sts for t in (st.stat_A, st.stat_G)]
