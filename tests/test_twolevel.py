@@ -496,29 +496,42 @@ def test_gpt2_blocks_alone_leave_the_embeddings_to_the_torch_optimizer():
 
 
 # ------------------------------------------------------------------ compile
+def _state_tensors(opt):
+    tensors = {f"{i}/{key}": t for i, st in enumerate(opt.state.values()) for key, t in st.items()
+               if isinstance(t, torch.Tensor)}
+    return {**tensors, "f_coarse": opt.f_coarse, "f_coarse_inv": opt.f_coarse_inv}
+
+
 @pytest.mark.parametrize("kind", ["mlp", "conv1d"])
-def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles(kind):
-    """torch.compile(step, fullgraph=True) after one eager step: T_cov/T_inv decided on the
-    device (eigh and the coarse assembly in torch.cond branches), damping and clipping changed
-    every step (0-dim tensors: no recompile), the following SGD step compiled too with a tensor lr
-    (torch.optim breaks its own graph around the step body on purpose, so not fullgraph). A NaN
-    batch on a curvature step is dropped on the device as the eager step drops it. On an MLP and
-    on Conv1D layers over sequences."""
+def test_compiled_step_equals_eager_with_a_graph_per_phase(kind, fresh_dynamo):
+    """torch.compile(step, fullgraph=True) after one eager step, the host deciding the intervals:
+    T_cov = 2 and T_inv = 3 give four phases, all met by k = 6, and one graph each (plus the first
+    graph, made while k was still a constant); the next six steps add none while damping,
+    clipping and alpha change every step (0-dim tensors). A NaN batch on a T_cov step is dropped
+    on the device as the eager step drops it. The compiled steps write every state tensor in
+    place, with no graph break. The following SGD step is compiled too, with a tensor lr. On an
+    MLP and on Conv1D layers over sequences."""
+    from torch._dynamo.testing import CompileCounterWithBackend
     from torch._dynamo.utils import counters
     from cafin.optim.twolevel import NonFiniteStatisticsWarning
     NAN_STEP = 4
     make = (lambda: mlp(True)) if kind == "mlp" else (lambda: transposed(seq(True)))
+    graphs_after = {}
+    sgd_graphs = CompileCounterWithBackend("eager")
 
     def run(compiled):
         net = make()
         opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=2, T_inv=3, alpha=ALPHA, coarse_space="residual",
                                  constraint_norm=True, clipping=1e-3)
         sgd = torch.optim.SGD(net.parameters(), lr=torch.tensor(0.05, dtype=torch.float64), momentum=0.9)
-        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
-        sgd_step = torch.compile(sgd.step) if compiled else sgd.step
-        for i in range(6):
+        counter = CompileCounterWithBackend("eager")
+        step = torch.compile(opt.step, fullgraph=True, backend=counter) if compiled else opt.step
+        # torch.optim breaks its own graph around the step body on purpose: not fullgraph
+        sgd_step = torch.compile(sgd.step, backend=sgd_graphs) if compiled else sgd.step
+        storage = None
+        for i in range(13):
             x, t = batch("mlp" if kind == "mlp" else "seq", 16, i)
-            if i == NAN_STEP:  # a curvature step on a NaN batch: its statistics are dropped
+            if i == NAN_STEP:  # a T_cov step on a NaN batch: its statistics are dropped
                 x[2, 1] = math.nan
             sgd.zero_grad()
             opt.update_stats = True
@@ -528,27 +541,63 @@ def test_compiled_step_equals_eager_without_graph_breaks_or_recompiles(kind):
                     opt.step()
             else:
                 (opt.step if i == 0 else step)()
+            if i == 0:
+                storage = {name: t.data_ptr() for name, t in _state_tensors(opt).items()}
             if i != NAN_STEP:  # its directions are NaN: the step is skipped, as a GradScaler would
                 (sgd.step if i == 0 else sgd_step)()
             opt.damping = DAMP * (1 + 0.1 * i)
             opt.clipping = 1e-3 * (1 + 0.2 * i)
+            opt.alpha = ALPHA - 0.01 * i  # rho = alpha from k = 10 on
             sgd.param_groups[0]["lr"].fill_(0.05 / (i + 1))
-        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), opt
+            graphs_after[i] = counter.frame_count
+        return torch.cat([p.detach().reshape(-1) for p in net.parameters()]), opt, storage
 
-    torch._dynamo.reset()
-    counters.clear()
-    try:
-        eager, _ = run(False)
-        compiled, opt = run(True)
-        assert opt._steps.device_gated and opt._iteration_counter == 6
-        assert all(torch.isfinite(t).all() for st in opt.state.values() for t in st.values()
-                   if isinstance(t, torch.Tensor)) and torch.isfinite(opt.f_coarse).all()
-        start = torch.cat([p.detach().reshape(-1) for p in make().parameters()])
-        assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
-        assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # two-level step, SGD body
-        assert all("User-inserted graph break" in k for k in counters["graph_break"]), dict(counters["graph_break"])
-    finally:
-        torch._dynamo.reset()
+    eager, _, _ = run(False)
+    compiled, opt, storage = run(True)
+    assert not opt._steps.device_gated and opt._iteration_counter == 13
+    assert all(torch.isfinite(t).all() for t in _state_tensors(opt).values())
+    moved = [name for name, t in _state_tensors(opt).items() if t.data_ptr() != storage[name]]
+    assert not moved, moved
+    start = torch.cat([p.detach().reshape(-1) for p in make().parameters()])
+    assert float((compiled - eager).norm() / (eager - start).norm()) <= 1e-10
+    assert graphs_after[6] <= 1 + 4, graphs_after
+    assert graphs_after[12] == graphs_after[6], graphs_after
+    assert sgd_graphs.frame_count == 1  # the SGD body: its tensor lr changes, no recompile
+    assert all("User-inserted graph break" in k for k in counters["graph_break"]), dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("kind,coarse", [("mlp", "nicolaides"), ("cnn", "residual")])
+def test_compiled_step_that_is_not_due_does_no_curvature_work(kind, coarse, fresh_dynamo, one_thread):
+    """A compiled iteration on a step that is neither a T_cov nor a T_inv step does the FLOPs of
+    the eager one (no statistics, folds, decompositions or coarse matrix launched, nothing
+    committed with torch.where), and a due one does more, its eigendecompositions included.
+    The same k of two identical runs, the compiled one's graphs made by earlier steps."""
+    from torch._dynamo.utils import counters
+    from bench.proxies import profiled
+    flops = {}
+    for compiled in (False, True):
+        net = NETS[kind](True)
+        opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=3, T_inv=3, coarse_space=coarse)
+        step = torch.compile(opt.step, fullgraph=True, backend="aot_eager") if compiled else opt.step
+        for k in range(8):
+            x, t = batch(kind, 8, k)
+
+            def iteration():
+                net.zero_grad()
+                opt.update_stats = True
+                F.cross_entropy(net(x), t).backward()
+                (opt.step if k == 0 else step)()
+            if k in (6, 7):  # due, not due: phases whose graphs k = 3 and 4 made
+                graphs = counters["stats"]["unique_graphs"]
+                flops[(compiled, k)] = profiled(iteration)
+                assert counters["stats"]["unique_graphs"] == graphs  # a compile is no step's work
+            else:
+                iteration()
+    due, not_due = flops[(True, 6)], flops[(True, 7)]
+    assert not_due.flops <= 1.05 * flops[(False, 7)].flops, flops
+    assert due.flops > 1.3 * not_due.flops, flops
+    for op in ("aten::_linalg_eigh", "aten::linalg_inv_ex", "aten::where"):
+        assert not_due.ops[op] == 0 < due.ops[op], (op, flops)
 
 
 def test_hyperparameters_are_checked_and_reach_the_step():

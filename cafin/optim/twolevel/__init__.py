@@ -20,9 +20,9 @@ How F_c is assembled (`backend`):
 - "reference": pair by pair, each entry from a Fisher-vector product, as the published code does
   (kept to test the cheap assembly against and to time it).
 
-Intervals follow the core's StepCounter: decided on the host while steps run eagerly, on the
-device once a step is compiled (torch.compile(step, fullgraph=True) after one eager step; eigh and
-the coarse assembly then sit in torch.cond branches). damping, alpha and clipping are 0-dim
+Intervals follow the core's StepCounter: decided on the host, eagerly and under torch.compile
+(torch.compile(step, fullgraph=True) after one eager step builds one graph per phase, and a step
+that is not due launches no curvature work). damping, alpha and clipping are 0-dim
 tensors behind properties. Under torch.distributed the batch covariances and, when its vectors
 allow, the new coarse matrix are averaged in one collective (docs/twolevel.md, "Data parallel"),
 and the decompositions are shared out: each factor's eigendecomposition, and the coarse matrix's

@@ -40,7 +40,7 @@ class Coarse:
         """Whether each layer's coarse vector is one kept constant c * ones: the eager steps of
         nicolaides and tpselepedis without Krylov (the same numbers at every step)."""
         return (not self.krylov and self.coarse_space in ("nicolaides", "tpselepedis")
-                and not route.compiled())
+                and route.eager())
 
     def _coarse_vectors(self, state, raw, residual) -> list[torch.Tensor]:
         cs = self.coarse_space
@@ -161,9 +161,9 @@ class Coarse:
         the factors' rho, and invert it (linalg.inv_ex: torch.inverse's numbers without its
         error-check sync). A new F_c with inf/NaN (from a non-finite gradient in the residual
         space's vectors) is dropped. Returns whether there is a coarse matrix to use."""
-        k, rho, gate, _ = self._schedule()
-        if gate is None:
-            if k % self.T_cov == 0:
+        k, cov, _ = self._schedule()
+        if self._checked():
+            if cov:
                 folded = self.__dict__.pop("_coarse_folded", None)  # this step's, with the decompositions
                 if folded is None:
                     folded = self._fold_coarse(vectors)
@@ -172,13 +172,20 @@ class Coarse:
                 if not folded:
                     return self.f_coarse is not None
             return True
+        gated = isinstance(cov, torch.Tensor)
+        if not gated and not cov:  # compiled, not a T_cov step: nothing launched
+            return True
+        rho = self._rho(k, False)
 
         def fresh():
             new = self.coarse_matrix(vectors)
             f = torch.where(torch.isfinite(new).all(), rho * self.f_coarse + (1 - rho) * new, self.f_coarse)
             return f, torch.linalg.inv_ex(f)[0]
 
-        new = torch.cond(gate, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
+        if not gated:
+            new = fresh()
+        else:  # made on the T_cov steps the device counts
+            new = torch.cond(cov, fresh, lambda: (self.f_coarse.clone(), self.f_coarse_inv.clone()), ())
         self.f_coarse.copy_(new[0])
         self.f_coarse_inv.copy_(new[1])
         return True
@@ -187,7 +194,7 @@ class Coarse:
         """Eager T_cov steps: the new F_c (from the parts averaged with the covariances, or
         assembled and averaged now) folded into its EMA; False, and F_c kept, where it holds
         inf/NaN (dropped, with a warning)."""
-        _, rho, _, _ = self._schedule()
+        rho = self._rho(self._schedule()[0], True)
         early = self.__dict__.pop("_early_parts", None)
         if early is not None:
             parts, vectors = early

@@ -1,6 +1,7 @@
 """Two-level K-FAC's decompositions: each damped factor's eigendecomposition (eigenvalues
 under the published floor zeroed), eager ones checked (retried in float64, else the previous
-basis kept), device-gated ones in one `torch.cond`; and the K-FAC direction they give."""
+basis kept), compiled ones written in place (device-gated ones in one `torch.cond`); and the
+K-FAC direction they give."""
 from __future__ import annotations
 
 import warnings
@@ -33,11 +34,13 @@ class Decompositions:
             out += [lam * (lam > _EIG_FLOOR), vec]
         return tuple(out)
 
-    def _decompose(self, states, gate, coarse: bool = False) -> None:
-        """Every layer's eigendecompositions (eager: checked, see `_eigen_checked`; under
-        torch.distributed each rank makes its share and the results are shared, with the coarse
-        matrix's inverse when `coarse`), stored once all are made."""
-        if gate is None:
+    def _decompose(self, states, checked: bool, gate=None, coarse: bool = False) -> None:
+        """Every layer's eigendecompositions, stored once all are made. `checked` (eager): see
+        `_eigen_checked`; under torch.distributed each rank makes its share and the results are
+        shared, with the coarse matrix's inverse when `coarse`. Otherwise written in place, and
+        `gate` (a device bool: device-gated steps) chooses in one `torch.cond` whether they are
+        made at all (None: this is a T_inv step)."""
+        if checked:
             if self._owners is None:
                 new = self._eigen_checked(states)  # every layer's, before any is stored
                 failed = next((r for pair in new for r in pair if isinstance(r, str)), None)
@@ -48,10 +51,13 @@ class Decompositions:
             for state, pair in zip(states, new):
                 state.update(zip(_EIGEN, (t for r in pair for t in r)))
             return
-        # eigh only on T_inv steps: one branch for every layer (inductor reads a cond's
-        # predicate on the host, so one cond is one sync, not one per layer)
-        new = torch.cond(gate, lambda: tuple(t for st in states for t in self._eigen(st)),
-                         lambda: tuple(st[k].clone() for st in states for k in _EIGEN), ())
+        if gate is None:
+            new = tuple(t for st in states for t in self._eigen(st))
+        else:
+            # one branch for every layer (inductor reads a cond's predicate on the host, so one
+            # cond is one sync, not one per layer)
+            new = torch.cond(gate, lambda: tuple(t for st in states for t in self._eigen(st)),
+                             lambda: tuple(st[k].clone() for st in states for k in _EIGEN), ())
         for i, state in enumerate(states):
             for key, t in zip(_EIGEN, new[4 * i:4 * i + 4]):
                 state[key].copy_(t)

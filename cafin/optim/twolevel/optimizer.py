@@ -72,8 +72,8 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         # backward pass that delivered the latest output gradient}
         self._pending: dict[int, dict[str, Any]] = {}
         self._assign_work()
-        # k, the completed update steps: on the host while steps run eagerly, on the device (and
-        # every interval decided there) once a step is compiled; the hooks
+        # k, the completed update steps, counted on the host, which decides the T_cov/T_inv
+        # steps eagerly and under torch.compile; the hooks
         self._start(self._layers)
 
     # ------------------------------------------------------------------ hyperparameters
@@ -96,9 +96,11 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         """Rewrite every layer's gradient with its two-level direction (update_params=True), or
         only take statistics (update_params=False, the published true-Fisher loop).
 
-        Eager steps decide the T_cov/T_inv intervals on the host; a compiled step (after at least
-        one eager step, which creates the state it updates) decides them on the device, with the
-        eigendecompositions and the coarse assembly in `torch.cond` branches."""
+        The host decides the T_cov/T_inv steps, eagerly and compiled: a compiled step (after at
+        least one eager step, which creates the state it updates) builds one graph per phase
+        (which of T_cov and T_inv are due), and one that is not due does no curvature work. A
+        compiled step reads no device value: it writes the state in place and drops non-finite
+        statistics on the device."""
         if closure is not None:
             raise ValueError("closure is not supported: TwoLevelKFAC.step(update_params) only "
                              "rewrites the gradients (step a torch optimizer after it)")
@@ -109,7 +111,7 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
                 "its result on the host on CUDA (a sync, which a capture forbids); the choice of "
                 "step is a torch.cond, which eager code decides on the host. Run the step eagerly, "
                 "or compile it with torch.compile(step, fullgraph=True) after one eager step")
-        if self._steps.host_due(1) is None:  # compiled (device-gated): in-place updates, no undo
+        if not self._checked():  # compiled or device gated: written in place, no undo
             self._step(update_params)
             return
         # An eager step replaces state entries and never writes into them, so a step that
@@ -145,14 +147,15 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         return all(g is not None and not bool(g.any()) for g in grads)
 
     def _step(self, update_params: bool) -> None:
-        k, rho, gate_cov, gate_inv = self._schedule()
-        eager = gate_cov is None
-        if eager:
-            collect = self.update_stats and k % self.T_cov == 0
-            decompose = self.update_stats and k % self.T_inv == 0
-        else:
-            collect = decompose = self.update_stats
-        self._check_ready(k, update_params, collect, decompose, compiled=not eager)
+        k, cov, inv = self._schedule()
+        checked = self._checked()
+        # Where the host decides (cov and inv are bools, eager and compiled), a step that is not
+        # due launches no curvature work; a device-gated step launches all of it and commits it
+        # where the device says the interval is due.
+        gated = isinstance(cov, torch.Tensor)
+        collect = self.update_stats and (gated or cov)
+        decompose = self.update_stats and (gated or inv)
+        self._check_ready(k, update_params, collect, decompose, in_place=not checked)
         # FSDP2: the full gradients, gathered before any state changes (a missing one raises)
         full = self._gather() if update_params and self._sharded else None
         stats = self._statistics() if collect else None  # an unused layer raises here
@@ -160,14 +163,16 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         raws = [raw_gradient(g, dtype, full[i] if full else None)
                 for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
-        covs, gate_fold, undo = self._store_statistics(states, stats, gate_cov) if collect else ([], gate_cov, None)
+        covs, gate_fold, undo = (self._store_statistics(states, stats, checked, cov if gated else None)
+                                 if collect else ([], None, None))
         if distributed():
-            self._average(covs, raws if update_params and eager and k % self.T_cov == 0 else None)
-        if eager and covs and not self._all_finite(covs):
+            self._average(covs, raws if update_params and checked and cov else None)
+        if checked and covs and not self._all_finite(covs):
             undo()
             covs = []
             if "xxt" not in states[0]:
                 return  # nothing to precondition with yet: the gradients are left as they are
+        rho = self._rho(k, checked) if covs else None
         for state, new in zip(states, covs):
             fold_covariances(state, new, rho, gate_fold)
         coarse = False
@@ -176,7 +181,7 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
             # inverse made by its owner travels with them
             self._coarse_folded = coarse = self._fold_coarse(None)
         if decompose:
-            self._decompose(states, gate_inv, coarse)
+            self._decompose(states, checked, inv if gated else None, coarse)
         if not update_params:
             return
         directions = self._two_level(raws, self._kfac_directions(states, raws))
@@ -185,16 +190,18 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         self._write_all(*directions, full)
         self._steps.advance()
 
-    def _check_ready(self, k: int, update_params: bool, collect: bool, decompose: bool, compiled: bool) -> None:
-        """Refuse a step that would read state no earlier step created, or a gradient that is missing."""
-        if compiled and distributed():
+    def _check_ready(self, k: int, update_params: bool, collect: bool, decompose: bool, in_place: bool) -> None:
+        """Refuse a step that would read state no earlier step created, or a gradient that is
+        missing. `in_place`: a compiled (or device-gated) step, which writes into the state an
+        eager step created."""
+        if in_place and distributed():
             raise RuntimeError("TwoLevelKFAC: a compiled step under torch.distributed is not "
                                "supported: run its steps eagerly")
         for layer, group in zip(self._layers, self.param_groups):
             state = self.state[group["params"][0]]
             ready = "Q_x" in state and (self.f_coarse is not None or not update_params
                                         or self.coarse_space == "none")
-            if compiled and not ready:
+            if in_place and not ready:
                 raise RuntimeError("TwoLevelKFAC: a compiled step updates the state an eager step "
                                    "creates: run the first step (step 0, with update_stats) eagerly")
             if "xxt" not in state and not collect:

@@ -93,8 +93,7 @@ class Preconditioning:
         """1 / (L_g L_x^T locations) of layer i, kept while its eigenvalues are the same tensors
         at the same versions (a decomposition replaces them, or writes them in place)."""
         L_g, L_x = state["L_g"], state["L_x"]
-        if route.compiled() or self._steps.device_gated:
-            # the device decides: a host-side cache would be a decision frozen in a graph
+        if not self._checked():  # a host-side cache would be a decision frozen in a graph
             return torch.outer(L_g, L_x).mul_(locations).reciprocal_()
         key = (L_g._version, L_x._version, locations)
         kept = self._scalings.get(i)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...core import check_int, discover, distributed
+from ...core import check_int, discover, distributed, route
 from ...core.views import view_of
 from ...core.route import Route
 from ...core.distribution.sharding import is_sharded, module_class
@@ -167,17 +167,32 @@ class Settings:
         self._steps.load(k)
 
     def _schedule(self):
-        """(k, rho, gate_cov, gate_inv). Eager: k and rho on the host, gates None (the host
-        decides). Device-gated (compiled): k, rho and the gates are device tensors."""
+        """(k, cov, inv): k and whether this is a T_cov step and a T_inv step. Where the host
+        decides, eagerly and under torch.compile alike (a compiled step guards on the phase of k,
+        one graph per phase), k is the host's count and cov, inv are bools. Once the counter is
+        device gated, k, cov and inv are device tensors: every interval is decided on the
+        device."""
         if self._steps.host_due(1) is not None:
-            k = self._steps.host
-            return k, (None if k == 0 else min(1 - 1 / k, self.alpha)), None, None
+            return self._steps.host, self._steps.host_due(self.T_cov), self._steps.host_due(self.T_inv)
         k = self._steps.tensor(self._device())
-        kd = k.to(torch.float64)
-        alpha = self._tensors[k.device]["alpha"]
-        # published: the first covariances set directly (rho = 0), then rho = min(1 - 1/k, alpha)
-        rho = torch.where(kd == 0, torch.zeros_like(kd), torch.minimum(1 - 1 / kd, alpha))
-        return k, rho, torch.remainder(k, self.T_cov) == 0, torch.remainder(k, self.T_inv) == 0
+        return k, torch.remainder(k, self.T_cov) == 0, torch.remainder(k, self.T_inv) == 0
+
+    def _checked(self) -> bool:
+        """Whether the host decides this step and may read its results (eager, the counter not
+        device gated): statistics and decompositions are then checked on the host (drops,
+        retries, warnings) and state entries replaced, not written in place."""
+        return route.eager() and self._steps.host_due(1) is not None
+
+    def _rho(self, k, checked: bool):
+        """The EMA weight of the old factors and coarse matrix on a T_cov step (published: the
+        first statistics set directly, then min(1 - 1/k, alpha)). `checked`: a float, None at
+        k = 0; otherwise a device tensor, 0 at k = 0, from the k and alpha tensors (a Python
+        alpha would be a constant of a compiled graph)."""
+        if checked:
+            return None if k == 0 else min(1 - 1 / k, self.alpha)
+        kd = self._steps.tensor(self._device()).to(torch.float64)
+        alpha = self._tensors[kd.device]["alpha"]
+        return torch.where(kd == 0, torch.zeros_like(kd), torch.minimum(1 - 1 / kd, alpha))
 
     def _device(self) -> torch.device:
         if len(self._tensors) > 1:

@@ -39,8 +39,7 @@ def layer_rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
     return rows, gy, T
 
 
-def batch_covariances(state) -> tuple[torch.Tensor, torch.Tensor]:
-    x, gy = state["x"], state["gy"]
+def batch_covariances(x, gy) -> tuple[torch.Tensor, torch.Tensor]:
     n = float(x.shape[0])
     return x.t() @ x / n, gy.t() @ gy / n
 
@@ -64,11 +63,11 @@ class Statistics:
     def _statistics_gate(self, layer, device):
         # Every pass with update_stats is kept (references only: nothing is computed here);
         # step() uses them on T_cov steps and drops them on the others (published: the hooks
-        # store only on T_cov steps, the same numbers). A compiled step thereby always finds them,
-        # so its graph does not depend on k. The "step" handed back is this call's own record:
-        # the core gives it to both statistics callbacks of the same call when its output
-        # gradient arrives, so a layer called twice in one forward pairs each input with its own
-        # output gradient, and a call whose output gets none (a validation forward) adds nothing.
+        # store only on T_cov steps, the same numbers). The "step" handed back is this call's
+        # own record: the core gives it to both statistics callbacks of the same call when its
+        # output gradient arrives, so a layer called twice in one forward pairs each input with
+        # its own output gradient, and a call whose output gets none (a validation forward) adds
+        # nothing.
         if not self.update_stats:
             return False, None
         # a layer forwarded here whose output then gets no gradient is named at the step
@@ -130,24 +129,20 @@ class Statistics:
         return out
 
     def _store(self, stats, gate):
-        """Store the statistics; with `gate` (device bool, compiled steps), only where it holds
-        and every one of them is finite (a batch of another size replaces them: there is
-        nothing to keep it with). Returns the gate the factors are then updated under."""
-        if gate is not None:
-            finite = torch.stack([torch.isfinite(t).all() for rows, gy, _ in stats for t in (rows, gy)]).all()
-            gate = gate & finite
+        """Store the statistics; with `gate` (a device bool: steps the host does not check),
+        written in place where it holds (a batch of another size replaces them: there is
+        nothing to keep it with)."""
         for (rows, gy, T), group in zip(stats, self.param_groups):
             state = self.state[group["params"][0]]
             if gate is not None and "x" in state and state["x"].shape == rows.shape \
                     and state["gy"].shape == gy.shape:
-                # written in place: a compiled or captured step's state keeps its storage
+                # written in place: a compiled step's state keeps its storage
                 state["x"].copy_(torch.where(gate, rows, state["x"]))
                 state["gy"].copy_(torch.where(gate, gy, state["gy"]))
             else:
                 state["x"], state["gy"] = rows, gy
             state["num_locations"] = T
             self.batch_size = int(rows.shape[0] / T)  # published: overwritten at each collection
-        return gate
 
     @property
     def skipped_factor_updates(self) -> int:
@@ -162,9 +157,18 @@ class Statistics:
                       "dropped; the curvature keeps its previous values", NonFiniteStatisticsWarning,
                       stacklevel=4)
 
-    def _store_statistics(self, states, stats, gate_cov):
+    def _store_statistics(self, states, stats, checked: bool, gate):
         """Store this step's statistics and return (the batch covariances, the gate of their
-        fold into the EMAs, a function that puts the previous statistics back)."""
+        fold into the EMAs, a function that puts the previous statistics back). `checked`: the
+        caller checks the covariances on the host and undoes the store if they are not finite.
+        Otherwise they are stored and folded only where `gate` (None: this is a T_cov step) holds
+        and every covariance is finite (one device bool, no host read), and nothing is undone."""
+        if not checked:
+            covs = [batch_covariances(rows, gy) for rows, gy, _ in stats]
+            finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).all()
+            gate = finite if gate is None else gate & finite
+            self._store(stats, gate)
+            return covs, gate, None
         kept = [{key: st[key] for key in ("x", "gy", "num_locations") if key in st} for st in states]
         kept_batch = self.batch_size
 
@@ -176,8 +180,8 @@ class Statistics:
             self.batch_size = kept_batch
             self.__dict__.pop("_early_parts", None)
 
-        gate_fold = self._store(stats, gate_cov)
-        return [batch_covariances(st) for st in states], gate_fold, undo
+        self._store(stats, None)
+        return [batch_covariances(st["x"], st["gy"]) for st in states], None, undo
 
     def _all_finite(self, covs) -> bool:
         """Whether every layer's batch covariances are finite; a drop is counted and warned of.
