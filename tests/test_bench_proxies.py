@@ -177,12 +177,13 @@ def test_verdicts_against_the_goals():
     adamw = {"host_ms": 1.1, "step_ops": 4}
     row = {"member": "adafisher", "host_ms": 0.8, "adamw_host_ms": 1.0, "step_ops": 9,
            "stats_ops": 80, "flops_ratio": 1.0, "bytes_ratio": 1.2, "compiled_ms": 2.0,
-           "compiled_eager_ms": 0.8,
+           "compiled_eager_ms": 0.8, "compiled_flops_ratio": 1.0,
            "step_scratch_bytes": 0, "stats_scratch_bytes": 512}
     got = proxies.verdicts(row, adamw)
     assert got["host_vs_adamw"] == pytest.approx(0.8) and got["step_ops_vs_adamw"] == 9 / 4
     assert got["verdicts"] == {"host_vs_adamw": True, "gated_not_due": False,
-                               "compiled_vs_eager": False, "step_scratch_bytes": True,
+                               "compiled_vs_eager": False, "compiled_not_due": True,
+                               "step_scratch_bytes": True,
                                "stats_scratch_bytes": False}
     # K-FAC: no host goal in issue 35
     assert "host_vs_adamw" not in proxies.verdicts(dict(row, member="kfac"), adamw)["verdicts"]
