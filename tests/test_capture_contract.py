@@ -190,7 +190,7 @@ def test_a_step_writes_state_in_place(case):
     now = _pointers(run)
     moved = [p for p, v in before.items() if p in now and now[p] != v]
     if case.refused:
-        run.curvature._steps.device_gated = True  # what a compiled step stores
+        run.curvature._steps.device_gated = True  # as a capture would latch it
     else:
         assert not moved, f"{case.id}: eager steps rebind {moved}"
         graph = Graph()
