@@ -4,8 +4,6 @@ the KL-clipped write of the preconditioned gradients into `.grad`."""
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
-from typing import Callable
 
 import torch
 
@@ -108,8 +106,8 @@ class Preconditioning:
 
     def _chain(self, layers: list[Layer], s: dict[str, torch.Tensor]) -> _Chain:
         """The kept buffers (`_Chain`) of `layers` (one, or a stack sharing the second-order data
-        `s`), with the layers' gradients copied into its row-aligned matrices (no
-        concatenation); `_run_chains` then writes the products of `_precondition` into kept
+        `s`); `_run_chains` copies the layers' gradients into its row-aligned matrices (no
+        concatenation), then writes the products of `_precondition` into kept
         buffers (no allocation), and each chain's `pieces` are its layers' preconditioned
         gradients [groups, d_g, d_a] in their gradients' dtype."""
         w = self._grads(layers[0])[0]
@@ -119,14 +117,24 @@ class Preconditioning:
             chain = _Chain(layers, [self._state[layer.name].A.shape[0] for layer in layers], s,
                            self.inv_dtype, w)
             self._chains[key] = chain
-        for layer, into in zip(layers, chain.into):
-            _copy_into(self._grads(layer), into)
         return chain
 
     def _run_chains(self, chains: list[_Chain]) -> None:
-        """The products of the chains, in the form `_per_layer_products` picks for the device:
-        the per-layer ones in one `kfac_eigen_products_` call per device (on the CPU it shares
-        the layers out over the threads), then their copies out."""
+        """The gradients copied in, the products of the chains, in the form `_per_layer_products`
+        picks for the device (the per-layer ones in one `kfac_eigen_products_` call per device:
+        on the CPU it shares the layers out over the threads), then their copies out. Each
+        copy is one list op over every layer (one dispatch, not two per layer)."""
+        into, grads_in = [], []
+        for chain in chains:
+            for layer, (w_dst, b_dst) in zip(chain.layers, chain.into):
+                w, b = self._grads(layer)
+                into.append(w_dst)
+                grads_in.append(w)
+                if b_dst is not None:
+                    into.append(b_dst)
+                    grads_in.append(b)
+        if into:
+            torch._foreach_copy_(into, grads_in)
         per_layer: dict[torch.device, list[tuple[torch.Tensor, ...]]] = defaultdict(list)
         for chain in chains:
             if chain.per_layer:
@@ -138,9 +146,9 @@ class Preconditioning:
             grads, works, qa, qg, dgda = zip(*products)
             self._impl_for(device, self.inv_dtype).kfac_eigen_products_(
                 grads, works, [None] * len(grads), qa, qg, dgda)
-        for chain in chains:
-            for copy in chain.copies:
-                copy()
+        outs = [dst for chain in chains for dst, _ in chain.copies]
+        if outs:
+            torch._foreach_copy_(outs, [src for chain in chains for _, src in chain.copies])
 
     def _update_grads(self, active: list[Layer], precond: dict[str, torch.Tensor]) -> None:
         """Write the KL-clipped preconditioned gradients into the gradients, one op call per
@@ -228,7 +236,8 @@ class _Chain:
         self.into: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.pieces: list[torch.Tensor] = []
         self.products: list[tuple[torch.Tensor, ...]] = []
-        self.copies: list[Callable[[], torch.Tensor]] = []
+        self.layers = layers
+        self.copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (destination, source)
         offset = 0
         for layer, n in zip(layers, sizes):
             rows = slice(offset, offset + n)
@@ -243,14 +252,14 @@ class _Chain:
             self.products.append((grad, work, qa, qg, dgda))
             if factors.weight_is_transposed(layer.module):
                 out = torch.empty((n, d_a, d_g), **out_like)
-                self.copies.append(partial(out.copy_, self.grad[rows].mT))
+                self.copies.append((out, self.grad[rows].mT))
                 self.pieces.append(out.mT)
                 self.outs.append(out)
             elif like.dtype == inv_dtype:  # the result as it lies (the write reads aligned rows)
                 self.pieces.append(self.grad[rows])
             else:
                 out = torch.empty((n, d_g, d_a), **out_like)
-                self.copies.append(partial(out.copy_, self.grad[rows]))
+                self.copies.append((out, self.grad[rows]))
                 self.pieces.append(out)
                 self.outs.append(out)
 
@@ -261,15 +270,6 @@ class _Chain:
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.grad, self.work, *self.outs]
-
-
-def _copy_into(grads: tuple[torch.Tensor, torch.Tensor | None],
-               into: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    """`factors.grad_matrix_into` through a chain's kept views (`_Chain.into`)."""
-    w_dst, b_dst = into
-    w_dst.copy_(grads[0])
-    if b_dst is not None:
-        b_dst.copy_(grads[1])
 
 
 def _apply_contiguous(impl, ws: list[torch.Tensor], bs: list[torch.Tensor], vs: list[torch.Tensor],
