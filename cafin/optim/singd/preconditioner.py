@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ...core import Layer
+from ...core import Layer, route
 from .settings import lr_cov_value, work_dtype
 
 
@@ -56,13 +56,16 @@ class Preconditioner:
 
     def _evaluate_lr_cov(self) -> dict[int, Any]:
         """Each callable lr_cov of a group with a preconditioner update due at this step, called
-        once with the step count and checked, before the step writes anything (while the host
-        counts the steps; once the device decides, the callable takes the step tensor)."""
+        once with the step count and, eagerly, checked before the step writes anything (while the
+        host counts the steps; once the device decides, the callable takes the step tensor). A
+        compiled step calls it with the host's count too, a symbol there, and reads nothing of
+        the result (a host check of a symbolic number or a tensor breaks the graph)."""
         values = {}
         for index, group in enumerate(self.param_groups):
             if callable(group["lr_cov"]) and self._steps.host_due(group["T"]):
                 value = group["lr_cov"](self._steps.host)
-                lr_cov_value(value, f"param group {index}: the value of the callable ")
+                if route.eager():
+                    lr_cov_value(value, f"param group {index}: the value of the callable ")
                 values[id(group)] = value
         return values
 
