@@ -15,7 +15,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch._dynamo.testing
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -513,38 +512,171 @@ def test_ddp_wrapped_model(tmp_path):
 
 
 # ------------------------------------------------------------------------------ compile
-@pytest.mark.parametrize("structures", [("hierarchical15_15", "diagonal"), ("diagonal", "diagonal")])
-def test_compiled_step_equals_eager_without_recompiles(structures):
-    """lr (StepLR), lr_cov, momentum, weight_decay and damping change every step: one graph."""
+def _two_group_model():
+    """Two layers in two groups of different intervals, T = 2 (a callable lr_cov) and T = 3 (a
+    tensor lr_cov): four phases (which groups are due), every one of them seen by step 6."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 17), nn.ReLU(), nn.Linear(17, 3))
-    m2 = copy.deepcopy(m)
-    kw = dict(structures=structures, T=2, lr=0.05, lr_cov=0.05)
-    o, o2 = cafin.SINGD(m, **kw), cafin.SINGD(m2, **kw)
+    return nn.Sequential(nn.Linear(6, 17), nn.ReLU(), nn.Linear(17, 3)).double()
+
+
+def _two_groups(m, structures):
+    groups = [dict(params=list(m[0].parameters()), T=2, structures=structures[0],
+                   lr_cov=lambda k: 0.05 / (1 + k)),
+              dict(params=list(m[2].parameters()), T=3, structures=structures[1])]
+    return cafin.SINGD(m, groups, lr=0.05, lr_cov=0.05)
+
+
+def _schedule(opt, sched, k):
+    """lr by StepLR; the tensor lr_cov, momentum, weight decay and damping filled every step."""
+    sched.step()
+    opt.param_groups[1]["lr_cov"].fill_(0.05 * (k + 2) / 5)
+    for group in opt.param_groups:
+        group["momentum"].fill_(0.9 - 0.05 * k)
+        group["weight_decay"].fill_(0.01 * k)
+        group["damping"].fill_(1e-3 * (k + 1))
+
+
+@pytest.mark.parametrize("structures", [(("dense", "dense"), ("hierarchical15_15", "diagonal")),
+                                        (("diagonal", "diagonal"), ("triltoeplitz", "diagonal"))],
+                         ids=["dense+hierarchical", "diagonal+toeplitz"])
+def test_compiled_step_equals_eager_with_a_graph_per_phase(structures):
+    """A compiled step decides from the host count: it equals the eager step (float64) under
+    schedules of every tensor setting, builds at most one graph per phase besides the first
+    step's, and none once every phase has been seen."""
+    from torch._dynamo.utils import counters
+    m, m2 = _two_group_model(), _two_group_model()
+    o, o2 = _two_groups(m, structures), _two_groups(m2, structures)
     s1 = torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.9)
     s2 = torch.optim.lr_scheduler.StepLR(o2, 1, gamma=0.9)
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    step = torch.compile(o2.step, backend=counter, fullgraph=True)
+    counters.clear()
+    step = torch.compile(o2.step, backend="eager", fullgraph=True)
     gen = torch.Generator().manual_seed(4)
-    for i in range(5):
-        x, y = torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen)
+    for k in range(12):
+        x = torch.randn(5, 6, generator=gen, dtype=torch.float64)
+        y = torch.randn(5, 3, generator=gen, dtype=torch.float64)
         for model, opt, st, sch in ((m, o, o.step, s1), (m2, o2, step, s2)):
             opt.zero_grad()
             F.mse_loss(model(x), y).backward()
             st()
-            sch.step()
-            group = opt.param_groups[0]
-            group["lr_cov"].fill_(0.05 * (i + 2) / 5)
-            group["momentum"].fill_(0.9 - 0.1 * i)  # schedules of the tensor hyperparameters
-            group["weight_decay"].fill_(0.01 * i)
-            group["damping"].fill_(1e-3 * (i + 1))
-    assert counter.frame_count == 1  # one graph for every step: T gating and schedules on the device
-    assert o2._steps.device_gated
+            _schedule(opt, sch, k)
+        for p, q in zip(m.parameters(), m2.parameters()):
+            torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14, msg=lambda s: f"step {k}: {s}")
+        if k == 6:  # k = 0 (its own graph: k is still a constant) and each phase once
+            seen = counters["stats"]["unique_graphs"]
+            assert seen <= 1 + 4, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == seen, dict(counters["stats"])
+    assert not counters["graph_break"]
+    assert not o2._steps.device_gated
+    for layer in (m2[0], m2[2]):  # both groups updated their factors
+        K = o2.state[layer.weight]["K.0"]
+        assert not torch.equal(K, torch.eye(K.shape[0], dtype=K.dtype) if K.dim() == 2 else torch.ones_like(K))
+    torch._dynamo.reset()
+
+
+@pytest.mark.xfail(strict=True, reason="the hooks of a compiled model reach k through the model, "
+                   "whose int attributes Dynamo keeps static: a recompile per step (the core's "
+                   "StepCounter.due must give them a bool per interval)")
+def test_compiled_model_and_step_keep_a_graph_per_phase():
+    """The statistics hooks traced into a compiled model decide from the host count too: the
+    model's graphs are bounded by its phases as the step's are, and training equals eager."""
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    m = mlp().double()
+    m2 = copy.deepcopy(m)
+    o, o2 = (cafin.SINGD(model, T=2, lr=0.05, lr_cov=0.1) for model in (m, m2))
+    torch._dynamo.reset()
+    counters.clear()
+    net = torch.compile(m2, backend="eager")
+    step = torch.compile(o2.step, backend="eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(6)
+    for k in range(6):
+        x, y = batch("mlp", gen, torch.float64)
+        for model, opt, st in ((m, o, o.step), (net, o2, step)):
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            st()
+        if k == 2:  # k = 0 and each phase once, for the model and for the step
+            seen = counters["stats"]["unique_graphs"]
+            assert seen <= 2 * (1 + 2), dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == seen, dict(counters["stats"])
+    assert not counters["graph_break"]
     for p, q in zip(m.parameters(), m2.parameters()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
-    K = o2.state[m2[0].weight]["K.0"]
-    assert not torch.equal(K, torch.eye(7) if K.dim() == 2 else torch.ones(7))
+        torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14)
+    torch._dynamo.reset()
+
+
+class _Graphs:
+    """A torch.compile backend that keeps which of its graphs ran last and, when `count` is set,
+    counts the FLOPs of that run (bench.proxies.count_flops: Dynamo runs no frame under a
+    dispatch mode, so the count is taken inside the compiled call). The graphs run op by op
+    (the eager backend): the ops a compiled step launches, cafin's in-place ops as they are
+    (aot_eager wraps them in auto_functionalized, which the counter's mode cannot run)."""
+
+    def __init__(self):
+        self.last, self.count, self.flops = None, False, None
+
+    def __call__(self, gm, example_inputs):
+        def run(*args):
+            self.last = gm
+            if not self.count:
+                return gm.forward(*args)
+            from bench.proxies import count_flops
+            out = []
+            self.flops = count_flops(lambda: out.append(gm.forward(*args)))
+            return out[0]
+        return run
+
+
+def _cafin_ops(gm) -> set[str]:
+    return {str(n.target).split(".")[1] for n in gm.graph.nodes
+            if n.op == "call_function" and str(n.target).startswith("cafin.")}
+
+
+@pytest.mark.parametrize("structures", [("dense", "dense"), ("diagonal", "diagonal")])
+def test_a_compiled_step_not_due_does_no_curvature_work(structures):
+    """At T = 3, step 4 is not due: the compiled step there does at most 1.05x the FLOPs of the
+    eager step 4, and its graph holds neither update op, which the graph of the due step 3 holds
+    (the dense update's products would be 3x the not-due step's FLOPs; the diagonal one's are
+    elementwise, seen only in the graph)."""
+    def run(step_of):
+        """Steps 0 to 3 by `step_of(opt)`, then step 4's passes; returns (opt, step)."""
+        torch.manual_seed(0)
+        m = mlp().double()
+        o = cafin.SINGD(m, structures=structures, T=3, lr=0.05, lr_cov=0.1)
+        step = step_of(o)
+        gen = torch.Generator().manual_seed(5)
+        for k in range(5):
+            x, y = batch("mlp", gen, torch.float64)
+            o.zero_grad()
+            F.mse_loss(m(x), y).backward()
+            if k < 4:
+                step()
+        return o, step
+
+    from bench.proxies import count_flops  # torch's counter, plus the GEMMs inside cafin's ops
+    o, step = run(lambda o: o.step)
+    eager = count_flops(step)
+    torch._dynamo.reset()
+    graphs = _Graphs()
+    ran = []  # the graph each step ran
+
+    def compiled(o):
+        inner = torch.compile(o.step, backend=graphs, fullgraph=True)
+
+        def step():
+            inner()
+            ran.append(graphs.last)
+        return step
+    o, step = run(compiled)
+    graphs.count = True
+    step()
+    assert graphs.flops <= 1.05 * eager, (graphs.flops, eager)
+    assert {"singd_momentum_", "singd_factor_step_"} <= _cafin_ops(ran[3])
+    assert not {"singd_momentum_", "singd_factor_step_"} & _cafin_ops(ran[4])
+    assert ran[4] is ran[1] and ran[3] is not ran[1]  # steps 1 and 4 share the not-due graph
+    assert not o._steps.device_gated
+    torch._dynamo.reset()
 
 
 # ------------------------------------------------------------------------------ the fused op
@@ -1230,14 +1362,16 @@ def test_non_finite_statistics_drop_the_update(device, backend, T):
 
 @pytest.mark.parametrize("backend", ["fused", "reference"])
 def test_non_finite_statistics_drop_the_update_in_a_compiled_step(backend):
-    """A compiled step (T gated on the device) drops and counts the NaN update as an eager one,
-    without a recompile."""
+    """A compiled step drops and counts the NaN update as an eager one (the count stays on the
+    device: a compiled step reads no tensor), and builds a graph per phase at most (T = 2: the
+    first step's, the not-due and the due one)."""
+    from torch._dynamo.utils import counters
     torch.manual_seed(0)
     m = mlp()
     o = cafin.SINGD(m, T=2, lr=0.05, lr_cov=0.1, backend=backend, structures=("dense", "diagonal"))
     torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    step = torch.compile(o.step, backend=counter, fullgraph=True)
+    counters.clear()
+    step = torch.compile(o.step, backend="aot_eager", fullgraph=True)
     gen = torch.Generator().manual_seed(5)
     data = [batch("mlp", gen, torch.float32) for _ in range(5)]
     layers = [m[0], m[2], m[4]]
@@ -1254,7 +1388,8 @@ def test_non_finite_statistics_drop_the_update_in_a_compiled_step(backend):
             for layer, saved in zip(layers, before):
                 assert_same(_factors(o, layer), saved)
                 assert all(bool((t == 0).all()) for t in _accumulators(o, layer))
-    assert counter.frame_count == 1 and o._steps.device_gated
+    assert counters["stats"]["unique_graphs"] <= 3 and not counters["graph_break"]
+    assert not o._steps.device_gated
     assert o.skipped_factor_updates == 3
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert not torch.equal(o.state[m[0].weight]["K.0"], before[0]["K.0"])  # step 4 updated
