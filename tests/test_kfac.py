@@ -925,6 +925,34 @@ def test_non_finite_statistic_is_dropped_counted_and_warned(backend, in_hook):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+def test_compiled_model_and_step_keep_a_graph_per_phase(fresh_dynamo):
+    """The statistics hooks traced into a compiled model decide from the host count too (a
+    bool per interval, not the count: a model's int attributes are constants to Dynamo): the
+    model's and the step's graphs are bounded by their phases, and training equals eager."""
+    kw = dict(factor_update_steps=2, inv_update_steps=2)
+    batches = data("mlp", torch.float64, 7)
+    base = base_model("mlp", torch.float64)
+    runs = []
+    for compiled in (False, True):
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        pre = cafin.KFACPreconditioner(model, inv_dtype=torch.float64, **kw)
+        net = torch.compile(model, backend="eager") if compiled else model
+        step = torch.compile(pre.step, backend="eager", fullgraph=True) if compiled else pre.step
+        for k, batch in enumerate(batches):
+            opt.zero_grad()
+            loss_of(net, *batch[0]).backward()
+            (pre.step if k == 0 else step)()
+            opt.step()
+            if compiled and k == 3:  # each phase seen, by the model and by the step
+                seen = counters["stats"]["unique_graphs"]
+                assert seen <= 2 * (1 + 2), dict(counters["stats"])
+        runs.append(model)
+    assert counters["stats"]["unique_graphs"] == seen, dict(counters["stats"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert rel_error(runs[0], runs[1], flat(base)) <= 1e-10
+
+
 def test_compiled_step_counts_dropped_statistics_on_due_steps(fresh_dynamo):
     """A compiled step counts the statistics it drops, only on the steps that fold
     (factor_update_steps=2), in one graph per phase."""

@@ -574,9 +574,6 @@ def test_compiled_step_equals_eager_with_a_graph_per_phase(structures):
     torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="the hooks of a compiled model reach k through the model, "
-                   "whose int attributes Dynamo keeps static: a recompile per step (the core's "
-                   "StepCounter.due must give them a bool per interval)")
 def test_compiled_model_and_step_keep_a_graph_per_phase():
     """The statistics hooks traced into a compiled model decide from the host count too: the
     model's graphs are bounded by its phases as the step's are, and training equals eager."""

@@ -45,6 +45,10 @@ class StepCounter:
         self._tensors: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pinned: int | None = None  # k as the host knows it, set by StepGraphs per step
         self.phase: set[tuple[int, int, bool]] = set()  # the (interval, offset, due) host_due() answered
+        # interval -> k % interval == 0, the passes' answer: hooks traced in a compiled model reach
+        # the counter through the module, whose int attributes Dynamo takes as constants (a
+        # recompile per k); a bool is two graphs at most.
+        self.due_now: dict[int, bool] = {}
 
     def _pair(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._tensors:
@@ -80,7 +84,10 @@ class StepCounter:
         on the device (None when the host already decided that k % interval == 0)."""
         if self._latch():
             return self.host_due(interval) is None, self.tensor(device)
-        return self.host_due(interval), None
+        if route.compiled() and interval in self.due_now:
+            return self.due_now[interval], None
+        due = self.due_now[interval] = self.host_due(interval)
+        return due, None
 
     def host_due(self, interval: int, offset: int = 0) -> bool | None:
         """(k + offset) % interval == 0 as the host knows it, or None once the device decides.
@@ -106,6 +113,8 @@ class StepCounter:
             torch._foreach_add_(list(ks), list(ones))
         if not self._latch():
             self.host += 1
+            # The comparison's value, no branch: a compiled step stores it with no guard on k + 1.
+            self.due_now = {t: self.host % t == 0 for t in self.due_now}
 
     def value(self) -> int:
         if self.device_gated and self._tensors:
@@ -114,6 +123,7 @@ class StepCounter:
 
     def load(self, k: int) -> None:
         self.host = k
+        self.due_now = {t: k % t == 0 for t in self.due_now}
         for t, _ in self._tensors.values():
             t.fill_(float(k))
 
