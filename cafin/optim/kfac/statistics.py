@@ -8,7 +8,7 @@ import torch
 
 from ... import factors
 from ...core import Layer, amp, distributed, route
-from ...maths import kfac as kfac_maths
+from ...maths import finite, kfac as kfac_maths
 
 
 class Statistics:
@@ -64,7 +64,8 @@ class Statistics:
         a non-finite statistic; it is counted here first, on the device (the op empties it)."""
         if not fs:
             return
-        dropped = torch.stack([(c > 0) & ~torch.isfinite(s).all() for s, c in zip(ss, cs)]).sum()
+        seen = torch.stack([c.reshape(()) > 0 for c in cs])
+        dropped = (seen & ~finite.all_finite(ss).to(seen.device)).sum()
         if step is not None:  # device gated: only a due step would have folded them
             dropped = dropped * (torch.remainder(step, interval) == 0)
         self._skipped.counter(device).add_(dropped)

@@ -10,6 +10,7 @@ import torch
 
 from ...core import NonFiniteStatisticsWarning
 from ...core.views import view_of
+from ...maths.finite import all_finite
 
 
 def layer_rows(layer, x, gy, dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -165,7 +166,7 @@ class Statistics:
         and every covariance is finite (one device bool, no host read), and nothing is undone."""
         if not checked:
             covs = [batch_covariances(rows, gy) for rows, gy, _ in stats]
-            finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).all()
+            finite = all_finite([c for pair in covs for c in pair]).all()
             gate = finite if gate is None else gate & finite
             self._store(stats, gate)
             return covs, gate, None
@@ -186,7 +187,7 @@ class Statistics:
     def _all_finite(self, covs) -> bool:
         """Whether every layer's batch covariances are finite; a drop is counted and warned of.
         Checked after the average over the ranks, so that every rank drops the same steps."""
-        finite = torch.stack([torch.isfinite(c).all() for pair in covs for c in pair]).view(-1, 2).all(1)
+        finite = all_finite([c for pair in covs for c in pair]).view(-1, 2).all(1)
         bad = [layer.name for layer, ok in zip(self._layers, finite.tolist()) if not ok]
         if bad:
             self._drop(f"the statistics (inputs or output gradients) of the layers {bad}")
