@@ -1,7 +1,8 @@
 """cafin.DyKAF's CPU forms of the fused step: the per-matrix factor split (host scalars, thin-side
 inner products, the long side's factor made in place) equals the published split and the batched one, in float64 to rounding and in
-float32 to float32 rounding, on awkward shapes; the optimizer takes it on a CPU and trains as the
-batched path does."""
+float32 to float32 rounding, on awkward shapes, with its scalars on the host (an eager step) or in
+0-dim tensors (a compiled step); the optimizer takes it on a CPU and trains as the batched path
+does."""
 import copy
 
 import pytest
@@ -30,14 +31,15 @@ def factors_and_gradient(m, n, dtype, seed):
 SHAPES = [(6, 6), (30, 25), (4, 9), (3, 40), (9, 4), (40, 3), (1, 5), (5, 1), (1, 1)]
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "tensor"])
 @pytest.mark.parametrize("beta", [0.95, 0.5, 1.0])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
-def test_matrix_split_equals_the_published_split_float64(shape, beta):
+def test_matrix_split_equals_the_published_split_float64(shape, beta, host):
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float64, m * 100 + n)
     u, v = dykaf_maths.proj_split(L, R, g, beta)
     keep = L.clone(), R.clone(), g.clone()
-    U, V = dykaf_maths.proj_split_matrix_(L, R, g, beta)
+    U, V = dykaf_maths.proj_split_matrix_(L, R, g, beta, host=host)
     assert rel(U, u) <= 1e-13 and rel(V, v) <= 1e-13
     # the long side's new factor is written into the old one (tall: L, wide: R); g and the
     # other side are read only
@@ -49,25 +51,27 @@ def test_matrix_split_equals_the_published_split_float64(shape, beta):
             assert torch.equal(now, before), name
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "tensor"])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{m}x{n}" for m, n in SHAPES])
-def test_matrix_split_equals_the_batched_split_at_beta_zero_float64(shape):
+def test_matrix_split_equals_the_batched_split_at_beta_zero_float64(shape, host):
     """beta = 0 (the factors forgotten each step): the published split divides 0 by 0; the
     batched one and the per-matrix one agree."""
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float64, m + n)
     u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.0, cafin.ops)
-    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.0)
+    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.0, host=host)
     assert rel(U, u[0]) <= 1e-13 and rel(V, v[0]) <= 1e-13
 
 
+@pytest.mark.parametrize("host", [True, False], ids=["host", "tensor"])
 @pytest.mark.parametrize("shape", [(512, 128), (128, 512), (96, 80), (1, 64), (64, 1)])
-def test_matrix_split_float32_is_as_close_as_the_batched_split(shape):
+def test_matrix_split_float32_is_as_close_as_the_batched_split(shape, host):
     """In float32 both forms sit within float32 rounding of the float64 split (neither is
     further from it than 20x the other's error plus 1e-6)."""
     m, n = shape
     L, R, g = factors_and_gradient(m, n, torch.float32, m * n)
     u, v = dykaf_maths.proj_split_batched(L[None], R[None], g[None], 0.95, cafin.ops)
-    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.95)
+    U, V = dykaf_maths.proj_split_matrix_(L.clone(), R.clone(), g, 0.95, host=host)
     u64, v64 = dykaf_maths.proj_split(L.double(), R.double(), g.double(), 0.95)
     for mine, theirs, exact in ((U, u[0], u64), (V, v[0], v64)):
         assert rel(mine.double(), exact) <= 20 * rel(theirs.double(), exact) + 1e-6
@@ -100,7 +104,7 @@ def test_cpu_steps_equal_the_batched_steps(monkeypatch):
     calls = []
     split = dykaf_maths.proj_split_matrix_
     monkeypatch.setattr(dykaf_maths, "proj_split_matrix_",
-                        lambda *a: calls.append(a[2].dtype) or split(*a))
+                        lambda *a, **kw: calls.append(a[2].dtype) or split(*a, **kw))
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
         x = torch.randn(16, 7, generator=gen, dtype=torch.float64)

@@ -318,23 +318,59 @@ def _dot(x: torch.Tensor, y: torch.Tensor) -> float:
     return torch.vdot(x.reshape(-1), y.reshape(-1)).item()
 
 
-def _thin_side_sums(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, c_left: float,
-                    c_right: float) -> tuple:
+class _HostScalars:
+    """`proj_split_matrix_`'s scalars on the host (Python floats): read without a sync from a
+    CPU tensor, each scalar op free of a dispatch."""
+    dot = staticmethod(_dot)
+    sqrt = staticmethod(math.sqrt)
+
+    @staticmethod
+    def add_(K: torch.Tensor, L: torch.Tensor, c: float) -> torch.Tensor:
+        return K.add_(L, alpha=c)  # K + c L
+
+    @staticmethod
+    def addmm_(F: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float, c: float) -> torch.Tensor:
+        return F.addmm_(a, b, beta=s * c, alpha=s)  # s (a b + c F), F its accumulator
+
+
+class _TensorScalars:
+    """`proj_split_matrix_`'s scalars as 0-dim float64 tensors, for a step that may not read a
+    tensor on the host (a compiled one: a read would be data-dependent). The same GEMMs; where
+    torch takes only a number (`alpha`, `beta`), the scale is an elementwise pass instead."""
+    @staticmethod
+    def dot(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.vdot(x.reshape(-1), y.reshape(-1)).to(torch.float64)
+
+    sqrt = staticmethod(torch.sqrt)
+
+    @staticmethod
+    def add_(K: torch.Tensor, L: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return K.addcmul_(L, c)
+
+    @staticmethod
+    def addmm_(F: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: torch.Tensor,
+               c: torch.Tensor) -> torch.Tensor:
+        return F.mul_(s * c).addmm_(a.mul_(s), b)  # a is the thin side's product, scaled in place
+
+
+def _thin_side_sums(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor, c_left, c_right,
+                    x=_HostScalars) -> tuple:
     """`proj_split_matrix_`'s wide case ([m, m], [n, n], [m, n] with m the thin side; its tall
     case is this one on (R, L, g^T)): the new left factor before its scaling, K = U' + c_L L with
     U' = g R g^T; g^T L, which makes the long side's factor; P = <L, U'>, |U'|^2, |V'|^2 =
-    <L, W L W> (W = g g^T) and T = <W L W, K> + c_R (|U'|^2 + c_L P)."""
+    <L, W L W> (W = g g^T) and T = <W L W, K> + c_R (|U'|^2 + c_L P). `x`: where the scalars
+    live (_HostScalars or _TensorScalars)."""
     K = torch.mm(torch.mm(g, R), g.T)  # U'
     gtL = torch.mm(g.T, L)
     W = torch.mm(g, g.T)
     WLW = torch.mm(W, torch.mm(L, W))
-    P, uu, vv = _dot(L, K), _dot(K, K), _dot(L, WLW)
-    K.add_(L, alpha=c_left)
-    return K, gtL, P, uu, vv, _dot(WLW, K) + c_right * (uu + c_left * P)
+    P, uu, vv = x.dot(L, K), x.dot(K, K), x.dot(L, WLW)
+    x.add_(K, L, c_left)
+    return K, gtL, P, uu, vv, x.dot(WLW, K) + c_right * (uu + c_left * P)
 
 
 def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
-                       beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       beta: float, host: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`proj_split` of one matrix ([m, m], [n, n], [m, n]), the CPU's eager form, equal to it (and
     to `proj_split_batched`) up to rounding. Returns the new (L, R); on a tall or wide matrix the
     long side's new factor is written into its old one (L or R), the others are new tensors.
@@ -356,32 +392,36 @@ def proj_split_matrix_(L: torch.Tensor, R: torch.Tensor, g: torch.Tensor,
     new L = s (g R) g^T + s c_L L;
     wide (W = g g^T): T = <W L W, K> + c_R (|U'|^2 + c_L P), |V'|^2 = tr((L W)^2) = <L, W L W>,
     new R = s (g^T L) g + s c_R R;
-    otherwise T = <K g, g M>."""
+    otherwise T = <K g, g M>.
+
+    `host=False`: the scalars stay 0-dim tensors (float64), for a step that may not read a
+    tensor on the host (a compiled one); the same GEMMs, equal up to rounding."""
+    x = _HostScalars if host else _TensorScalars
     m, n = g.shape
     shrink = 1 - beta if beta != 1 else 1.0
-    a2, b2 = _dot(L, L), _dot(R, R)
+    a2, b2 = x.dot(L, L), x.dot(R, R)
     c_left, c_right = beta * b2 / shrink, beta * a2 / shrink
     gt = g.T
     direct, wide, tall = m * n * (m + n), m * m * (n + 2 * m), n * n * (m + 2 * n)
     K = M = None  # the new factors once made: K on the left, M on the right
     if wide < min(direct, tall):
-        K, gtL, P, uu, vv, T = _thin_side_sums(L, R, g, c_left, c_right)
+        K, gtL, P, uu, vv, T = _thin_side_sums(L, R, g, c_left, c_right, x)
     elif tall < direct:  # the wide case of g^T, the sides swapped
-        M, gR, P, vv, uu, T = _thin_side_sums(R, L, gt, c_right, c_left)
+        M, gR, P, vv, uu, T = _thin_side_sums(R, L, gt, c_right, c_left, x)
     else:
         K = torch.mm(torch.mm(g, R), gt)
         M = torch.mm(torch.mm(gt, L), g)
-        P = _dot(R, M) if n <= m else _dot(L, K)
-        uu, vv = _dot(K, K), _dot(M, M)
-        K.add_(L, alpha=c_left)
-        M.add_(R, alpha=c_right)
-        T = _dot(torch.mm(K, g), torch.mm(g, M))
+        P = x.dot(R, M) if n <= m else x.dot(L, K)
+        uu, vv = x.dot(K, K), x.dot(M, M)
+        x.add_(K, L, c_left)
+        x.add_(M, R, c_right)
+        T = x.dot(torch.mm(K, g), torch.mm(g, M))
     kk = uu + 2 * c_left * P + c_left * c_left * a2
     mm = vv + 2 * c_right * P + c_right * c_right * b2
-    root = math.sqrt((beta * (a2 * c_left + P) ** 2 + shrink * T) / math.sqrt(kk * mm))
-    s_left, s_right = root / math.sqrt(kk), root / math.sqrt(mm)
-    K = L.addmm_(gR, gt, beta=s_left * c_left, alpha=s_left) if K is None else K.mul_(s_left)
-    M = R.addmm_(gtL, g, beta=s_right * c_right, alpha=s_right) if M is None else M.mul_(s_right)
+    root = x.sqrt((beta * (a2 * c_left + P) ** 2 + shrink * T) / x.sqrt(kk * mm))
+    s_left, s_right = root / x.sqrt(kk), root / x.sqrt(mm)
+    K = x.addmm_(L, gR, gt, s_left, c_left) if K is None else K.mul_(s_left)
+    M = x.addmm_(R, gtL, g, s_right, c_right) if M is None else M.mul_(s_right)
     return K, M
 
 

@@ -1,8 +1,9 @@
 """DyKAF's Kronecker factors after the first step: each step's factor update (the projector
 split of a matrix, alone or stacked with the matrices of its shape; the 4-mode split of a conv
 kernel; SOAP's EMA of per-mode products), and the eigenbasis refresh every
-`precondition_frequency` updates, decided on the host when eager and on the device when compiled
-or captured, the second moment's entries permuted along with the basis columns."""
+`precondition_frequency` updates, decided on the host (eager and compiled steps: a compiled
+step that is not due holds no refresh) and on the device once a step has been captured, the
+second moment's entries permuted along with the basis columns."""
 from __future__ import annotations
 
 import torch
@@ -18,14 +19,15 @@ class Factors:
 
     def _update_all_factors(self, group, params, states, grads, stacks, gated) -> None:
         """Update the Kronecker factors from the gradients, in place: stacks in one batched
-        split; on a CPU, eagerly, each matrix by `proj_split_matrix_` (host scalars: a
-        device-decided step keeps the batched form, whose scalars stay on the device)."""
+        split; on a CPU, each matrix by `proj_split_matrix_`, its scalars on the host when the
+        step may read tensors (eager) and 0-dim tensors when it may not (compiled); a
+        device-decided step keeps the batched form, as a captured step must (the GPU's form)."""
         for idx, _, _ in stacks:
             beta = states[idx[0]]["shampoo_beta"]
             if not gated and not self._batched(params[idx[0]].device):
                 (i,) = idx
                 _write_(states[i]["factors"], dykaf_maths.proj_split_matrix_(
-                    *states[i]["factors"], grads[i], beta))
+                    *states[i]["factors"], grads[i], beta, host=route.eager()))
                 continue
             U, V = dykaf_maths.proj_split_batched(
                 _stack([states[i]["factors"][0] for i in idx]),
@@ -82,10 +84,10 @@ class Factors:
             merged = self._merged_shape(p, group)
             _ema(factors, self._to_merged(g, merged) if merged is not None else g, beta)
         if gated:
-            # A device-decided step reads no host count (a compiled one would recompile for each
-            # value, a captured one would replay the value of its capture): the refresh is
-            # decided from the device count. Left out where the host knows it is not due
-            # (StepGraphs); the host count stopped at the counter's, so the offset is fixed.
+            # A device-decided step reads no host count (a captured one would replay the value
+            # of its capture): the refresh is decided from the device count. Left out where the
+            # host knows it is not due (StepGraphs); the host count stopped at the counter's, so
+            # the offset is fixed.
             every = state["precondition_frequency"]
             if self._steps.pinned is not None and self._steps.host_due(
                     every, state["step"] + 1 - self._steps.host) is False:
@@ -102,8 +104,9 @@ class Factors:
         due steps), otherwise (a CUDA-graph capture, whose eager torch.cond would read `due` on
         the host) the refresh runs on every step and torch.where keeps the old basis where it is
         not due. With a process_group an eager refresh waits for the end of the step, where its
-        owner rank makes it and shares it (cafin.optim.dykaf.owners)."""
-        if due is None and self._owners is not None:
+        owner rank makes it and shares it (cafin.optim.dykaf.owners); a compiled one is made on
+        every rank (no collective in the graph)."""
+        if due is None and self._owners is not None and route.eager():
             self._owners.defer(p, state, group)
             return
         new: list = []
