@@ -125,7 +125,9 @@ class Checkpoint:
             rot_step = setting("exp_avg_rot_step", Int(-1, step))
             if rot_step != -1 and "exp_avg_rot" not in saved:
                 raise ValueError(f"{where}: exp_avg_rot_step {rot_step} without exp_avg_rot")
-            entry["exp_avg_rot_step"] = rot_step
+            # A cache of an earlier step than the last (kept while another backend stepped)
+            # is none: the step reads "not -1" as "the last step's" (update.py)
+            entry["exp_avg_rot_step"] = rot_step if rot_step == step else -1
         return {key: entry[key] for key in saved}  # the saved order
 
 

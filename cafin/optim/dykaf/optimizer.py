@@ -85,8 +85,9 @@ class DyKAF(Start, Update, Factors, Checkpoint, CoreOptimizer):
         self._route = Route(backend, "DyKAF", "dykaf_apply_")
         self.process_group = process_group
         self._owners = owners  # None: every rank refreshes every parameter
-        # The latch of device-decided steps: once a step is compiled or captured in a CUDA graph,
-        # no decision reads a host count (the refresh is decided from `device_step`).
+        # The latch of device-decided steps: once a step is captured in a CUDA graph, no decision
+        # reads a host count (the refresh is decided from `device_step`); a compiled step
+        # decides from the host counts, one graph per phase.
         self._steps = StepCounter()
         self._dropped = 0  # first gradients dropped (skipped_factor_updates)
         # parameter -> [drops, steps left to skip] while its state waits for a usable gradient

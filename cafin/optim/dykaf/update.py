@@ -1,8 +1,8 @@
 """DyKAF's update of the parameters of one device, after their first step: the gradients
 rotated into the eigenbases, the moments (the kept rotated moment of stacked matrices, chosen on
-the host when eager and on the device when compiled or captured), the preconditioning (rank-one
-or full second moment), the rotation back, and the apply (step size, bias correction, weight
-decay)."""
+the host in eager and compiled steps and on the device once a step has been captured), the
+preconditioning (rank-one or full second moment), the rotation back, and the apply (step size,
+bias correction, weight decay)."""
 from __future__ import annotations
 
 from types import ModuleType
@@ -22,8 +22,10 @@ class Update:
     """The update methods of `DyKAF` (a mixin: it reads the optimizer's settings and state)."""
 
     def _gated(self) -> bool:
-        """Whether this step decides on the device (compiled, captured, or any step after one
-        of those): then no decision reads a host count or a value that changes between steps."""
+        """Whether this step decides on the device (captured in a CUDA graph, any step after
+        one, or compiled by a counter told to decide on the device): then no decision reads a
+        host count or a value that changes between steps. A compiled step decides from the host
+        counts (a graph per phase) but may not read a tensor on the host (`route.eager()`)."""
         return self._steps.host_due(1) is None
 
     def _update(self, group, params: list[torch.Tensor]) -> None:
@@ -80,12 +82,18 @@ class Update:
             # The rotated moment Q_L^T exp_avg Q_R is kept between refreshes: rotating is linear,
             # so it follows the same average as exp_avg, from the rotated gradient, without the
             # two GEMMs of a projection (equal up to rounding). "exp_avg_rot_step" is the step it
-            # belongs to (-1: none); a host int, so a checkpoint resumes on the same path.
+            # belongs to (-1: none); a host int, so a checkpoint resumes on the same path. Every
+            # host-decided step writes it (this step's count, or -1 on a refresh step) and a
+            # load keeps it only if it is the last step's, so "not -1" means "the last step's":
+            # a compiled step then guards on each count alone, not on a relation between two
+            # symbolic counts (which inductor's generated code has failed to bind).
             # Device-decided steps advance no host count: they choose on the device (below).
             compiling = route.compiled()
             known = self._pinned_cache([states[i] for i in idx]) if gated and not compiling else None
-            cached = known is True or not gated and all(
-                states[i].get("exp_avg_rot_step", -1) == states[i]["step"] - 1 for i in idx)
+            # (a list, not a generator: a compiled step reads every count on its first call and
+            # makes each symbolic once it has changed, none left a constant for one more graph)
+            cached = known is True or not gated and all([
+                states[i].get("exp_avg_rot_step", -1) != -1 for i in idx])
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
                 _average_(caches, [rotated[i] for i in idx], keep, take, host=not gated)
@@ -105,9 +113,9 @@ class Update:
             for i, x in zip(idx, stacked.unbind(0)):
                 moments[i] = x
                 st = states[i]
-                if compiling:
-                    # inductor's step writes this cache wrong (aot_eager's is right): a compiled
-                    # step keeps none, so the next eager step projects
+                if compiling and gated:
+                    # a device-decided compiled step keeps no cache (inductor wrote the torch.where
+                    # below wrong, aot_eager right), so the next step projects
                     st["exp_avg_rot_step"] = -1
                     continue
                 if gated:
@@ -185,10 +193,11 @@ class Update:
         """Apply the updates to the parameters (step size, bias correction, weight decay)."""
         impl = self._ops(states)
         # Eagerly, parameters share one step size and one apply call when their host step counts
-        # agree (the usual case); no dict keyed by the count, which would make a compiled step
-        # specialise on its value and recompile every step. A device-decided step reads no host
-        # count: one call per parameter, each with its own device count.
-        counts = [st["step"] for st in states] if not gated else None
+        # agree (the usual case). A compiled step does not compare them (a relation between two
+        # symbolic counts, which inductor's generated code has failed to bind), nor does a
+        # device-decided one read them: one call per parameter, each with its own device count
+        # (the same numbers).
+        counts = [st["step"] for st in states] if not gated and route.eager() else None
         if counts is not None and all(t == counts[0] for t in counts):
             calls = [list(range(len(states)))]
         else:
@@ -225,8 +234,8 @@ class Update:
 
 def _cache_follows(state) -> torch.Tensor:
     """Whether the kept rotated moment belongs to the last step (a device bool, from the device
-    count t after its increment): the host-decided rule `exp_avg_rot_step == step - 1`, since
-    every step writes it except one that refreshes the bases."""
+    count t after its increment): the host-decided rule (`exp_avg_rot_step` is the last step's),
+    since every step writes it except one that refreshes the bases."""
     t, every = state["device_step"], state["precondition_frequency"]
     return (t > 1) & (torch.fmod(t - 1, every) != 0)
 
