@@ -23,6 +23,21 @@ def contiguous(t: Tensor) -> Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def contiguous_all(tensors: list[Tensor]) -> list[Tensor]:
+    """The tensors made contiguous, the strided ones (a weight's or bias's piece of a layer's
+    natural gradient [W | b]) copied into new memory by one op for all of them."""
+    strided = [i for i, t in enumerate(tensors) if not t.is_contiguous()]
+    if not strided:
+        return list(tensors)
+    out = list(tensors)
+    copies = [torch.empty(tensors[i].shape, dtype=tensors[i].dtype, device=tensors[i].device)
+              for i in strided]
+    torch._foreach_copy_(copies, [tensors[i] for i in strided])
+    for i, c in zip(strided, copies):
+        out[i] = c
+    return out
+
+
 class _StepPlan(NamedTuple):
     """How a step routes each layer, kept from step to step on one process (no collectives)
     while `key` holds: the parameters' memory (`.data =` moves it) and which parameters have
@@ -185,6 +200,6 @@ class ParameterUpdate:
             # The diagonal step's op without factors: one elementwise pass over the bucket, the
             # scalars in the op-math dtype as singd's Python floats are.
             none = self._no_factors(device, work)
-            self._ops(device).singd_diag_step_(ps, [u.contiguous() for u in us], bs, [none] * len(ps),
+            self._ops(device).singd_diag_step_(ps, contiguous_all(us), bs, [none] * len(ps),
                                                [none] * len(ps), [0] * len(ps), lr, momentum, wd)
 
