@@ -522,7 +522,9 @@ def _two_group_model():
 def _two_groups(m, structures):
     groups = [dict(params=list(m[0].parameters()), T=2, structures=structures[0],
                    lr_cov=lambda k: 0.05 / (1 + k)),
-              dict(params=list(m[2].parameters()), T=3, structures=structures[1])]
+              # normalize_lr_cov: the inf-norms of the new momenta, taken by list ops
+              dict(params=list(m[2].parameters()), T=3, structures=structures[1],
+                   normalize_lr_cov=True)]
     return cafin.SINGD(m, groups, lr=0.05, lr_cov=0.05)
 
 
@@ -1390,3 +1392,34 @@ def test_non_finite_statistics_drop_the_update_in_a_compiled_step(backend):
     assert o.skipped_factor_updates == 3
     assert all(torch.isfinite(p).all() for p in m.parameters())
     assert not torch.equal(o.state[m[0].weight]["K.0"], before[0]["K.0"])  # step 4 updated
+
+
+def _step_launches(layers: int, structures, due: bool, **kw) -> int:
+    """The ops (bench.proxies.count_ops: each a kernel launch on a GPU) of one eager step of a
+    stack of `layers` Linear layers, due (k = 2, T = 2) or not (k = 1)."""
+    from bench.proxies import count_ops
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)])
+    opt = cafin.SINGD(model, structures=structures, T=2, **kw)
+    x = torch.randn(4, 6)
+    for _ in range(2 if due else 1):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    return count_ops(opt.step).launches
+
+
+# Ops per layer a step adds: a due diagonal layer's six reductions (the traces of H_K, H_C, K^T K,
+# C^T C and the sums of H_K, H_C that test them for NaN/inf); a dense layer's four GEMMs of its
+# factor update, four of its natural gradient and the [W | b] concatenation besides. The scalar
+# bookkeeping (trace factors, the due/commit test, drop counts, normalize_lr_cov's norms) runs on
+# vectors over all of a bucket's layers; per layer it took another 13 to 25 ops.
+@pytest.mark.parametrize("structure, due, per_layer", [
+    ("diagonal", True, 6), ("dense", True, 15), ("dense", False, 5)])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_a_step_launches_a_bounded_number_of_ops_per_layer(structure, due, per_layer, normalize):
+    kw = dict(normalize_lr_cov=normalize, lr_cov=lambda k: 0.01)
+    few, many = (_step_launches(n, (structure, structure), due, **kw) for n in (3, 11))
+    assert (many - few) / 8 <= per_layer, (few, many)

@@ -117,6 +117,36 @@ class Structure:
     def inf_norm(parts: Parts) -> Tensor:
         return torch.stack([p.abs().max() for p in parts if p.numel() > 0]).max()
 
+    # ------------------------------------------------------------------ many factors at once
+    # The preconditioner update takes these over the factors of a bucket's layers (one structure
+    # and dtype): the same numbers as the one-factor methods, in fewer ops.
+    @classmethod
+    def inner_parts_of(cls, factors: list[Parts]) -> tuple[list[Parts], tuple[float, ...]]:
+        """inner_parts of each factor: (the raw parts of each, the structure's pi)."""
+        out = [cls.inner_parts(parts) for parts in factors]
+        return [raw for raw, _ in out], out[0][1]
+
+    @classmethod
+    def average_traces(cls, factors: list[Parts]) -> Tensor:
+        """average_trace of each factor, as one vector: a copy (a trace that is a view of an
+        accumulator, as a Toeplitz one is, keeps its value when the accumulator is reset)."""
+        return torch.stack([cls.average_trace(parts) for parts in factors])
+
+    @staticmethod
+    def inf_norms(factors: list[Parts]) -> Tensor:
+        """inf_norm of each factor, as one vector (a max is exact, so the order of the maxima
+        does not matter; a NaN gives NaN either way)."""
+        nonempty = [[p for p in parts if p.numel() > 0] for parts in factors]
+        counts = {len(parts) for parts in nonempty}
+        # The aten op: Dynamo does not trace torch._foreach_max (a graph break).
+        maxima = torch.stack(torch.ops.aten._foreach_max.default(
+            torch._foreach_abs([p for ps in nonempty for p in ps])))
+        if counts == {1}:
+            return maxima
+        if len(counts) == 1:
+            return maxima.view(len(factors), -1).amax(1)
+        return torch.stack([m.max() for m in maxima.split([len(ps) for ps in nonempty])])
+
 
 # ---------------------------------------------------------------------------------- dense
 class Dense(Structure):
@@ -209,6 +239,11 @@ class Diagonal(Structure):
     @classmethod
     def average_trace(cls, parts):
         return parts[0].mean()
+
+    @classmethod
+    def inner_parts_of(cls, factors):
+        ks = [parts[0] for parts in factors]
+        return [(k2,) for k2 in torch._foreach_mul(ks, ks)], (1.0,)
 
     @classmethod
     def eye_kinds(cls, d):
