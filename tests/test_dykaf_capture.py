@@ -171,7 +171,7 @@ def test_device_decided_float32_steps_equal_eager_bit_for_bit(settings, monkeypa
     from cafin.optim.dykaf import update as dykaf_module
     average = dykaf_module._average_
     monkeypatch.setattr(dykaf_module, "_average_",
-                        lambda xs, ys, keep, take, host=True: average(xs, ys, keep, take, host=False))
+                        lambda xs, ys, keep, take, alpha=None: average(xs, ys, keep, take))
     data = batches(3 * FREQUENCY + 1)
     runs = []
     for gated in (False, True):

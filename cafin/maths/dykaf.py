@@ -80,16 +80,38 @@ def _split_sweep(unfolded: list[torch.Tensor], factors: list[torch.Tensor],
     modes 0 and 1 share A = g x_2 F_2 x_3 F_3, modes 2 and 3 B = g x_0 F_0 x_1 F_1 (F_0 and F_1
     as updated); mode 0 puts F_1 and mode 2 F_3 on the first g. A GEMM on the transposed
     unfolding (mode k in front) returns the mode at the back, the next mode in front."""
-    d = [x.shape[0] for x in unfolded]
-    F = factors
+    _split_sweeps([unfolded], [factors], lambda i, Cs: step(i, Cs[0]))
+
+
+def _split_sweeps(unfolded: list[list[torch.Tensor]], factors: list[list[torch.Tensor]],
+                  step: Callable[[int, list[torch.Tensor]], None]) -> None:
+    """`_split_sweep` of several tensors in lockstep: `step(i, [C_i of each tensor])`, so that
+    the elementwise work of a mode runs as one foreach op over the tensors. Each tensor's GEMMs
+    are its own, in its own order (the same numbers as one sweep each)."""
+    d = [[x.shape[0] for x in u] for u in unfolded]
     # (a, b) the pair of modes stepped, (c, e) the other two: A for modes 0 and 1, then B
+    # (the transposed reshapes of GEMM results are taken as one view each: _unfolded_t)
     for a, b, c, e in ((0, 1, 2, 3), (2, 3, 0, 1)):
-        shared = torch.mm(unfolded[c].T, F[c].T).reshape(d[e], -1)
-        shared = torch.mm(shared.T, F[e].T).reshape(d[a], -1)  # modes (a, b, c, e), a in front
-        first = torch.mm(F[b].T, unfolded[b]).reshape(-1, d[a])  # (b, c, e | a)
-        step(a, torch.mm(first.T, shared.T))
-        second = torch.mm(shared.T, F[a].T).reshape(d[b], -1)  # (b | c, e, a)
-        step(b, torch.mm(unfolded[b], second.T))
+        shared_t, firsts_t = [], []
+        for u, F, n in zip(unfolded, factors, d):
+            s_t = _unfolded_t(torch.mm(u[c].T, F[c].T), n[e])
+            # modes (a, b, c, e), a in front; transposed
+            shared_t.append(_unfolded_t(torch.mm(s_t, F[e].T), n[a]))
+            first = torch.mm(F[b].T, u[b])  # (b, c, e | a)
+            firsts_t.append(_unfolded_t(first, first.numel() // n[a] if n[a] else 0))
+        step(a, [torch.mm(f_t, s_t) for f_t, s_t in zip(firsts_t, shared_t)])
+        seconds_t = [_unfolded_t(torch.mm(s_t, F[a].T), n[b])  # (b | c, e, a), transposed
+                     for s_t, F, n in zip(shared_t, factors, d)]
+        step(b, [torch.mm(u[b], x_t) for u, x_t in zip(unfolded, seconds_t)])
+
+
+def _unfolded_t(m: torch.Tensor, rows: int) -> torch.Tensor:
+    """`m.reshape(rows, -1).T` of a contiguous m (a GEMM's result) as one view: the same strides,
+    without the view between."""
+    if not rows or not m.is_contiguous():
+        return m.reshape(rows, -1).T
+    cols = m.numel() // rows
+    return m.as_strided((cols, rows), (1, cols))
 
 
 def _mode_vector(unfolded: list[torch.Tensor], v: Sequence[torch.Tensor], i: int) -> torch.Tensor:
@@ -164,19 +186,7 @@ def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
 
     The terms C_i come from `_split_sweep` (fixed GEMMs, no contraction planned per call)."""
     if not published:
-        norms = torch._foreach_norm(factors)
-        S = norms[0] ** 4 * beta
-        u = list(torch._foreach_div(factors, norms))
-        if beta != 1:
-            g = g * (1 - beta) ** 0.5
-
-        def step(i, C):
-            nonlocal S
-            K = C.addcmul_(u[i], S)  # S u_i + C
-            S = torch.linalg.vector_norm(K)
-            u[i] = K / S
-        _split_sweep(unfoldings(g), u, step)
-        return list(torch._foreach_mul(u, S ** 0.25))
+        return tensor_proj_splits([factors], [g], beta)[0]
     S = factors[0].norm() ** 4
     L = list(torch._foreach_mul(factors, beta ** 0.25))
     if beta != 1:
@@ -190,6 +200,33 @@ def tensor_proj_split(factors: list[torch.Tensor], g: torch.Tensor, beta: float,
         S = s_hat - (L[i] * C).norm()
     _split_sweep(unfoldings(g), L, published_step)
     return list(torch._foreach_mul(L, S ** 0.25))
+
+
+def tensor_proj_splits(factors: list[list[torch.Tensor]], gs: list[torch.Tensor],
+                       beta: float) -> list[list[torch.Tensor]]:
+    """`tensor_proj_split` (not published) of several 4-D tensors on one device, their factors
+    in one dtype: each tensor's GEMMs as in its own step, the elementwise and scalar work of
+    each stage in one foreach op over the tensors (the same numbers: a foreach op of the CPU
+    runs the single-tensor op on each tensor)."""
+    count = len(gs)
+    flat = [f for fs in factors for f in fs]
+    norms = torch._foreach_norm(flat)
+    S = list(torch._foreach_mul(torch._foreach_pow(norms[::4], 4), beta))
+    u = torch._foreach_div(flat, norms)
+    u = [list(u[4 * j:4 * j + 4]) for j in range(count)]
+    if beta != 1:
+        gs = torch._foreach_mul(gs, (1 - beta) ** 0.5)
+
+    def step(i, Cs):
+        nonlocal S
+        torch._foreach_addcmul_(Cs, [x[i] for x in u], S)  # S u_i + C
+        S = torch._foreach_norm(Cs)
+        for x, K in zip(u, torch._foreach_div(Cs, S)):
+            x[i] = K
+    _split_sweeps([unfoldings(g) for g in gs], u, step)
+    roots = torch._foreach_pow(S, 0.25)
+    scaled = torch._foreach_mul([f for x in u for f in x], [r for r in roots for _ in range(4)])
+    return [list(scaled[4 * j:4 * j + 4]) for j in range(count)]
 
 
 def mode_products(g: torch.Tensor, modes: Sequence[int] | None = None) -> list[torch.Tensor | None]:
@@ -233,9 +270,10 @@ def _rotate(x: torch.Tensor, bases: Sequence[torch.Tensor | None], back: bool) -
     shape = x.shape
     m = x.reshape(shape[0] if x.dim() else 1, -1)
     for k, Q in enumerate(bases):
-        if k:
-            m = m.reshape(shape[k], -1)
-        m = m.T if Q is None else torch.mm(m.T, Q.T if back else Q)
+        # (after a GEMM: its transposed unfolding at mode k, one view)
+        m = _unfolded_t(m, shape[k]) if k else m.T
+        if Q is not None:
+            m = torch.mm(m, Q.T if back else Q)
     return m.reshape(shape)
 
 

@@ -37,8 +37,27 @@ class Factors:
             for i, u, v in zip(idx, U.unbind(0), V.unbind(0)):
                 _write_(states[i]["factors"], (u, v))
         done = {i for idx, _, _ in stacks for i in idx}
+        done |= self._split_kernels(states, grads)
         for i, (p, g, st) in enumerate(zip(params, grads, states)):
             self._update_factors(p, g, st, group, gated, split=i not in done)
+
+    def _split_kernels(self, states, grads) -> set[int]:
+        """The 4-mode splits of the conv kernels, those of one (shampoo_beta, dtype, device) in
+        lockstep (`tensor_proj_splits`: each kernel's GEMMs, the elementwise work of each stage
+        one foreach op over the kernels) and written by one foreach copy; returns their indices.
+        The published step keeps its own per kernel."""
+        if self.published_bugs:
+            return set()
+        groups: dict[tuple, list[int]] = {}
+        for i, st in enumerate(states):
+            if st["kind"] == "kron4d":
+                key = (st["shampoo_beta"], grads[i].dtype, grads[i].device)
+                groups.setdefault(key, []).append(i)
+        for (beta, _, _), idx in groups.items():
+            news = dykaf_maths.tensor_proj_splits([states[i]["factors"] for i in idx],
+                                                  [grads[i] for i in idx], beta)
+            _write_([f for i in idx for f in states[i]["factors"]], [f for x in news for f in x])
+        return {i for idx in groups.values() for i in idx}
 
     _batch_on_cpu = False  # tests set it to run the GPU's batched path on a CPU
 
@@ -61,15 +80,17 @@ class Factors:
                 # The GEMMs read row-major bases (see _stack): the bases are made row-major and
                 # every refresh is copied into them (a checkpoint may bring column-major ones,
                 # which _stack then copies; the state's buffers are never replaced).
-        return [(idx, _stack([states[i]["bases"][0] for i in idx]),
-                 _stack([states[i]["bases"][1] for i in idx]))
-                for idx in groups.values()]
+        # (a group of one keeps its 2-D bases, as update._gather keeps its matrix)
+        gather = [(lambda xs: xs[0].contiguous()) if len(idx) == 1 else _stack
+                  for idx in groups.values()]
+        return [(idx, g([states[i]["bases"][0] for i in idx]), g([states[i]["bases"][1] for i in idx]))
+                for g, idx in zip(gather, groups.values())]
 
     def _update_factors(self, p, g, state, group, gated: bool, split: bool = True) -> None:
         """Update one parameter's factors in place, then refresh its eigenbases when due."""
         beta, factors, kind = state["shampoo_beta"], state["factors"], state["kind"]
-        if kind == "kron2d" and not split:
-            pass  # split already, batched with the other matrices of its shape
+        if not split:
+            pass  # split already, with the other matrices of its shape or kernels of its kind
         elif kind == "kron2d":
             L, R = factors
             if L is not None and R is not None:

@@ -11,7 +11,7 @@ import torch
 
 from ...core import route
 from ...maths import dykaf as dykaf_maths
-from .factors import _refresh_due, _stack
+from .factors import _refresh_due
 
 # exp_avg_rot_step of a device-decided step: the cache belongs to the device count's step, or to
 # none (-1) when that step refreshed the bases; state_dict() writes the number.
@@ -62,8 +62,8 @@ class Update:
         for i in alone:  # read only (the moments are preconditioned in place, these are not)
             rotated[i] = self._project(grads[i], states[i], params[i], group, copy=False)
         for idx, QL, QR in stacks:
-            stacked = _sandwich(QL.mT, _stack([grads[i] for i in idx]), QR)
-            for i, x in zip(idx, stacked.unbind(0)):
+            stacked = _sandwich(QL.mT, _gather([grads[i] for i in idx]), QR)
+            for i, x in zip(idx, _parts(stacked)):
                 rotated[i] = x
         return rotated
 
@@ -73,12 +73,24 @@ class Update:
         moments, one per parameter; the stacked ones, one per stack)."""
         exp_avgs = [st["exp_avg"] for st in states]
         keep, take = _scalars_like(exp_avgs, beta1)
-        _average_(exp_avgs, grads, keep, take, host=not gated)
+        # 1 - beta1 read on the host once a step (a CPU's eager step), for every average below
+        alpha = take.item() if (not gated and exp_avgs[0].device.type == "cpu"
+                                and not route.compiled()) else None
+        _average_(exp_avgs, grads, keep, take, alpha)
         moments: list = [None] * len(params)
+        # Parameters without a basis take a copy of exp_avg (preconditioned in place), all in
+        # one foreach op (x * 1 is x, bit for bit).
+        plain = [i for i in alone if all(Q is None for Q in states[i]["bases"])]
+        if plain:
+            for i, x in zip(plain, torch._foreach_mul([exp_avgs[i] for i in plain], 1.0)):
+                moments[i] = x
         for i in alone:
-            moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
+            if moments[i] is None:
+                moments[i] = self._project(exp_avgs[i], states[i], params[i], group)
         stacked_moments = []
-        for idx, QL, QR in stacks:
+        compiling = route.compiled()
+        decided = []  # (known, cached) of each stack
+        for idx, _, _ in stacks:
             # The rotated moment Q_L^T exp_avg Q_R is kept between refreshes: rotating is linear,
             # so it follows the same average as exp_avg, from the rotated gradient, without the
             # two GEMMs of a projection (equal up to rounding). "exp_avg_rot_step" is the step it
@@ -88,29 +100,37 @@ class Update:
             # a compiled step then guards on each count alone, not on a relation between two
             # symbolic counts (which inductor's generated code has failed to bind).
             # Device-decided steps advance no host count: they choose on the device (below).
-            compiling = route.compiled()
             known = self._pinned_cache([states[i] for i in idx]) if gated and not compiling else None
             # (a list, not a generator: a compiled step reads every count on its first call and
             # makes each symbolic once it has changed, none left a constant for one more graph)
             cached = known is True or not gated and all([
                 states[i].get("exp_avg_rot_step", -1) != -1 for i in idx])
+            decided.append((known, cached))
+        # the kept moments of every stack averaged together (one foreach op each)
+        averaged = [i for (idx, _, _), (_, cached) in zip(stacks, decided) if cached for i in idx]
+        if averaged:
+            _average_([states[i]["exp_avg_rot"] for i in averaged], [rotated[i] for i in averaged],
+                      keep, take, alpha)
+        for (idx, QL, QR), (known, cached) in zip(stacks, decided):
             if cached:
                 caches = [states[i]["exp_avg_rot"] for i in idx]
-                _average_(caches, [rotated[i] for i in idx], keep, take, host=not gated)
-                stacked = torch.stack(caches)  # a copy: preconditioned in place below
+                # a copy: preconditioned in place below
+                stacked = (caches[0].clone(memory_format=torch.contiguous_format)
+                           if len(caches) == 1 else torch.stack(caches))
             else:
-                stacked = _sandwich(QL.mT, _stack([exp_avgs[i] for i in idx]), QR)
+                stacked = _sandwich(QL.mT, _gather([exp_avgs[i] for i in idx]), QR)
                 if known is None and gated and not compiling and all("exp_avg_rot" in states[i] for i in idx):
                     # The moment an eager step takes, chosen on the device: the kept one averaged
                     # where the last step refreshed no basis, else the projection. The two differ
                     # by rounding, which a refresh can amplify in float32; taking the same one
                     # keeps a captured step equal to the eager step.
-                    average = (torch.stack([states[i]["exp_avg_rot"] for i in idx]) * keep
-                               + torch.stack([rotated[i] for i in idx]) * take)
+                    average = (_gather([states[i]["exp_avg_rot"] for i in idx]) * keep
+                               + _gather([rotated[i] for i in idx]) * take)
                     valid = torch.stack([_cache_follows(states[i]) for i in idx])
-                    stacked = torch.where(valid.view(-1, 1, 1), average, stacked)
+                    stacked = torch.where(valid.view((-1,) + (1,) * (stacked.dim() - 1)),
+                                          average, stacked)
             stacked_moments.append(stacked)
-            for i, x in zip(idx, stacked.unbind(0)):
+            for i, x in zip(idx, _parts(stacked)):
                 moments[i] = x
                 st = states[i]
                 if compiling and gated:
@@ -185,7 +205,7 @@ class Update:
         for i in alone:
             updates[i] = self._project(moments[i], states[i], params[i], group, back=True)
         for (idx, QL, QR), stacked in zip(stacks, stacked_moments):
-            for i, x in zip(idx, _sandwich(QL, stacked, QR.mT).unbind(0)):
+            for i, x in zip(idx, _parts(_sandwich(QL, stacked, QR.mT))):
                 updates[i] = x
         return updates
 
@@ -241,11 +261,23 @@ def _cache_follows(state) -> torch.Tensor:
 
 
 def _sandwich(A: torch.Tensor, X: torch.Tensor, B: torch.Tensor) -> torch.Tensor:
-    """A X B over stacks of matrices: batched GEMMs, or for a stack of one (a CPU's group) GEMMs
-    of its 2-D views (bmm of one matrix ran slower than mm on the GPT's 128-wide products)."""
-    if X.shape[0] == 1:
-        return torch.mm(torch.mm(A[0], X[0]), B[0]).unsqueeze(0)
+    """A X B over stacks of matrices (batched GEMMs), or of one matrix (a group of one, `_gather`:
+    GEMMs; bmm of one matrix ran slower than mm on the GPT's 128-wide products)."""
+    if X.dim() == 2:
+        return torch.mm(torch.mm(A, X), B)
     return torch.bmm(torch.bmm(A, X), B)
+
+
+def _gather(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The matrices of a group as `_sandwich` takes them: a stack, or for a group of one (every
+    group on a CPU) the matrix itself, row-major (as `_stack` makes it; no stack dimension to
+    add and take off again: three views fewer per product)."""
+    return xs[0].contiguous() if len(xs) == 1 else torch.stack(xs)
+
+
+def _parts(stacked: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:
+    """The matrices of a result of `_sandwich`: its stack unbound, or the one matrix."""
+    return [stacked] if stacked.dim() == 2 else stacked.unbind(0)
 
 
 def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,12 +292,11 @@ def _scalars_like(xs: list[torch.Tensor], beta: torch.Tensor) -> tuple[torch.Ten
 
 
 def _average_(xs: list[torch.Tensor], ys: list[torch.Tensor], keep: torch.Tensor,
-              take: torch.Tensor, host: bool = True) -> None:
-    """xs <- keep xs + take ys. On a CPU, with `host` (eager, not device-decided) and outside a
-    compiled step, take is read on the host (no sync there) and added as alpha: one pass, no
-    temporary; elsewhere the foreach product."""
+              take: torch.Tensor, alpha: float | None = None) -> None:
+    """xs <- keep xs + take ys. With `alpha`, take as read on the host (a CPU's eager step, where
+    a read costs no sync), added as alpha: one pass, no temporary; else the foreach product."""
     torch._foreach_mul_(xs, keep)
-    if host and xs[0].device.type == "cpu" and not route.compiled():
-        torch._foreach_add_(xs, ys, alpha=take.item())
+    if alpha is not None:
+        torch._foreach_add_(xs, ys, alpha=alpha)
     else:
         torch._foreach_add_(xs, torch._foreach_mul(ys, take))
