@@ -158,3 +158,56 @@ def test_fused_reductions_equal_reference_on_long_rows(dtype):
         runs.append((K, M))
     for a, b in zip(*runs):
         torch.testing.assert_close(a, b, **tol)
+
+
+class _Dispatched(torch.utils._python_dispatch.TorchDispatchMode):
+    """Every op a step dispatches (views too: each costs the host a dispatch) and, of those, the
+    host reads of a tensor's value."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.reads += func.__name__.split(".")[0] == "_local_scalar_dense"
+        return func(*args, **(kwargs or {}))
+
+
+def _not_due_step(kind: str, layers: int) -> _Dispatched:
+    """The ops of the third eager step (not due, after a step that refreshed nothing) of a stack
+    of 3x3 convs (4-D kernels: the 4-mode split, rotations of four modes) or of 6 x 6 Linears."""
+    torch.manual_seed(0)
+    if kind == "conv":
+        model = nn.Sequential(*[nn.Conv2d(4, 4, 3, padding=1) for _ in range(layers)])
+        x = torch.randn(2, 4, 5, 5)
+    else:
+        model = nn.Sequential(*[nn.Linear(6, 6) for _ in range(layers)])
+        x = torch.randn(4, 6)
+    opt = cafin.DyKAF(model.parameters(), precondition_frequency=100)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if _ == 2:
+            with _Dispatched() as counted:
+                opt.step()
+            return counted
+        opt.step()
+
+
+# Per layer, a not-due step dispatches: for a conv kernel its GEMMs (12 rotating the gradient, the
+# moment and the update through four modes, 12 of the 4-mode split) with about one view each (a
+# GEMM result's transposed unfolding is one view), the split's two unfolding copies; the split's
+# elementwise and scalar work runs in foreach ops over all the kernels (a kernel at a time, with
+# a reshape and a transpose per GEMM, it took 113 ops). For a matrix (the CPU's per-matrix
+# split) the GEMMs of the rotations and the split, and six inner products read on the host (a
+# CPU tensor's read costs no sync; a GPU takes the batched split, which reads none); the average
+# of the kept rotated moments runs over all matrices at once, with 1 - beta1 read once a step.
+# Kernels and biases read nothing: a step reads at most 5 values besides the matrices' products
+# (the scalars the ops check on a CPU, and 1 - beta1).
+@pytest.mark.parametrize("kind, ops, reads", [("conv", 73, 0), ("linear", 43, 6)])
+def test_a_not_due_step_dispatches_a_bounded_number_of_ops_per_layer(kind, ops, reads):
+    few, many = _not_due_step(kind, 2), _not_due_step(kind, 6)
+    assert (many.ops - few.ops) / 4 <= ops, (few.ops, many.ops)
+    assert (many.reads - few.reads) / 4 <= reads, (few.reads, many.reads)
+    assert few.reads - 2 * reads <= 5, few.reads
