@@ -8,8 +8,7 @@ from collections import defaultdict
 
 import torch
 
-from ...core import EigendecompositionWarning
-from ...core import route
+from ...core import EigendecompositionWarning, route
 from ...core.route import Route
 from ...maths import kfac as kfac_maths
 from .compat import ComputeMethod
