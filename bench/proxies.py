@@ -304,6 +304,40 @@ def profiled(fn: Callable[[], object]) -> Profiled:
     return Profiled(int(total), ops)
 
 
+# The matrix products the profiler records, in place or not (its FLOP formulas skip the in-place
+# ones, which eager code calls and compiled code does not): name -> index of the first factor
+_PRODUCTS = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1, "aten::bmm": 0,
+             "aten::baddbmm": 1, "aten::baddbmm_": 1}
+_DECOMPOSITIONS = {"aten::linalg_qr", "aten::linalg_eigh", "aten::_linalg_eigh", "aten::argsort",
+                   "aten::linalg_inv_ex"}
+
+
+def product_work(fn: Callable[[], object]) -> tuple[int, set[str]]:
+    """(FLOPs of the matrix products `fn()` runs, from their shapes: an eager step and its
+    compiled graph compare even where one multiplies in place and the other does not; the
+    decompositions it runs). A product inside a product counts once; no Python mode, so a
+    compiled function runs under it as anywhere. Run it on one thread (a product a cafin op hands
+    to a worker thread is not recorded); it does not set the count itself, which a compiled
+    function's guards check."""
+    from torch.profiler import ProfilerActivity, profile
+    os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    flops, decompositions = 0, set()
+    for event in prof.events():
+        if event.name in _DECOMPOSITIONS:
+            decompositions.add(event.name)
+        first = _PRODUCTS.get(event.name)
+        parent = event.cpu_parent
+        while parent is not None and parent.name not in _PRODUCTS:
+            parent = parent.cpu_parent
+        if first is None or parent is not None:
+            continue
+        a, b = event.input_shapes[first:first + 2]
+        flops += 2 * torch.Size(a).numel() * b[-1]
+    return flops, decompositions
+
+
 def count_flops(fn: Callable[[], object]) -> int:
     """FLOPs of `fn()`: torch's flop counter over the ops dispatched from Python (GEMMs,
     convolutions and their backward, attention), plus, inside cafin's own ops, whose insides no

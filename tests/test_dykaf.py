@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 
 import cafin
 from cafin.maths import dykaf as math
+from bench.proxies import product_work
 from dykaf_oracle import Oracle
 
 import two_ranks
@@ -444,31 +445,6 @@ def test_inductor_step_equals_eager(float64_default):
 # graph's guards fail and Dynamo runs the step eagerly), and the profiler gives no FLOPs for
 # in-place products (addmm_), which the eager CPU step makes and a compiled graph makes out of
 # place.
-_GEMMS = {"aten::mm": 0, "aten::addmm": 1, "aten::addmm_": 1, "aten::bmm": 0,
-          "aten::baddbmm": 1, "aten::baddbmm_": 1}  # name: the index of the first factor
-_DECOMPOSITIONS = {"aten::linalg_qr", "aten::linalg_eigh", "aten::_linalg_eigh", "aten::argsort"}
-
-
-def _curvature_work(fn) -> tuple[int, set[str]]:
-    """(FLOPs of the matrix products `fn()` runs, the decompositions it runs)."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-        fn()
-    flops, decompositions = 0, set()
-    for event in prof.events():
-        if event.name in _DECOMPOSITIONS:
-            decompositions.add(event.name)
-        first = _GEMMS.get(event.name)
-        parent = event.cpu_parent
-        while parent is not None and parent.name not in _GEMMS:
-            parent = parent.cpu_parent
-        if first is None or parent is not None:  # a product inside a product counts once
-            continue
-        a, b = event.input_shapes[first:first + 2]
-        flops += 2 * torch.Size(a).numel() * b[-1]
-    return flops, decompositions
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_compiled_step_that_is_not_due_does_no_curvature_work(backend, float64_default):
     """Step 8 (a plain step: after the refresh at 6 and the projection at 7), compiled, makes
@@ -484,7 +460,7 @@ def test_compiled_step_that_is_not_due_does_no_curvature_work(backend, float64_d
         model, opt, step, _ = _compiled_run(backend, data[:8], compiler)
         _schedule(model, opt, 8, *data[8])
         with torch.compiler.set_stance("fail_on_recompile"):
-            work.append(_curvature_work(step))
+            work.append(product_work(step))
     (eager, _), (compiled, decompositions) = work
     assert not decompositions
     assert 0.95 * eager <= compiled <= 1.05 * eager, (compiled, eager)
