@@ -11,6 +11,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "dykaf_checks.h"
 #include "dykaf_math.h"
 
@@ -298,41 +300,137 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
 }
 
 // ---------------------------------------------------------------------------- factor split
-// One block per matrix of the stack: the per-matrix norms and inner products are block sums.
-template <typename T>
-__global__ void split_normalize_kernel(T* x, const T* f, const T* sigma, int64_t d2) {
-  const int64_t b = blockIdx.x;
-  T* xb = x + b * d2;
-  const T* fb = f + b * d2;
-  const T s = sigma[b];
-  double sq = 0;
-  for (int64_t k = threadIdx.x; k < d2; k += blockDim.x) {
-    const T v = dykaf_split_sum(fb[k], xb[k], s);
-    xb[k] = v;
-    sq += double(v) * double(v);
-  }
-  const T norm = T(sqrt(block_sum(sq)));
-  for (int64_t k = threadIdx.x; k < d2; k += blockDim.x) xb[k] = xb[k] / norm;
+// A matrix of the stack is shared out over up to kSplitChunks blocks (blockIdx.x its chunk,
+// blockIdx.y the matrix, strided past 65535), so one large factor (a tied embedding's 8192^2)
+// fills the GPU instead of one SM. Each op is two launches: the first writes one partial sum per
+// block, the second has every block of a matrix add that matrix's partials in the same fixed
+// order (so they agree bit for bit, and from run to run) before it scales its own chunk.
+constexpr int64_t kSplitChunks = 1024;
+constexpr int64_t kSplitChunkMin = 8 * kThreads;  // elements a block takes at least
+
+// The chunk count of a d2-element matrix and the elements per chunk.
+struct Chunks {
+  int64_t count, size;
+};
+
+__host__ __device__ inline Chunks chunks_of(int64_t d2) {
+  int64_t count = (d2 + kSplitChunkMin - 1) / kSplitChunkMin;
+  count = count < 1 ? 1 : (count > kSplitChunks ? kSplitChunks : count);
+  return {count, (d2 + count - 1) / count};
 }
 
+unsigned matrix_blocks(int64_t batch) { return static_cast<unsigned>(batch < 65535 ? batch : 65535); }
+
+// The sum of parts[0], ..., parts[n - 1] in a fixed order, in every thread.
+__device__ double sum_parts(const double* parts, int64_t n) {
+  double acc = 0;
+  for (int64_t k = threadIdx.x; k < n; k += blockDim.x) acc += parts[k];
+  return block_sum(acc);
+}
+
+// Side z (blockIdx.z: 0 is K with L, 1 is M with R): x = split_sum(f, x, sigma) over this block's
+// chunk, and the chunk's sum of squares into partial[(b * 2 + z) * kSplitChunks + chunk].
 template <typename T>
-__global__ void split_scale_kernel(T* u, T* v, const T* l, const T* r, const T* c, const T* sigma,
-                                   int64_t m2, int64_t n2) {
-  const int64_t b = blockIdx.x;
-  T* ub = u + b * m2;
-  T* vb = v + b * n2;
-  double lu = 0, uc = 0, rv = 0;
-  for (int64_t k = threadIdx.x; k < m2; k += blockDim.x) {
-    lu += double(l[b * m2 + k]) * double(ub[k]);
-    uc += double(ub[k]) * double(c[b * m2 + k]);
+__global__ void split_sum_kernel(T* k, const T* l, int64_t k2, T* m, const T* r, int64_t m2, const T* sigma,
+                                 int64_t batch, double* partial) {
+  const bool left = blockIdx.z == 0;
+  const int64_t d2 = left ? k2 : m2;
+  const Chunks c = chunks_of(d2);
+  if (static_cast<int64_t>(blockIdx.x) >= c.count) return;
+  const int64_t lo = blockIdx.x * c.size, hi = lo + c.size < d2 ? lo + c.size : d2;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    T* xb = (left ? k : m) + b * d2;
+    const T* fb = (left ? l : r) + b * d2;
+    const T s = sigma[b];
+    double sq = 0;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+      const T v = dykaf_split_sum(fb[i], xb[i], s);
+      xb[i] = v;
+      sq += double(v) * double(v);
+    }
+    sq = block_sum(sq);
+    if (threadIdx.x == 0) partial[(b * 2 + blockIdx.z) * kSplitChunks + blockIdx.x] = sq;
   }
-  for (int64_t k = threadIdx.x; k < n2; k += blockDim.x) rv += double(r[b * n2 + k]) * double(vb[k]);
-  lu = block_sum(lu);
-  uc = block_sum(uc);
-  rv = block_sum(rv);
-  const T root = sqrt(dykaf_split_weight(T(lu), T(rv), T(uc), sigma[b]));
-  for (int64_t k = threadIdx.x; k < m2; k += blockDim.x) ub[k] *= root;
-  for (int64_t k = threadIdx.x; k < n2; k += blockDim.x) vb[k] *= root;
+}
+
+// x /= |x| over this block's chunk, |x| from the matrix's partials.
+template <typename T>
+__global__ void split_divide_kernel(T* k, int64_t k2, T* m, int64_t m2, int64_t batch, const double* partial) {
+  const bool left = blockIdx.z == 0;
+  const int64_t d2 = left ? k2 : m2;
+  const Chunks c = chunks_of(d2);
+  if (static_cast<int64_t>(blockIdx.x) >= c.count) return;
+  const int64_t lo = blockIdx.x * c.size, hi = lo + c.size < d2 ? lo + c.size : d2;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    const T norm = T(sqrt(sum_parts(partial + (b * 2 + blockIdx.z) * kSplitChunks, c.count)));
+    T* xb = (left ? k : m) + b * d2;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] = xb[i] / norm;
+  }
+}
+
+// Side 0 sums <l, u> and <u, c> over its chunk of u, side 1 sums <r, v>: partial[(b * 3 + q) *
+// kSplitChunks + chunk] for q = 0 (<l, u>), 1 (<u, c>), 2 (<r, v>).
+template <typename T>
+__global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2, const T* v, const T* r,
+                                  int64_t n2, int64_t batch, double* partial) {
+  const bool left = blockIdx.z == 0;
+  const int64_t d2 = left ? m2 : n2;
+  const Chunks ch = chunks_of(d2);
+  if (static_cast<int64_t>(blockIdx.x) >= ch.count) return;
+  const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    double* out = partial + b * 3 * kSplitChunks + blockIdx.x;
+    if (left) {
+      const T* ub = u + b * m2;
+      const T* lb = l + b * m2;
+      const T* cb = c + b * m2;
+      double lu = 0, uc = 0;
+      for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        lu += double(lb[i]) * double(ub[i]);
+        uc += double(ub[i]) * double(cb[i]);
+      }
+      lu = block_sum(lu);
+      uc = block_sum(uc);
+      if (threadIdx.x == 0) {
+        out[0] = lu;
+        out[kSplitChunks] = uc;
+      }
+    } else {
+      const T* vb = v + b * n2;
+      const T* rb = r + b * n2;
+      double rv = 0;
+      for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) rv += double(rb[i]) * double(vb[i]);
+      rv = block_sum(rv);
+      if (threadIdx.x == 0) out[2 * kSplitChunks] = rv;
+    }
+  }
+}
+
+// u and v times sqrt(split_weight(<l, u>, <r, v>, <u, c>, sigma)) over this block's chunk.
+template <typename T>
+__global__ void split_weigh_kernel(T* u, int64_t m2, T* v, int64_t n2, const T* sigma, int64_t batch,
+                                   const double* partial) {
+  const bool left = blockIdx.z == 0;
+  const int64_t d2 = left ? m2 : n2;
+  const Chunks ch = chunks_of(d2);
+  if (static_cast<int64_t>(blockIdx.x) >= ch.count) return;
+  const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
+  const int64_t left_chunks = chunks_of(m2).count, right_chunks = chunks_of(n2).count;
+  for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
+    const double* parts = partial + b * 3 * kSplitChunks;
+    const double lu = sum_parts(parts, left_chunks);
+    const double uc = sum_parts(parts + kSplitChunks, left_chunks);
+    const double rv = sum_parts(parts + 2 * kSplitChunks, right_chunks);
+    const T root = sqrt(dykaf_split_weight(T(lu), T(rv), T(uc), sigma[b]));
+    T* xb = (left ? u : v) + b * d2;
+    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] *= root;
+  }
+}
+
+// The grid of a stack of `batch` matrix pairs with d2 and e2 elements.
+dim3 split_grid(int64_t batch, int64_t d2, int64_t e2) {
+  const int64_t chunks = std::max(chunks_of(d2).count, chunks_of(e2).count);
+  return dim3(static_cast<unsigned>(chunks), matrix_blocks(batch), 2);
 }
 
 void split_normalize_cuda(at::TensorList K, at::TensorList M, at::TensorList L, at::TensorList R,
@@ -346,15 +444,19 @@ void split_normalize_cuda(at::TensorList K, at::TensorList M, at::TensorList L, 
   const c10::cuda::CUDAGuard device_guard(K[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t t = 0; t < K.size(); ++t) {
-    const int blocks = static_cast<int>(K[t].size(0));
-    if (blocks == 0) continue;
+    const int64_t batch = K[t].size(0);
+    if (batch == 0) continue;
+    const int64_t k2 = K[t].size(1) * K[t].size(2), m2 = M[t].size(1) * M[t].size(2);
+    const dim3 grid = split_grid(batch, k2, m2);
+    const at::Tensor partial = at::empty({batch * 2 * kSplitChunks}, K[t].options().dtype(at::kDouble));
     AT_DISPATCH_FLOATING_TYPES(K[t].scalar_type(), "dykaf_split_normalize_cuda", [&] {
-      const scalar_t* s = sigma[t].data_ptr<scalar_t>();
-      split_normalize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-          K[t].data_ptr<scalar_t>(), L[t].data_ptr<scalar_t>(), s, K[t].size(1) * K[t].size(2));
+      split_sum_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          K[t].data_ptr<scalar_t>(), L[t].const_data_ptr<scalar_t>(), k2, M[t].data_ptr<scalar_t>(),
+          R[t].const_data_ptr<scalar_t>(), m2, sigma[t].const_data_ptr<scalar_t>(), batch,
+          partial.mutable_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      split_normalize_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-          M[t].data_ptr<scalar_t>(), R[t].data_ptr<scalar_t>(), s, M[t].size(1) * M[t].size(2));
+      split_divide_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          K[t].data_ptr<scalar_t>(), k2, M[t].data_ptr<scalar_t>(), m2, batch, partial.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -372,13 +474,20 @@ void split_scale_cuda(at::TensorList U, at::TensorList V, at::TensorList L, at::
   const c10::cuda::CUDAGuard device_guard(U[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   for (size_t t = 0; t < U.size(); ++t) {
-    const int blocks = static_cast<int>(U[t].size(0));
-    if (blocks == 0) continue;
+    const int64_t batch = U[t].size(0);
+    if (batch == 0) continue;
+    const int64_t m2 = U[t].size(1) * U[t].size(2), n2 = V[t].size(1) * V[t].size(2);
+    const dim3 grid = split_grid(batch, m2, n2);
+    const at::Tensor partial = at::empty({batch * 3 * kSplitChunks}, U[t].options().dtype(at::kDouble));
     AT_DISPATCH_FLOATING_TYPES(U[t].scalar_type(), "dykaf_split_scale_cuda", [&] {
-      split_scale_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
-          U[t].data_ptr<scalar_t>(), V[t].data_ptr<scalar_t>(), L[t].data_ptr<scalar_t>(),
-          R[t].data_ptr<scalar_t>(), C[t].data_ptr<scalar_t>(), sigma[t].data_ptr<scalar_t>(),
-          U[t].size(1) * U[t].size(2), V[t].size(1) * V[t].size(2));
+      split_dots_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          U[t].const_data_ptr<scalar_t>(), L[t].const_data_ptr<scalar_t>(), C[t].const_data_ptr<scalar_t>(), m2,
+          V[t].const_data_ptr<scalar_t>(), R[t].const_data_ptr<scalar_t>(), n2, batch,
+          partial.mutable_data_ptr<double>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      split_weigh_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
+          U[t].data_ptr<scalar_t>(), m2, V[t].data_ptr<scalar_t>(), n2, sigma[t].const_data_ptr<scalar_t>(),
+          batch, partial.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }

@@ -1,0 +1,107 @@
+"""DyKAF's fused ops on every device against the reference, float64 then float32, on sizes that
+reach every path of the CUDA kernels: the factor split shares one matrix over many blocks once it
+holds more than 2048 elements (up to 1024 blocks, so a 1500^2 matrix gives each block a long run),
+and a stack of more than 65535 matrices wraps the grid's matrix index. On the CPU the same cases
+check the CPU kernels and the tests themselves."""
+import pytest
+import torch
+
+import cafin
+from devices import DEVICES
+
+TOL = {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=2e-5, atol=1e-6)}
+
+# Stacks of factor-split pairs: (batch, m, n) per entry of the op's lists.
+SPLIT_CASES = {
+    "one-block-each": [(2, 3, 4), (1, 5, 2)],
+    "uneven-chunks": [(3, 70, 9), (2, 45, 51)],  # 4900 and 2025 / 2601 elements
+    "most-chunks": [(2, 1500, 40)],  # 2.25M elements: every one of 1024 blocks runs ~2200
+    "many-matrices": [(70_000, 1, 2)],
+}
+
+
+def _split_inputs(case, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    # Positive entries keep every inner product, so the Galerkin weight, away from zero.
+    pos = lambda *s: (torch.rand(*s, generator=g, dtype=torch.float64) + 0.1).to(device, dtype)  # noqa: E731
+    shapes = SPLIT_CASES[case]
+    return dict(K=[pos(b, m, m) for b, m, _ in shapes], M=[pos(b, n, n) for b, _, n in shapes],
+                L=[pos(b, m, m) for b, m, _ in shapes], R=[pos(b, n, n) for b, _, n in shapes],
+                C=[pos(b, m, m) for b, m, _ in shapes], sigma=[pos(b) for b, _, _ in shapes])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_split_ops_equal_reference(device, dtype, case):
+    for name in ("dykaf_split_normalize_", "dykaf_split_scale_"):
+        fused, ref = _split_inputs(case, dtype, device, 3), _split_inputs(case, dtype, device, 3)
+        for impl, x in ((cafin.ops, fused), (cafin.reference, ref)):
+            if name == "dykaf_split_normalize_":
+                impl.dykaf_split_normalize_(x["K"], x["M"], x["L"], x["R"], x["sigma"])
+            else:
+                impl.dykaf_split_scale_(x["K"], x["M"], x["L"], x["R"], x["C"], x["sigma"])
+        for key in ("K", "M"):
+            for got, want in zip(fused[key], ref[key]):
+                torch.testing.assert_close(got, want, **TOL[dtype])
+        for key in ("L", "R", "C", "sigma"):  # read only
+            for got, want in zip(fused[key], _split_inputs(case, dtype, device, 3)[key]):
+                assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_split_normalize_gives_unit_matrices(device):
+    """Whatever the chunking, each matrix ends with Frobenius norm 1 and the direction of
+    sigma L + K, and the matrices of a stack do not mix."""
+    x = _split_inputs("most-chunks", torch.float64, device, 4)
+    before = [s.reshape(-1, 1, 1) * l + k for k, l, s in zip(x["K"], x["L"], x["sigma"])]
+    cafin.ops.dykaf_split_normalize_(x["K"], x["M"], x["L"], x["R"], x["sigma"])
+    for k, want in zip(x["K"], before):
+        norms = torch.linalg.vector_norm(k, dim=(-2, -1))
+        torch.testing.assert_close(norms, torch.ones_like(norms), rtol=1e-13, atol=0)
+        torch.testing.assert_close(k * torch.linalg.vector_norm(want, dim=(-2, -1), keepdim=True), want,
+                                   rtol=1e-12, atol=0)
+
+
+# The elementwise ops: (rows, columns) of each parameter matrix; a long one reaches a CUDA grid
+# of many blocks with a grid-stride loop.
+ELEMENTWISE_SHAPES = [(5, 7), (1, 3), (9, 2), (1031, 1200)]
+
+
+def _elementwise_inputs(dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    scalar = lambda v: torch.tensor(v, dtype=torch.float64, device=device)  # noqa: E731
+    shapes = ELEMENTWISE_SHAPES
+    return dict(gps=[mk(*s) for s in shapes], ls=[mk(s[0]).abs() + 0.1 for s in shapes],
+                rs=[mk(s[1]).abs() + 0.1 for s in shapes], mps=[mk(*s) for s in shapes],
+                vs=[mk(*s).abs() for s in shapes], params=[mk(*s) for s in shapes],
+                beta2=scalar(0.93), step_size=scalar(0.03), lr=scalar(0.01), guard=scalar(1e-6),
+                eps=scalar(1e-8), weight_decay=scalar(0.1))
+
+
+def _elementwise_call(impl, name, x):
+    if name == "dykaf_rank_one_":
+        impl.dykaf_rank_one_(x["ls"], x["rs"], x["gps"], x["beta2"], x["guard"])
+    elif name == "dykaf_precondition_":
+        impl.dykaf_precondition_(x["mps"], x["ls"], x["rs"], x["guard"])
+    elif name == "dykaf_adam_precondition_":
+        impl.dykaf_adam_precondition_(x["mps"], x["vs"], x["gps"], x["beta2"], x["eps"])
+    else:
+        impl.dykaf_apply_(x["params"], x["mps"], x["step_size"], x["lr"], x["weight_decay"], True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("name", ["dykaf_rank_one_", "dykaf_precondition_", "dykaf_adam_precondition_",
+                                  "dykaf_apply_"])
+def test_elementwise_ops_equal_reference(device, dtype, name):
+    fused, ref = _elementwise_inputs(dtype, device, 5), _elementwise_inputs(dtype, device, 5)
+    _elementwise_call(cafin.ops, name, fused)
+    _elementwise_call(cafin.reference, name, ref)
+    # A long matrix's norms and sums round in another order on each side.
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+    for key in ("ls", "rs", "mps", "vs", "params"):
+        for got, want in zip(fused[key], ref[key]):
+            torch.testing.assert_close(got, want, **tol)
+            assert torch.isfinite(got).all()
