@@ -455,7 +455,8 @@ def test_fisher_average_found_inf(device):
 # cases (a few seconds), which also checks the tests themselves where no GPU is at hand.
 SEGMENT = 8192               # adafisher_statistics.cu kSegment: elements of a run one warp sums
 GRID_WARPS = 4096 * 8        # adafisher_statistics.cu kMaxGrid blocks x kWarps
-GRID_THREADS = 4096 * 256    # adafisher_statistics.cu kMaxGrid blocks x kThreads
+GRID_POSITIONS = 4096 * 32   # adafisher_statistics.cu kMaxGrid blocks x 32 conv2d input positions
+BATCH_SLICES = 8             # adafisher_statistics.cu kBatchSlices: threads sharing a position's batch
 COLUMN_GRID_ROWS = 4096 * 4  # adafisher_statistics.cu: rows (grid.y) of the column sums, divided by the column blocks
 AVERAGE_ENTRIES = 128        # adafisher_average.cu kMaxEntries: statistics one fisher_average_ launch folds
 
@@ -519,6 +520,10 @@ BIG_CONV_CASES = [
     ("3x3-same-1M-outputs", (2, 2, 1030, 1030), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1, True, "positions"),
     ("dilated-groups-1M-outputs", (1, 4, 1100, 1000), (2, 3), (1, 1), (0, 1, 1, 0), (2, 1), 2, False,
      "positions"),
+    # A batch far larger than its planes (a network's last stage): each position's samples shared
+    # out over the block's slices, a batch no multiple of them, the last block part-filled.
+    ("large-batch-small-planes", (203, 5, 3, 3), (3, 3), (1, 1), (1, 1, 1, 1), (1, 1), 1, True, "batch"),
+    ("large-batch-channels-last", (77, 3, 4, 5), (2, 2), (2, 1), (0, 1, 1, 0), (1, 2), 1, False, "batch"),
 ]
 
 
@@ -526,17 +531,21 @@ BIG_CONV_CASES = [
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("case", BIG_CONV_CASES, ids=lambda c: c[0])
 def test_conv2d_input_stats_multi_pass(device, dtype, case):
-    _, shape, kernel, stride, padding, dilation, groups, append_one, path = case
+    name, shape, kernel, stride, padding, dilation, groups, append_one, path = case
     batch, channels, height, width = shape
     out_h = (height + padding[0] + padding[1] - dilation[0] * (kernel[0] - 1) - 1) // stride[0] + 1
     out_w = (width + padding[2] + padding[3] - dilation[1] * (kernel[1] - 1) - 1) // stride[1] + 1
     d = channels // groups * kernel[0] * kernel[1]
     if path == "entries":  # more patch entries than the grid has warps
         assert d > GRID_WARPS
+    elif path == "batch":
+        assert batch > 8 * BATCH_SLICES and (channels * height * width) % 32 and batch % BATCH_SLICES
     else:  # more input positions than one grid covers, and over a million output positions
-        assert channels * height * width > GRID_THREADS and out_h * out_w > 2 ** 20
+        assert channels * height * width > GRID_POSITIONS and out_h * out_w > 2 ** 20
     g = gen(31)
     x = randn(g, *shape, dtype=dtype, device=device)
+    if name.endswith("channels-last"):
+        x = x.contiguous(memory_format=torch.channels_last)
     stat = stat_like(g, d + append_one + 1, dtype, device)
     geometry = (list(kernel), list(stride), list(padding), list(dilation), groups, append_one)
     want = reference_stat(ref.conv2d_input_stats_, stat, x, *geometry)

@@ -32,6 +32,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int64_t kSegment = 8192;   // elements of one run a warp sums into one partial
 constexpr int64_t kMaxGrid = 4096;   // enough blocks to fill any GPU; longer loops beyond
 constexpr int64_t kColumnBlocks = 1024;  // blocks the column sums aim for (rows split to reach it)
+constexpr int kBatchSlices = 8;           // threads that share one position's batch (conv2d input)
 
 struct Gate {
   const float* step;  // nullptr: always due
@@ -373,21 +374,37 @@ Walk walk_for(const at::Tensor& x) {
   return w;
 }
 
-// X2[c, y, x] = sum over the batch of x[b, c, y, x]^2: one pass over the input, a thread per position
-// summing the batch in order.
+// X2[c, y, x] = sum over the batch of x[b, c, y, x]^2: one pass over the input. A 32 x 8 block
+// takes 32 consecutive positions; thread (x, y) sums samples y, y + 8, ... of position x (so a
+// large batch over small planes, as in a network's last stage, still fills the GPU), then the 8
+// sums of a position add in order.
 template <typename scalar_t, typename acc_t>
 __global__ void batch_squares_kernel(const scalar_t* x, int64_t batch, int64_t batch_stride, Walk w,
                                      acc_t* x2, Gate gate) {
   if (!is_due(gate)) return;
+  __shared__ acc_t lanes[kBatchSlices][33];
   const int64_t positions = w.size[0] * w.size[1] * w.size[2];
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
-  for (int64_t t = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; t < positions; t += step) {
-    const int64_t i2 = t % w.size[2], i1 = t / w.size[2] % w.size[1], i0 = t / (w.size[2] * w.size[1]);
-    const scalar_t* data = x + i0 * w.from[0] + i1 * w.from[1] + i2 * w.from[2];
+  for (int64_t first = static_cast<int64_t>(blockIdx.x) * 32; first < positions;
+       first += static_cast<int64_t>(gridDim.x) * 32) {
+    const int64_t t = first + threadIdx.x;
+    int64_t i0 = 0, i1 = 0, i2 = 0;
     acc_t acc = 0;
-#pragma unroll 8
-    for (int64_t b = 0; b < batch; ++b) acc += term<true, acc_t>(data[b * batch_stride]);
-    x2[i0 * w.to[0] + i1 * w.to[1] + i2 * w.to[2]] = acc;
+    if (t < positions) {
+      i2 = t % w.size[2];
+      i1 = t / w.size[2] % w.size[1];
+      i0 = t / (w.size[2] * w.size[1]);
+      const scalar_t* data = x + i0 * w.from[0] + i1 * w.from[1] + i2 * w.from[2];
+#pragma unroll 4
+      for (int64_t b = threadIdx.y; b < batch; b += kBatchSlices) acc += term<true, acc_t>(data[b * batch_stride]);
+    }
+    lanes[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && t < positions) {
+      acc_t total = 0;
+      for (int k = 0; k < kBatchSlices; ++k) total += lanes[k][threadIdx.x];
+      x2[i0 * w.to[0] + i1 * w.to[1] + i2 * w.to[2]] = total;
+    }
+    __syncthreads();
   }
 }
 
@@ -439,7 +456,7 @@ void conv2d_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, at::In
     const int64_t positions = g.channels * g.height * g.width;
     // X2 is the op's only scratch: 1/B of the input.
     const at::Tensor x2 = at::empty({positions}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    batch_squares_kernel<<<grid_for(positions, kThreads), kThreads, 0, stream>>>(
+    batch_squares_kernel<<<grid_for(positions, 32), dim3(32, kBatchSlices), 0, stream>>>(
         x.const_data_ptr<scalar_t>(), g.batch, x.stride(0), w, x2.mutable_data_ptr<acc_t>(), gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     // The published divisor holds D = (C/G) kh kw.
