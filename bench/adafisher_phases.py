@@ -2,7 +2,8 @@
 
 - statistics: the curvature work of one curvature step (every module's input and gradient
   statistics plus one fisher_average_) on activations and output gradients captured once, fused
-  against cafin's plain-PyTorch reference, with a per-op breakdown of the fused ops at each thread
+  (eagerly, and on CUDA replayed from a CUDA graph: the kernels without the host) against
+  cafin's plain-PyTorch reference, with a per-op breakdown of the fused ops at each thread
   count of --statistics-threads (default on the CPU: 1 and the run's count), each against its floor;
 - agreement: fused against reference over --steps training steps in float32, in lockstep (the
   fused copy takes the reference copy's parameters before each step).
@@ -18,13 +19,13 @@ from typing import Callable
 
 import torch
 
-from .measure import Context, Skip, copy_bandwidth, is_cuda, measure, sync
+from .measure import Context, Skip, capture_replay, copy_bandwidth, is_cuda, measure, sync
 from .models import batch_for, loss_for
 
 LR = 1e-3
 TIMED_TCOV = 10**9
 AGREEMENT_TCOV = 2  # curvature and plain steps alternate
-STATS_VARIANTS = ("reference", "fused")
+STATS_VARIANTS = ("reference", "fused", "cuda-graph")
 
 
 @dataclass
@@ -87,8 +88,11 @@ def capture(name: str, base: torch.nn.Module, x, y) -> Captured:
 
 
 def statistics_variant(variant: str, captured: Captured, device: torch.device) -> Callable[[], None]:
+    """One statistics pass of `variant`: the reference's ops, the fused ops eagerly, or the fused
+    ops captured in a CUDA graph and replayed ("cuda-graph": the kernels' own time, without the
+    host's dispatch of ~80 calls)."""
     import cafin
-    impl = cafin.ops if variant == "fused" else cafin.reference
+    impl = cafin.reference if variant == "reference" else cafin.ops
     skipped = torch.zeros((), device=device)
     gamma = 0.8
 
@@ -98,7 +102,7 @@ def statistics_variant(variant: str, captured: Captured, device: torch.device) -
             if g is not None:
                 kind.grad_stats(impl, stat_s, module, g, None, 1)
         impl.fisher_average_(captured.factors, captured.stats, skipped, gamma, captured.grad_side)
-    return run
+    return capture_replay(run, device) if variant == "cuda-graph" else run
 
 
 def statistics_breakdown(captured: Captured, device: torch.device, passes: int,
@@ -226,8 +230,12 @@ def run_details(ctx: Context) -> None:
         for variant in STATS_VARIANTS:
             if variant not in ctx.variants:
                 continue
-            if variant == "fused" and not fused_ok:
+            if variant != "reference" and not fused_ok:
                 run.skipped.append(Skip(name, "statistics", variant, ctx.why_not_fused,
+                                        optimizer="adafisher"))
+                continue
+            if variant == "cuda-graph" and not is_cuda(device):
+                run.skipped.append(Skip(name, "statistics", variant, "CUDA only",
                                         optimizer="adafisher"))
                 continue
             measure(run, progress, "statistics", "adafisher", variant,

@@ -110,6 +110,25 @@ def time_calls(fn: Callable[[], object], device: torch.device, *, warmup: int, m
     return Timing(samples, warm)
 
 
+def capture_replay(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """`step` captured in a CUDA graph (after three warm-up calls on a side stream, as
+    torch.cuda.graphs asks): returns the graph's replay, which holds `step` (and so whatever it
+    writes to)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+
+    def replay(step=step):
+        graph.replay()
+    return replay
+
+
 def copy_bandwidth(numel: int, device: torch.device, repeats: int = 15) -> float:
     """Bytes per second of `dst.copy_(src)` over fp32 buffers of `numel` elements, counting the
     read and the write (2 * bytes / time); the median over `repeats` copies."""

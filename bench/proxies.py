@@ -154,6 +154,7 @@ def _dykaf(model, every, restore, backend="fused"):
     import cafin
     opt = cafin.DyKAF(model.parameters(), lr=3e-3, init="eps", precondition_frequency=every,
                       backend=backend)
+    opt._batch_on_cpu = True  # the GPU's form: matrices of one shape stacked, the batched split
     return Trainer(opt, opt._steps)
 
 

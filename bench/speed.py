@@ -40,7 +40,7 @@ from . import report
 from .floors import (EIGENBASIS_LAYERS, check_floors, eigenbasis_products, gemm_size, launch_cost,
                      member_floors)
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
-                      copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
+                      capture_replay, copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
 from .members import VARIANTS, Member
 from .peers import PEER_VARIANTS, step_rows as peer_step_rows
 from .models import MODELS, batch_for, loss_for, relu_in_place
@@ -92,7 +92,7 @@ def step_variant(ctx: Context, member: Member, variant: str) -> Callable[[], obj
                 compiled()
         return run_compiled
     if variant == "cuda-graph":
-        return _capture(opt.step, ctx.run.device)
+        return capture_replay(opt.step, ctx.run.device)
     return opt.step
 
 
@@ -102,22 +102,6 @@ def adamw_variant(ctx: Context, variant: str) -> Callable[[], object]:
     kind = variant.split("-", 1)[1]
     opt = torch.optim.AdamW(model.parameters(), lr=LR, **{kind: True})
     return opt.step  # its first (warm-up) call creates the state
-
-
-def _capture(step: Callable[[], object], device: torch.device) -> Callable[[], object]:
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(3):  # warm up outside the graph, as torch.cuda.graphs asks
-            step()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-
-    def replay(step=step):  # holds the optimizer: the graph writes its memory without holding it
-        graph.replay()
-    return replay
 
 
 # --------------------------------------------------------------------------------- the run

@@ -143,8 +143,11 @@ class Update:
                     # checkpoint of a device-decided run equals the eager run's (its step filled
                     # in by state_dict() from the device count): an eager step averages a valid
                     # cache (the last step's, which was no refresh step) and copies the moment
-                    # into it on a step that is no refresh step.
-                    if "exp_avg_rot" in st:
+                    # into it on a step that is no refresh step. Where the host knows the cache
+                    # was averaged (StepGraphs' pinned phase), it already holds the moment.
+                    if known is True:
+                        st["exp_avg_rot_step"] = _FOLLOWS_DEVICE_STEP
+                    elif "exp_avg_rot" in st:
                         t, every = st["device_step"], st["precondition_frequency"]
                         write = (torch.fmod(t, every) != 0) | (
                             (torch.fmod(t - 1, every) != 0) & (t > 1))
