@@ -268,6 +268,10 @@ def targets(run: Run, members=()) -> list[dict]:
     add("fused statistics vs reference (captured activations)",
         f"{fmt_ratio(sref / sfused)} faster" if sref and sfused else "-", ">= 100x faster",
         (sref / sfused >= 100) if sref and sfused else None)
+    sgraph, sfloor = ms("statistics", "cuda-graph"), run.floor.get("statistics_floor_ms")
+    if sgraph is not None and sfloor:
+        add("fused statistics replayed from a CUDA graph vs floor (read x, g once)",
+            f"{fmt_ratio(sgraph / sfloor)} the floor", "<= 2x the floor", sgraph <= 2 * sfloor)
     for b in run.breakdown:
         if b["op"] == "all ops":
             add(f"fused statistics vs floor, {b['threads']} thread{'s' if b['threads'] > 1 else ''} "
