@@ -304,7 +304,9 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
 // blockIdx.y the matrix, strided past 65535), so one large factor (a tied embedding's 8192^2)
 // fills the GPU instead of one SM. Each op is two launches: the first writes one partial sum per
 // block, the second has every block of a matrix add that matrix's partials in the same fixed
-// order (so they agree bit for bit, and from run to run) before it scales its own chunk.
+// order (so they agree bit for bit, and from run to run) before it scales its own chunk. A
+// matrix's partials sit `stride` apart per side (stride: the grid's chunk count, the larger
+// side's).
 constexpr int64_t kSplitChunks = 1024;
 constexpr int64_t kSplitChunkMin = 8 * kThreads;  // elements a block takes at least
 
@@ -329,10 +331,10 @@ __device__ double sum_parts(const double* parts, int64_t n) {
 }
 
 // Side z (blockIdx.z: 0 is K with L, 1 is M with R): x = split_sum(f, x, sigma) over this block's
-// chunk, and the chunk's sum of squares into partial[(b * 2 + z) * kSplitChunks + chunk].
+// chunk, and the chunk's sum of squares into partial[(b * 2 + z) * stride + chunk].
 template <typename T>
 __global__ void split_sum_kernel(T* k, const T* l, int64_t k2, T* m, const T* r, int64_t m2, const T* sigma,
-                                 int64_t batch, double* partial) {
+                                 int64_t batch, int64_t stride, double* partial) {
   const bool left = blockIdx.z == 0;
   const int64_t d2 = left ? k2 : m2;
   const Chunks c = chunks_of(d2);
@@ -349,37 +351,38 @@ __global__ void split_sum_kernel(T* k, const T* l, int64_t k2, T* m, const T* r,
       sq += double(v) * double(v);
     }
     sq = block_sum(sq);
-    if (threadIdx.x == 0) partial[(b * 2 + blockIdx.z) * kSplitChunks + blockIdx.x] = sq;
+    if (threadIdx.x == 0) partial[(b * 2 + blockIdx.z) * stride + blockIdx.x] = sq;
   }
 }
 
 // x /= |x| over this block's chunk, |x| from the matrix's partials.
 template <typename T>
-__global__ void split_divide_kernel(T* k, int64_t k2, T* m, int64_t m2, int64_t batch, const double* partial) {
+__global__ void split_divide_kernel(T* k, int64_t k2, T* m, int64_t m2, int64_t batch, int64_t stride,
+                                    const double* partial) {
   const bool left = blockIdx.z == 0;
   const int64_t d2 = left ? k2 : m2;
   const Chunks c = chunks_of(d2);
   if (static_cast<int64_t>(blockIdx.x) >= c.count) return;
   const int64_t lo = blockIdx.x * c.size, hi = lo + c.size < d2 ? lo + c.size : d2;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
-    const T norm = T(sqrt(sum_parts(partial + (b * 2 + blockIdx.z) * kSplitChunks, c.count)));
+    const T norm = T(sqrt(sum_parts(partial + (b * 2 + blockIdx.z) * stride, c.count)));
     T* xb = (left ? k : m) + b * d2;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] = xb[i] / norm;
   }
 }
 
 // Side 0 sums <l, u> and <u, c> over its chunk of u, side 1 sums <r, v>: partial[(b * 3 + q) *
-// kSplitChunks + chunk] for q = 0 (<l, u>), 1 (<u, c>), 2 (<r, v>).
+// stride + chunk] for q = 0 (<l, u>), 1 (<u, c>), 2 (<r, v>).
 template <typename T>
 __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2, const T* v, const T* r,
-                                  int64_t n2, int64_t batch, double* partial) {
+                                  int64_t n2, int64_t batch, int64_t stride, double* partial) {
   const bool left = blockIdx.z == 0;
   const int64_t d2 = left ? m2 : n2;
   const Chunks ch = chunks_of(d2);
   if (static_cast<int64_t>(blockIdx.x) >= ch.count) return;
   const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
-    double* out = partial + b * 3 * kSplitChunks + blockIdx.x;
+    double* out = partial + b * 3 * stride + blockIdx.x;
     if (left) {
       const T* ub = u + b * m2;
       const T* lb = l + b * m2;
@@ -393,7 +396,7 @@ __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2
       uc = block_sum(uc);
       if (threadIdx.x == 0) {
         out[0] = lu;
-        out[kSplitChunks] = uc;
+        out[stride] = uc;
       }
     } else {
       const T* vb = v + b * n2;
@@ -401,7 +404,7 @@ __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2
       double rv = 0;
       for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) rv += double(rb[i]) * double(vb[i]);
       rv = block_sum(rv);
-      if (threadIdx.x == 0) out[2 * kSplitChunks] = rv;
+      if (threadIdx.x == 0) out[2 * stride] = rv;
     }
   }
 }
@@ -409,7 +412,7 @@ __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2
 // u and v times sqrt(split_weight(<l, u>, <r, v>, <u, c>, sigma)) over this block's chunk.
 template <typename T>
 __global__ void split_weigh_kernel(T* u, int64_t m2, T* v, int64_t n2, const T* sigma, int64_t batch,
-                                   const double* partial) {
+                                   int64_t stride, const double* partial) {
   const bool left = blockIdx.z == 0;
   const int64_t d2 = left ? m2 : n2;
   const Chunks ch = chunks_of(d2);
@@ -417,10 +420,10 @@ __global__ void split_weigh_kernel(T* u, int64_t m2, T* v, int64_t n2, const T* 
   const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
   const int64_t left_chunks = chunks_of(m2).count, right_chunks = chunks_of(n2).count;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
-    const double* parts = partial + b * 3 * kSplitChunks;
+    const double* parts = partial + b * 3 * stride;
     const double lu = sum_parts(parts, left_chunks);
-    const double uc = sum_parts(parts + kSplitChunks, left_chunks);
-    const double rv = sum_parts(parts + 2 * kSplitChunks, right_chunks);
+    const double uc = sum_parts(parts + stride, left_chunks);
+    const double rv = sum_parts(parts + 2 * stride, right_chunks);
     const T root = sqrt(dykaf_split_weight(T(lu), T(rv), T(uc), sigma[b]));
     T* xb = (left ? u : v) + b * d2;
     for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] *= root;
@@ -448,15 +451,17 @@ void split_normalize_cuda(at::TensorList K, at::TensorList M, at::TensorList L, 
     if (batch == 0) continue;
     const int64_t k2 = K[t].size(1) * K[t].size(2), m2 = M[t].size(1) * M[t].size(2);
     const dim3 grid = split_grid(batch, k2, m2);
-    const at::Tensor partial = at::empty({batch * 2 * kSplitChunks}, K[t].options().dtype(at::kDouble));
+    const int64_t stride = grid.x;
+    const at::Tensor partial = at::empty({batch * 2 * stride}, K[t].options().dtype(at::kDouble));
     AT_DISPATCH_FLOATING_TYPES(K[t].scalar_type(), "dykaf_split_normalize_cuda", [&] {
       split_sum_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           K[t].data_ptr<scalar_t>(), L[t].const_data_ptr<scalar_t>(), k2, M[t].data_ptr<scalar_t>(),
-          R[t].const_data_ptr<scalar_t>(), m2, sigma[t].const_data_ptr<scalar_t>(), batch,
+          R[t].const_data_ptr<scalar_t>(), m2, sigma[t].const_data_ptr<scalar_t>(), batch, stride,
           partial.mutable_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       split_divide_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
-          K[t].data_ptr<scalar_t>(), k2, M[t].data_ptr<scalar_t>(), m2, batch, partial.const_data_ptr<double>());
+          K[t].data_ptr<scalar_t>(), k2, M[t].data_ptr<scalar_t>(), m2, batch, stride,
+          partial.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
@@ -478,16 +483,17 @@ void split_scale_cuda(at::TensorList U, at::TensorList V, at::TensorList L, at::
     if (batch == 0) continue;
     const int64_t m2 = U[t].size(1) * U[t].size(2), n2 = V[t].size(1) * V[t].size(2);
     const dim3 grid = split_grid(batch, m2, n2);
-    const at::Tensor partial = at::empty({batch * 3 * kSplitChunks}, U[t].options().dtype(at::kDouble));
+    const int64_t stride = grid.x;
+    const at::Tensor partial = at::empty({batch * 3 * stride}, U[t].options().dtype(at::kDouble));
     AT_DISPATCH_FLOATING_TYPES(U[t].scalar_type(), "dykaf_split_scale_cuda", [&] {
       split_dots_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           U[t].const_data_ptr<scalar_t>(), L[t].const_data_ptr<scalar_t>(), C[t].const_data_ptr<scalar_t>(), m2,
-          V[t].const_data_ptr<scalar_t>(), R[t].const_data_ptr<scalar_t>(), n2, batch,
+          V[t].const_data_ptr<scalar_t>(), R[t].const_data_ptr<scalar_t>(), n2, batch, stride,
           partial.mutable_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       split_weigh_kernel<scalar_t><<<grid, kThreads, 0, stream>>>(
           U[t].data_ptr<scalar_t>(), m2, V[t].data_ptr<scalar_t>(), n2, sigma[t].const_data_ptr<scalar_t>(),
-          batch, partial.const_data_ptr<double>());
+          batch, stride, partial.const_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   }
