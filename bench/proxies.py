@@ -9,6 +9,9 @@ dispatch, which on a GPU is the time an eager step takes beyond its kernels. Per
 
 - host: the median wall time of an eager step that is not due (no statistics, no decomposition),
   after warm-up, over AdamW(fused)'s on the same parameters and gradients, the two timed in turn;
+  DyKAF's also over heavyball's SOAP (eager, not due either), its closest peer, when heavyball
+  imports: the three timed in turn. DyKAF runs in the GPU's form (matrices of one shape
+  stacked, the batched split), which is what its GPU step runs;
 - ops: the ops a not-due step dispatches (each a kernel launch on a GPU: views, `empty`,
   `detach` and syncs excluded), the ops one curvature pass adds to the forward and backward (a
   due pass minus a not-due one), the ops of a due step, and host syncs (`.item()` and the like);
@@ -52,6 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .measure import fmt_bytes, fmt_ms, fmt_ratio, machine_threads
 from .models import gpt, resnet18
+from .peers import soap_available
 
 NEVER = 10**9  # a curvature interval no measured step reaches: k = 0 is the only due step
 KINETO_QUIET = "6"  # as bench/speed.py: quiets the profiler's start/stop lines
@@ -62,6 +66,7 @@ GOALS = {
     "gated_not_due": 1.05,  # every member: FLOPs and bytes of a gated not-due iteration over eager
     "compiled_vs_eager": 1.0,
     "scratch_bytes": 0,
+    "host_vs_soap": 1.0,  # DyKAF only: its step against heavyball's SOAP, its closest peer
 }
 HOST_GOAL_MEMBERS = ("adafisher", "adafisherw", "singd-diagonal")
 # Ops that launch nothing: views, allocations without a fill, autograd's detach.
@@ -158,6 +163,31 @@ def _dykaf(model, every, restore, backend="fused"):
     return Trainer(opt, opt._steps)
 
 
+class _RegradTrainer(Trainer):
+    """heavyball drops each gradient (`p.grad = None`) in its step: a step called again without
+    a backward (the host timing's repeats) gets the first step's gradients back, in one
+    assignment per parameter (about 1 us each, against SOAP's step of milliseconds)."""
+
+    def __init__(self, opt, params):
+        super().__init__(opt, None)
+        self.params, self.grads = list(params), None
+        self.step = self._step
+
+    def _step(self):
+        if all(p.grad is not None for p in self.params):
+            self.grads = [p.grad for p in self.params]
+        elif self.grads is not None:
+            for p, g in zip(self.params, self.grads):
+                p.grad = g
+        self.opt.step()
+
+
+def _soap(model, every, restore, backend="fused"):
+    from .peers import soap
+    params = list(model.parameters())
+    return _RegradTrainer(soap(params, eager=True, precondition_frequency=every), params)
+
+
 def _adamw(model, every, restore, backend="fused"):
     return Trainer(torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), None)
 
@@ -180,6 +210,9 @@ MEMBERS = (
     ProxyMember("dykaf", "DyKAF", _dykaf),
 )
 ADAMW = ProxyMember("adamw-fused", "AdamW(fused)", _adamw)
+# DyKAF's goal is heavyball's SOAP on the same model: timed in turn with DyKAF (when heavyball
+# imports), eager as cafin's eager step (heavyball's default compiles its building blocks).
+SOAP = ProxyMember("soap", "SOAP (heavyball, eager)", _soap)
 
 
 # ------------------------------------------------------------------------------ the counters
@@ -461,13 +494,19 @@ def host_and_ops(member: ProxyMember, setup: Setup, base, batch) -> dict:
     ops and scratch, and a due step's ops."""
     b = Bound(member, setup, base, batch, NEVER, restore=True)
     b.iteration()  # k = 0: the state is made, a curvature step
-    adamw = Bound(ADAMW, setup, base, batch, NEVER, restore=True)
-    adamw.forward_backward()
-    host, adamw_host = median_ms(b.step, adamw.step, warmup=setup.warmup, repeats=setup.repeats)
+    peers = [ADAMW] + ([SOAP] if member.name == "dykaf" and soap_available()[0] else [])
+    bounds = [Bound(peer, setup, base, batch, NEVER, restore=True) for peer in peers]
+    for peer in bounds:
+        peer.iteration()  # SOAP: its state made on the first step, as the member's
+        peer.forward_backward()
+    host, adamw_host, *soap_host = median_ms(b.step, *(peer.step for peer in bounds),
+                                              warmup=setup.warmup, repeats=setup.repeats)
     step_ops = count_ops(b.step)
     step_scratch = allocated(b.step)
     out = {"host_ms": host, "adamw_host_ms": adamw_host, "step_ops": step_ops.launches,
            "step_syncs": step_ops.syncs, "step_scratch_bytes": step_scratch}
+    if soap_host:
+        out["soap_host_ms"] = soap_host[0]
     if b.trainer.counter is None:
         return out
     c = Bound(member, setup, base, batch, 2, restore=False)
@@ -618,12 +657,17 @@ def verdicts(row: dict, adamw: dict) -> dict:
         out["step_ops_vs_adamw"] = _ratio(row["step_ops"], adamw["step_ops"])
         if "stats_ops" in row:
             out["stats_ops_vs_adamw_step"] = _ratio(row["stats_ops"], adamw["step_ops"])
+    if "soap_host_ms" in row:
+        out["host_vs_soap"] = row["host_ms"] / row["soap_host_ms"]
     if "compiled_ms" in row:
         out["compiled_vs_eager"] = row["compiled_ms"] / row["compiled_eager_ms"]
     goals, verdict = {}, {}
     if row["member"] in HOST_GOAL_MEMBERS and "host_vs_adamw" in out:
         goals["host_vs_adamw"] = GOALS["host_vs_adamw"]
         verdict["host_vs_adamw"] = out["host_vs_adamw"] <= GOALS["host_vs_adamw"]
+    if "host_vs_soap" in out:
+        goals["host_vs_soap"] = GOALS["host_vs_soap"]
+        verdict["host_vs_soap"] = out["host_vs_soap"] <= GOALS["host_vs_soap"]
     if "flops_ratio" in row:
         goals["gated_not_due"] = GOALS["gated_not_due"]
         verdict["gated_not_due"] = max(row["flops_ratio"], row.get("bytes_ratio", 0)) <= GOALS["gated_not_due"]
@@ -686,7 +730,7 @@ def table(rows: list[dict], model: str):
         verdict = ("FAIL " + ", ".join(failed)) if failed else ("pass" if v else "-")
         if r.get("errors"):
             verdict += " | error: " + "; ".join(f"{k}: {e}" for k, e in r["errors"].items())
-        t.add_row(r["label"], fmt_ms(r.get("host_ms")), fmt_ratio(r.get("host_vs_adamw")),
+        t.add_row(r["label"], fmt_ms(r.get("host_ms")), _host_ratio(r),
                   str(r.get("step_ops", "-")), str(r.get("stats_ops", "-")),
                   str(r.get("due_step_ops", "-")), str(r.get("step_syncs", "-")),
                   fmt_ratio(r.get("flops_ratio")), fmt_ratio(r.get("bytes_ratio")),
@@ -694,6 +738,12 @@ def table(rows: list[dict], model: str):
                   fmt_bytes(r.get("step_scratch_bytes")), fmt_bytes(r.get("stats_scratch_bytes")),
                   verdict)
     return t
+
+
+def _host_ratio(r: dict) -> str:
+    """x AdamW(fused), and for DyKAF x SOAP beside it."""
+    text = fmt_ratio(r.get("host_vs_adamw"))
+    return text + (f" ({fmt_ratio(r['host_vs_soap'])} SOAP)" if "host_vs_soap" in r else "")
 
 
 def _compiled(r: dict) -> str:
@@ -721,7 +771,7 @@ def markdown(rows: list[dict], model: str) -> str:
         gated = (f"{fmt_ratio(r['flops_ratio'])} / {fmt_ratio(r['bytes_ratio'])} / "
                  f"{fmt_ratio(r['time_ratio'])}" if "flops_ratio" in r else "-")
         lines.append(f"| {r['label']} | {fmt_ms(r.get('host_ms'))} | "
-                     f"{fmt_ratio(r.get('host_vs_adamw'))} | {r.get('step_ops', '-')} | "
+                     f"{_host_ratio(r)} | {r.get('step_ops', '-')} | "
                      f"{r.get('stats_ops', '-')} | {gated} | {_graphs(r)} | {_compiled(r)} | "
                      f"{fmt_bytes(r.get('step_scratch_bytes'))} / "
                      f"{fmt_bytes(r.get('stats_scratch_bytes'))} | "

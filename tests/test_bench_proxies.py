@@ -44,13 +44,17 @@ def test_every_member_has_a_row_of_finite_values(result):
             # the verdicts that apply: the gated goal for everyone, host only for three members
             assert row["goals"]["gated_not_due"] == 1.05
             assert ("host_vs_adamw" in row["verdicts"]) == (m.name in proxies.HOST_GOAL_MEMBERS)
-            # what StepGraphs' not-due graph runs: no curvature work, for every member. DyKAF's
-            # device-decided step splits its factors (every step, due or not) with the batched
-            # kernels a GPU's eager step uses, where a CPU's eager step takes its host path, which
-            # hands its ops fewer bytes on these tiny shapes: its FLOPs are held, not its bytes.
+            # what StepGraphs' not-due graph runs: no curvature work, for every member (DyKAF
+            # in the GPU's form, eager and captured alike)
             assert row["graphs_flops_ratio"] <= 1.05, (m.name, row["graphs_flops_ratio"])
-            if m.name != "dykaf":
-                assert row["graphs_bytes_ratio"] <= 1.05, (m.name, row["graphs_bytes_ratio"])
+            assert row["graphs_bytes_ratio"] <= 1.05, (m.name, row["graphs_bytes_ratio"])
+        # DyKAF is timed against heavyball's SOAP too, where heavyball imports
+        soap_ok = proxies.soap_available()[0]
+        dykaf = rows["dykaf"]
+        assert ("soap_host_ms" in dykaf) == soap_ok == ("host_vs_soap" in dykaf["verdicts"])
+        if soap_ok:
+            assert dykaf["soap_host_ms"] > 0 and math.isfinite(dykaf["host_vs_soap"])
+        assert not any("soap_host_ms" in rows[m.name] for m in proxies.MEMBERS if m.name != "dykaf")
     assert result["goals"]["gated_not_due"] == 1.05
 
 
@@ -185,5 +189,9 @@ def test_verdicts_against_the_goals():
                                "compiled_vs_eager": False, "compiled_not_due": True,
                                "step_scratch_bytes": True,
                                "stats_scratch_bytes": False}
+    dykaf = dict(row, member="dykaf", soap_host_ms=2.0)
+    got = proxies.verdicts(dykaf, adamw)
+    assert got["host_vs_soap"] == pytest.approx(0.4) and got["verdicts"]["host_vs_soap"] is True
+    assert proxies.verdicts(dict(dykaf, soap_host_ms=0.5), adamw)["verdicts"]["host_vs_soap"] is False
     # K-FAC: no host goal in issue 35
     assert "host_vs_adamw" not in proxies.verdicts(dict(row, member="kfac"), adamw)["verdicts"]
