@@ -102,8 +102,19 @@ inline void check_dykaf_apply(at::TensorList params, at::TensorList updates, con
                      dtype_name(state_dtype(params[i].scalar_type())));
     TORCH_CHECK_VALUE(updates[i].numel() == params[i].numel() && updates[i].device() == params[i].device(),
                       "updates", k, " must have params", k, "'s size and device");
-    check_scalar_tensor(step_size, "step_size", params[i].device(), at::kDouble);
     check_scalar_tensor(lr, "lr", params[i].device(), at::kDouble);
+  }
+  if (step_size.dim() != 0 && !params.empty()) {
+    TORCH_CHECK_VALUE(step_size.dim() == 1 && step_size.numel() == static_cast<int64_t>(params.size()) &&
+                          step_size.is_contiguous(),
+                      "step_size must be a 0-dim tensor or a contiguous vector of one per parameter (",
+                      params.size(), "), got shape ", step_size.sizes());
+    TORCH_CHECK_VALUE(step_size.device() == params[0].device(), "step_size is on ", step_size.device(),
+                      ", expected ", params[0].device());
+    TORCH_CHECK_TYPE(step_size.scalar_type() == at::kDouble, "step_size has dtype ",
+                     dtype_name(step_size.scalar_type()), ", expected float64");
+  } else if (!params.empty()) {
+    check_scalar_tensor(step_size, "step_size", params[0].device(), at::kDouble);
   }
 }
 

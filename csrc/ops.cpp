@@ -120,7 +120,8 @@ TORCH_LIBRARY(cafin, m) {
       "dykaf_adam_precondition_(Tensor(a!)[] mp, Tensor(b!)[] v, Tensor[] gp, Tensor beta2, "
       "Tensor eps) -> ()",
       {at::Tag::pt2_compliant_tag});
-  // theta <- theta - step_size * u (RMS-normalised when normalize), then theta <- theta - lr*wd*theta.
+  // theta <- theta - step_size * u (RMS-normalised when normalize), then theta <- theta - lr*wd*theta;
+  // step_size is one for all (0-dim) or one per tensor ([len(params)]).
   m.def(
       "dykaf_apply_(Tensor(a!)[] params, Tensor[] updates, Tensor step_size, Tensor lr, "
       "Tensor weight_decay, bool normalize) -> ()",

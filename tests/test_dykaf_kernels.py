@@ -105,3 +105,43 @@ def test_elementwise_ops_equal_reference(device, dtype, name):
         for got, want in zip(fused[key], ref[key]):
             torch.testing.assert_close(got, want, **tol)
             assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_apply_with_one_step_size_per_parameter(device, dtype, normalize):
+    """A vector of step sizes gives each parameter what a call with its own 0-dim step size
+    gives it, bit for bit, fused and reference alike."""
+    x = _elementwise_inputs(dtype, device, 6)
+    sizes = torch.tensor([0.03, 0.011, 0.2, 0.007], dtype=torch.float64, device=device)
+    assert sizes.numel() == len(x["params"])
+    for impl in (cafin.ops, cafin.reference):
+        together = [p.clone() for p in x["params"]]
+        impl.dykaf_apply_(together, x["mps"], sizes, x["lr"], x["weight_decay"], normalize)
+        for i, (p, u) in enumerate(zip(x["params"], x["mps"])):
+            alone = p.clone()
+            impl.dykaf_apply_([alone], [u], sizes[i].clone(), x["lr"], x["weight_decay"], normalize)
+            assert torch.equal(together[i], alone), (impl.__name__, i)
+    fused = [p.clone() for p in x["params"]]
+    cafin.ops.dykaf_apply_(fused, x["mps"], sizes, x["lr"], x["weight_decay"], normalize)
+    ref = [p.clone() for p in x["params"]]
+    cafin.reference.dykaf_apply_(ref, x["mps"], sizes, x["lr"], x["weight_decay"], normalize)
+    for got, want in zip(fused, ref):
+        torch.testing.assert_close(got, want, **(TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)))
+
+
+@pytest.mark.parametrize("call", [cafin.ops.dykaf_apply_, torch.ops.cafin.dykaf_apply_], ids=["face", "kernel"])
+def test_apply_refuses_a_bad_step_size_vector_writing_nothing(call):
+    x = _elementwise_inputs(torch.float32, "cpu", 7)
+    before = [p.clone() for p in x["params"]]
+    n = len(x["params"])
+    bad = {"length": (torch.full((n - 1,), 0.1, dtype=torch.float64), ValueError, "one per parameter"),
+           "dtype": (torch.full((n,), 0.1, dtype=torch.float32), TypeError, "float64"),
+           "matrix": (torch.full((n, 1), 0.1, dtype=torch.float64), ValueError, "step_size"),
+           "strided": (torch.full((2 * n,), 0.1, dtype=torch.float64)[::2], ValueError, "contiguous")}
+    for name, (sizes, error, words) in bad.items():
+        with pytest.raises(error, match=words):
+            call(x["params"], x["mps"], sizes, x["lr"], x["weight_decay"], True)
+        for p, q in zip(x["params"], before):
+            assert torch.equal(p, q), name

@@ -134,14 +134,20 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
                  step_size: torch.Tensor, lr: torch.Tensor, weight_decay: torch.Tensor | float,
                  normalize: bool) -> None:
     """theta <- theta - step_size * u (RMS-normalised when normalize), then decoupled decay.
-    step_size, lr and weight_decay (>= 0; a number is accepted) are 0-dim float64 tensors on the
-    parameters' device."""
+    lr and weight_decay (>= 0; a number is accepted) are 0-dim float64 tensors on the
+    parameters' device; step_size is one too, or a float64 vector of one per parameter."""
     _lengths("params", len(params), updates=updates)
     if not params:
         return
     device = params[0].device
     weight_decay = _nonnegative(weight_decay, "weight_decay", device)
-    _scalar(step_size, "step_size", device)
+    if isinstance(step_size, torch.Tensor) and step_size.dim() == 1:
+        _check(step_size.numel() == len(params) and step_size.is_contiguous(),
+               lambda: f"step_size must be a 0-dim tensor or a contiguous vector of one per "
+                       f"parameter ({len(params)}), got shape {tuple(step_size.shape)}")
+        _scalar(step_size[0], "step_size", device)  # its dtype and device
+    else:
+        _scalar(step_size, "step_size", device)
     _scalar(lr, "lr", device)
     for i, (p, u) in enumerate(zip(params, updates)):
         want = torch.float64 if p.dtype == torch.float64 else torch.float32

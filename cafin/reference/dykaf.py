@@ -75,8 +75,10 @@ def dykaf_apply_(params: Sequence[torch.Tensor], updates: Sequence[torch.Tensor]
                  step_size: torch.Tensor, lr: torch.Tensor, weight_decay,
                  normalize: bool) -> None:
     """theta <- theta - step_size * u (u / (1e-30 + rms(u)) when normalize), then decoupled decay
-    on the updated theta: theta <- theta - lr*weight_decay*theta (skipped when weight_decay is 0)."""
-    for p, u in zip(params, updates):
+    on the updated theta: theta <- theta - lr*weight_decay*theta (skipped when weight_decay is 0).
+    step_size: one for all (0-dim) or one per parameter (a vector)."""
+    sizes = step_size.unbind(0) if step_size.dim() == 1 else [step_size] * len(params)
+    for p, u, step_size in zip(params, updates, sizes):
         work = u.dtype
         if normalize:
             u = u / (1e-30 + u.square().mean().sqrt())

@@ -193,9 +193,12 @@ void apply_cpu(at::TensorList params, at::TensorList updates, const at::Tensor& 
                const at::Tensor& lr, const at::Tensor& weight_decay_tensor, bool normalize) {
   check_dykaf_apply(params, updates, step_size, lr, weight_decay_tensor, normalize);
   if (params.empty()) return;
-  const double s = step_size.item<double>(), weight_decay = weight_decay_tensor.item<double>();
+  const double* sizes = step_size.const_data_ptr<double>();
+  const bool per_tensor = step_size.dim() == 1;
+  const double weight_decay = weight_decay_tensor.item<double>();
   const double decay = weight_decay > 0 ? lr.item<double>() * weight_decay : 0.0;
   for (size_t t = 0; t < params.size(); ++t) {
+    const double s = sizes[per_tensor ? t : 0];
     const at::Tensor& u = updates[t];
     AT_DISPATCH_FLOATING_TYPES(u.scalar_type(), "dykaf_apply_", [&] {
       using T = scalar_t;

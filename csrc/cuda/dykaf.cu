@@ -291,7 +291,8 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
       }
       AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[t].scalar_type(), "dykaf_apply_p", [&] {
         apply_kernel<scalar_t, T><<<blocks_for(total), kThreads, 0, stream>>>(
-            params[t].data_ptr<scalar_t>(), u, total, step_size.data_ptr<double>(), lr.data_ptr<double>(),
+            params[t].data_ptr<scalar_t>(), u, total,
+            step_size.const_data_ptr<double>() + (step_size.dim() == 1 ? t : 0), lr.data_ptr<double>(),
             weight_decay.const_data_ptr<double>(), sumsq);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

@@ -53,7 +53,7 @@ class Update:
                                                         stacks, alone, beta1, gated)
         self._precondition(group, states, rotated, moments, beta2)
         updates = self._rotate_back(group, params, states, moments, stacks, stacked_moments, alone)
-        self._apply_updates(group, params, states, updates, lr, beta1, beta2, gated)
+        self._apply_updates(group, params, states, updates, lr, beta1, beta2)
         self._update_all_factors(group, params, states, grads, stacks, gated)
 
     def _rotate_gradients(self, group, params, states, grads, stacks, alone) -> list:
@@ -212,34 +212,25 @@ class Update:
                 updates[i] = x
         return updates
 
-    def _apply_updates(self, group, params, states, updates, lr, beta1, beta2, gated) -> None:
-        """Apply the updates to the parameters (step size, bias correction, weight decay)."""
+    def _apply_updates(self, group, params, states, updates, lr, beta1, beta2) -> None:
+        """Apply the updates to the parameters (step size, bias correction, weight decay) in one
+        call. Each parameter's bias correction reads its own device count, and the step sizes
+        are one vector: the same few ops in eager, compiled and device-decided steps, whatever
+        the number of parameters (one step size per call made a compiled or captured step
+        compute it, and call the op, once per parameter)."""
         impl = self._ops(states)
-        # Eagerly, parameters share one step size and one apply call when their host step counts
-        # agree (the usual case). A compiled step does not compare them (a relation between two
-        # symbolic counts, which inductor's generated code has failed to bind), nor does a
-        # device-decided one read them: one call per parameter, each with its own device count
-        # (the same numbers).
-        counts = [st["step"] for st in states] if not gated and route.eager() else None
-        if counts is not None and all(t == counts[0] for t in counts):
-            calls = [list(range(len(states)))]
-        else:
-            calls = [[i] for i in range(len(states))]
-        for idx in calls:
-            step_size = lr
-            if group["correct_bias"]:
-                t = states[idx[0]]["device_step"]
-                step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)
-            # The kernel writes parameters as flat arrays: a channels_last one is updated in a
-            # contiguous copy, copied back.
-            targets = [params[i] for i in idx]
-            flat = [p if p.is_contiguous() else p.contiguous() for p in targets]
-            weight_decay = self._as_tensor(group["weight_decay"], flat[0].device, torch.float64)
-            impl.dykaf_apply_(flat, [updates[i] for i in idx], step_size, lr, weight_decay,
-                              bool(group["normalize_grads"]))
-            for p, q in zip(targets, flat):
-                if q is not p:
-                    p.copy_(q)
+        step_size = lr
+        if group["correct_bias"]:
+            t = torch.stack([st["device_step"] for st in states])
+            step_size = lr * (1 - beta2 ** t).sqrt() / (1 - beta1 ** t)
+        # The kernel writes parameters as flat arrays: a channels_last one is updated in a
+        # contiguous copy, copied back.
+        flat = [p if p.is_contiguous() else p.contiguous() for p in params]
+        weight_decay = self._as_tensor(group["weight_decay"], flat[0].device, torch.float64)
+        impl.dykaf_apply_(flat, updates, step_size, lr, weight_decay, bool(group["normalize_grads"]))
+        for p, q in zip(params, flat):
+            if q is not p:
+                p.copy_(q)
 
     def _project(self, x, state, p, group, back: bool = False, copy: bool = True) -> torch.Tensor:
         bases = state["bases"]
