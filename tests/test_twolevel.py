@@ -1059,10 +1059,10 @@ def test_fsdp_sequence_and_conv1d_layers_equal_ddp(tmp_path):
 
 @pytest.mark.parametrize("coarse", ["nicolaides", "spectral"])
 def test_kept_scalings_and_vectors_follow_every_decomposition_and_load(coarse):
-    """The eager step keeps each layer's eigenvalue scaling, nicolaides' constant vectors and
-    its products' buffers between steps: with decompositions every other step and a checkpoint
-    loaded midway, it equals, bit for bit, the same run with all three dropped before every
-    step."""
+    """The eager step keeps each layer's eigenvalue scaling, nicolaides' constant vectors, its
+    products' buffers and its gradient matrices between steps: with decompositions every other
+    step and a checkpoint loaded midway, it equals, bit for bit, the same run with all four
+    dropped before every step."""
     net = NETS["cnn"](True)
     nets = (net, copy.deepcopy(net))
     opts = [cafin.TwoLevelKFAC(n, damping=DAMP, T_cov=1, T_inv=2, alpha=ALPHA, coarse_space=coarse,
@@ -1073,9 +1073,10 @@ def test_kept_scalings_and_vectors_follow_every_decomposition_and_load(coarse):
         opts[1]._scalings.clear()
         opts[1]._constant_vectors.clear()
         opts[1]._buffers.clear()
+        opts[1]._raw_buffers.clear()
         got = [run_ours(opt, n, x, t) for opt, n in zip(opts, nets)]
         assert all(torch.equal(a, b) for a, b in zip(*got)), s
-        assert opts[0]._scalings and opts[0]._buffers  # kept, not rebuilt
+        assert opts[0]._scalings and opts[0]._buffers and opts[0]._raw_buffers  # kept, not rebuilt
         with torch.no_grad():
             for n in nets:
                 for p in n.parameters():

@@ -18,7 +18,7 @@ from .checkpoint import Checkpoint
 from .coarse import Coarse
 from .decompositions import Decompositions
 from .distribution import Distribution
-from .preconditioning import Preconditioning, raw_gradient
+from .preconditioning import Preconditioning
 from .settings import Settings
 from .statistics import Statistics, fold_covariances
 
@@ -64,6 +64,7 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         self._sizes: dict[tuple, torch.Tensor] = {}
         self._scalings: dict[int, tuple] = {}  # eager: layer -> its kept `_scaling`
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # eager: layer -> `_product_buffers`
+        self._raw_buffers: dict[int, torch.Tensor] = {}  # eager: layer -> `_raw_gradients`' matrix
         self._constant_vectors: dict[tuple, torch.Tensor] = {}  # eager: nicolaides' vectors
         self._ones = self._create_ones()
         self.f_coarse = None
@@ -160,8 +161,7 @@ class TwoLevelKFAC(Settings, Statistics, Decompositions, Coarse, Preconditioning
         full = self._gather() if update_params and self._sharded else None
         stats = self._statistics() if collect else None  # an unused layer raises here
         self._pending.clear()  # statistics of a pass that is not a T_cov step: not used
-        raws = [raw_gradient(g, dtype, full[i] if full else None)
-                for i, (g, dtype) in enumerate(zip(self.param_groups, self._work))] if update_params else None
+        raws = self._raw_gradients(full) if update_params else None
         states = [self.state[g["params"][0]] for g in self.param_groups]
         covs, gate_fold, undo = (self._store_statistics(states, stats, checked, cov if gated else None)
                                  if collect else ([], None, None))
