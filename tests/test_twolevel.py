@@ -1086,3 +1086,32 @@ def test_kept_scalings_and_vectors_follow_every_decomposition_and_load(coarse):
         if s == 4:  # back to step 3's factors: the kept scaling must not outlive them
             for opt, sd in zip(opts, saved):
                 opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn"])
+def test_a_not_due_step_copies_the_gradients_in_one_op_and_allocates_no_matrix(kind):
+    """An eager step that is not due (k >= 1, T_cov = T_inv = 100) moves every weight and bias
+    into its kept gradient matrix with one `_foreach_copy_` (no concatenation per layer) and
+    allocates nothing the size of a gradient: only the few float64 scalars of the coarse
+    right-hand side (at most 16 per layer)."""
+    import bench.proxies as proxies
+    net = NETS[kind](True)
+    opt = cafin.TwoLevelKFAC(net, damping=DAMP, T_cov=100, T_inv=100, alpha=ALPHA)
+    x, t = batch(kind, 8, 0)
+    run_ours(opt, net, x, t)  # k = 0: statistics and decompositions
+    run_ours(opt, net, x, t)  # k = 1: the kept matrices made
+    opt.zero_grad()
+    F.cross_entropy(net(x), t).backward()
+    names: dict[str, int] = {}
+
+    class Names(proxies.OpCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.__name__.split(".")[0]
+            names[name] = names.get(name, 0) + 1
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    with Names():
+        opt.step(update_params=True)  # k = 2
+    assert "cat" not in names and names.get("_foreach_copy_") == 1, names
+    layers = sum(p.dim() > 1 for p in net.parameters())
+    assert proxies.allocated(lambda: opt.step(update_params=True)) <= 16 * 8 * layers  # k = 3
