@@ -145,3 +145,30 @@ def test_apply_refuses_a_bad_step_size_vector_writing_nothing(call):
             call(x["params"], x["mps"], sizes, x["lr"], x["weight_decay"], True)
         for p, q in zip(x["params"], before):
             assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("normalize", [False, True])
+def test_apply_over_many_tensors_of_mixed_dtypes(device, normalize):
+    """More parameters than one CUDA launch's table holds (48), of three parameter dtypes (their
+    updates float32 or float64), one of them longer than a launch's blocks cover (320 chunks of
+    65536 on CUDA, so its chunks continue in the next launch), each with its own step size:
+    fused equals the reference."""
+    g = torch.Generator().manual_seed(8)
+    big = 21_000_000 if device == "cuda" else 70_000
+    sizes = [1 + (53 * i) % 4000 for i in range(60)] + [big]
+    dtypes = [(torch.float32, torch.bfloat16, torch.float64)[i % 3] for i in range(len(sizes))]
+    params = [torch.randn(n, generator=g, dtype=torch.float64).to(device, d) for n, d in zip(sizes, dtypes)]
+    updates = [torch.randn(n, generator=g, dtype=torch.float64).to(
+        device, torch.float64 if d == torch.float64 else torch.float32) for n, d in zip(sizes, dtypes)]
+    steps = torch.rand(len(sizes), generator=g, dtype=torch.float64).to(device) * 0.1
+    lr = torch.tensor(0.01, dtype=torch.float64, device=device)
+    wd = torch.tensor(0.1, dtype=torch.float64, device=device)
+    fused, ref = [p.clone() for p in params], [p.clone() for p in params]
+    cafin.ops.dykaf_apply_(fused, updates, steps, lr, wd, normalize)
+    cafin.reference.dykaf_apply_(ref, updates, steps, lr, wd, normalize)
+    for i, (a, b, d) in enumerate(zip(fused, ref, dtypes)):
+        tol = {torch.float64: dict(rtol=1e-12, atol=1e-14), torch.float32: dict(rtol=1e-5, atol=1e-6),
+               torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[d]
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"tensor {i}: {m}")
+        assert not torch.equal(a, params[i]), i  # updated

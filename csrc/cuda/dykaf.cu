@@ -12,7 +12,10 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
+#include "cuda/multi_tensor.cuh"
 #include "dykaf_checks.h"
 #include "dykaf_math.h"
 
@@ -78,18 +81,32 @@ __global__ void rows_kernel(const T* gp, int64_t m, int64_t n, const T* r, const
   }
 }
 
-// cols[j] = sum_i gp_ij^2 * unit(l)_i, one thread per column (coalesced along a row).
+// cols[j] = sum_i gp_ij^2 * unit(l)_i: a 32 x 8 block per 32 columns, thread (x, y) summing
+// rows y, y + 8, ... of column x (coalesced along a row), then the 8 sums of a column added in
+// order; so a tall matrix's long columns are shared out over 8 threads each, and every 32
+// columns make a block (one thread per column made 2 blocks of a 512-wide matrix).
 template <typename T>
 __global__ void cols_kernel(const T* gp, int64_t m, int64_t n, const T* l, const double* l_norm,
                             const double* guard_value, T* cols) {
+  __shared__ T lanes[8][33];
   const bool guard = *guard_value > 0;
-  for (int64_t j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+  for (int64_t first = int64_t(blockIdx.x) * 32; first < n; first += int64_t(gridDim.x) * 32) {
+    const int64_t j = first + threadIdx.x;
     T acc = 0;
-    for (int64_t i = 0; i < m; ++i) {
-      const T g = gp[i * n + j];
-      acc += g * g * unit_at(l, i, m, *l_norm, guard);
+    if (j < n) {
+      for (int64_t i = threadIdx.y; i < m; i += 8) {
+        const T g = gp[i * n + j];
+        acc += g * g * unit_at(l, i, m, *l_norm, guard);
+      }
     }
-    cols[j] = acc;
+    lanes[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && j < n) {
+      T total = 0;
+      for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
+      cols[j] = total;
+    }
+    __syncthreads();
   }
 }
 
@@ -154,10 +171,11 @@ void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, con
   const c10::cuda::CUDAGuard device_guard(gps[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const double* g = guard.const_data_ptr<double>();
+  // Every matrix's five scalars in one zeroed scratch (one fill for the call, not one each).
+  const at::Tensor scratches = at::zeros({5 * static_cast<int64_t>(gps.size())}, gps[0].options().dtype(at::kDouble));
   for (size_t t = 0; t < gps.size(); ++t) {
     const at::Tensor& gp = gps[t];
     const int64_t m = gp.size(0), n = gp.size(1);
-    auto scratch = at::zeros({5}, gp.options().dtype(at::kDouble));
     auto work = at::empty({3 * m + 2 * n}, gp.options());
     AT_DISPATCH_FLOATING_TYPES(gp.scalar_type(), "dykaf_rank_one_cuda", [&] {
       using T = scalar_t;
@@ -169,13 +187,14 @@ void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, con
       T* rows2 = dir_l + m;
       T* cols = rows2 + m;
       T* dir_r = cols + n;
-      double* s = scratch.data_ptr<double>();
+      double* s = scratches.data_ptr<double>() + 5 * t;
       const double* b = beta2.data_ptr<double>();
       norms_kernel<T><<<1, kThreads, 0, stream>>>(l, m, r, n, s);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       rows_kernel<T><<<static_cast<int>(m < 4096 ? m : 4096), kThreads, 0, stream>>>(x, m, n, r, s + 1, g, rows);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cols_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(x, m, n, l, s, g, cols);
+      cols_kernel<T><<<static_cast<int>(std::clamp<int64_t>((n + 31) / 32, 1, 4096)), dim3(32, 8), 0, stream>>>(
+          x, m, n, l, s, g, cols);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       directions_kernel<T><<<1, kThreads, 0, stream>>>(l, m, r, n, rows, cols, b, g, s, dir_l, dir_r);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -247,25 +266,57 @@ void adam_precondition_cuda(at::TensorList mps, at::TensorList vs, at::TensorLis
 }
 
 // ---------------------------------------------------------------------------- parameter update
+// Multi-tensor launches (multi_tensor.cuh): every parameter of one (parameter, update) dtype
+// pair in one kernel per table, each block one chunk of one tensor. With normalize, a first
+// launch writes each chunk's sum of squares of u into `partial` (a tensor's chunks in a row);
+// the update's blocks add their tensor's partials in one fixed order (deterministic, no atomics).
+constexpr int kApplyTensors = 48;  // 40-byte entries: the table stays under the 4 KB of arguments
+
+struct SumsqMeta {
+  const void* u;
+  double* partial;  // this tensor's first chunk's entry
+};
+
+struct ApplyMeta {
+  void* theta;
+  const void* u;
+  const double* step_size;
+  const double* partial;  // nullptr: not normalised
+};
+
 template <typename T>
-__global__ void sumsq_kernel(const T* u, int64_t total, double* out) {
+__global__ void sumsq_chunks_kernel(const TensorTable<SumsqMeta, kApplyTensors> table) {
+  const SumsqMeta& meta = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t chunk = table.block_to_chunk[blockIdx.x];
+  const T* u = static_cast<const T*>(meta.u);
+  const int64_t lo = chunk * kChunkSize, hi = lo + kChunkSize < total ? lo + kChunkSize : total;
   double acc = 0;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    acc += double(u[k]) * double(u[k]);
-  }
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) acc += double(u[k]) * double(u[k]);
   acc = block_sum(acc);
-  if (threadIdx.x == 0) atomicAdd(out, acc);
+  if (threadIdx.x == 0) meta.partial[chunk] = acc;
 }
 
 template <typename P, typename T>
-__global__ void apply_kernel(P* theta, const T* u, int64_t total, const double* step_size,
-                             const double* lr, const double* weight_decay, const double* sumsq) {
-  const T scale = sumsq == nullptr ? T(1) : T(1) / (T(1e-30) + T(sqrt(*sumsq / double(total))));
-  const T s = T(*step_size);
+__global__ void apply_kernel(const TensorTable<ApplyMeta, kApplyTensors> table, const double* lr,
+                             const double* weight_decay) {
+  const ApplyMeta& meta = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t chunk = table.block_to_chunk[blockIdx.x];
+  T scale = T(1);
+  if (meta.partial != nullptr) {
+    const int64_t chunks = (total + kChunkSize - 1) / kChunkSize;
+    double sq = 0;
+    for (int64_t c = threadIdx.x; c < chunks; c += blockDim.x) sq += meta.partial[c];
+    sq = block_sum(sq);
+    scale = T(1) / (T(1e-30) + T(sqrt(sq / double(total))));
+  }
+  const T s = T(*meta.step_size);
   const T decay = *weight_decay > 0 ? T(*lr * *weight_decay) : T(0);
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
+  P* theta = static_cast<P*>(meta.theta);
+  const T* u = static_cast<const T*>(meta.u);
+  const int64_t lo = chunk * kChunkSize, hi = lo + kChunkSize < total ? lo + kChunkSize : total;
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
     theta[k] = static_cast<P>(dykaf_apply(static_cast<T>(theta[k]), u[k], scale, s, decay));
   }
 }
@@ -276,25 +327,54 @@ void apply_cuda(at::TensorList params, at::TensorList updates, const at::Tensor&
   if (params.empty()) return;
   const c10::cuda::CUDAGuard device_guard(params[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor sums;
-  if (normalize) sums = at::zeros({static_cast<int64_t>(params.size())}, updates[0].options().dtype(at::kDouble));
+  static_assert(sizeof(TensorTable<ApplyMeta, kApplyTensors>) + 2 * sizeof(void*) <= 4000,
+                "kernel arguments must stay under 4 KB");
+  // Each tensor's chunks' partial sums, in a row, in one scratch for the call.
+  std::vector<int64_t> first_chunk(params.size(), 0);
+  int64_t chunks = 0;
   for (size_t t = 0; t < params.size(); ++t) {
-    const int64_t total = params[t].numel();
-    if (total == 0) continue;
-    AT_DISPATCH_FLOATING_TYPES(updates[t].scalar_type(), "dykaf_apply_cuda", [&] {
+    first_chunk[t] = chunks;
+    chunks += (params[t].numel() + kChunkSize - 1) / kChunkSize;
+  }
+  at::Tensor partial;
+  if (normalize && chunks > 0) partial = at::empty({chunks}, updates[0].options().dtype(at::kDouble));
+  const double* sizes = step_size.const_data_ptr<double>();
+  const bool per_tensor = step_size.dim() == 1;
+  // One group per (parameter dtype, update dtype), in the order of first appearance.
+  std::vector<std::pair<at::ScalarType, at::ScalarType>> kinds;
+  for (size_t t = 0; t < params.size(); ++t) {
+    const auto kind = std::make_pair(params[t].scalar_type(), updates[t].scalar_type());
+    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+  }
+  for (const auto& kind : kinds) {
+    const at::ScalarType param_type = kind.first, update_type = kind.second;
+    std::vector<ApplyMeta> metas;
+    std::vector<SumsqMeta> sumsq_metas;
+    std::vector<int64_t> numels;
+    for (size_t t = 0; t < params.size(); ++t) {
+      if (params[t].scalar_type() != param_type || updates[t].scalar_type() != update_type) continue;
+      double* tensor_partial = normalize && chunks > 0 ? partial.mutable_data_ptr<double>() + first_chunk[t] : nullptr;
+      metas.push_back({params[t].data_ptr(), updates[t].const_data_ptr(), sizes + (per_tensor ? t : 0),
+                       tensor_partial});
+      sumsq_metas.push_back({updates[t].const_data_ptr(), tensor_partial});
+      numels.push_back(params[t].numel());
+    }
+    AT_DISPATCH_FLOATING_TYPES(update_type, "dykaf_apply_cuda", [&] {
       using T = scalar_t;
-      const T* u = updates[t].data_ptr<T>();
-      double* sumsq = normalize ? sums.data_ptr<double>() + t : nullptr;
       if (normalize) {
-        sumsq_kernel<T><<<blocks_for(total), kThreads, 0, stream>>>(u, total, sumsq);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        multi_tensor_apply<SumsqMeta, kApplyTensors>(
+            sumsq_metas, numels, [&](const TensorTable<SumsqMeta, kApplyTensors>& table, int blocks) {
+              sumsq_chunks_kernel<T><<<blocks, kThreads, 0, stream>>>(table);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
       }
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, params[t].scalar_type(), "dykaf_apply_p", [&] {
-        apply_kernel<scalar_t, T><<<blocks_for(total), kThreads, 0, stream>>>(
-            params[t].data_ptr<scalar_t>(), u, total,
-            step_size.const_data_ptr<double>() + (step_size.dim() == 1 ? t : 0), lr.data_ptr<double>(),
-            weight_decay.const_data_ptr<double>(), sumsq);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, param_type, "dykaf_apply_p", [&] {
+        multi_tensor_apply<ApplyMeta, kApplyTensors>(
+            metas, numels, [&](const TensorTable<ApplyMeta, kApplyTensors>& table, int blocks) {
+              apply_kernel<scalar_t, T><<<blocks, kThreads, 0, stream>>>(table, lr.const_data_ptr<double>(),
+                                                                        weight_decay.const_data_ptr<double>());
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
       });
     });
   }
