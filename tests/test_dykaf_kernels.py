@@ -172,3 +172,31 @@ def test_apply_over_many_tensors_of_mixed_dtypes(device, normalize):
                torch.bfloat16: dict(rtol=1e-2, atol=1e-2)}[d]
         torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"tensor {i}: {m}")
         assert not torch.equal(a, params[i]), i  # updated
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_preconditioners_over_many_matrices(device, dtype):
+    """dykaf_precondition_ and dykaf_adam_precondition_ over more matrices than one CUDA launch's
+    table holds, one longer than a launch's blocks cover: fused equals the reference."""
+    g = torch.Generator().manual_seed(9)
+    big = (4100, 5200) if device == "cuda" else (70, 1000)
+    shapes = [(1 + (7 * i) % 40, 1 + (11 * i) % 50) for i in range(60)] + [big]
+    mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device, dtype)  # noqa: E731
+    scalar = lambda v: torch.tensor(v, dtype=torch.float64, device=device)  # noqa: E731
+    mps = [mk(*s) for s in shapes]
+    ls, rs = [mk(s[0]).abs() + 0.1 for s in shapes], [mk(s[1]).abs() + 0.1 for s in shapes]
+    vs, gps = [mk(*s).abs() for s in shapes], [mk(*s) for s in shapes]
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=2e-5, atol=1e-6)
+    a, b = [m.clone() for m in mps], [m.clone() for m in mps]
+    cafin.ops.dykaf_precondition_(a, ls, rs, scalar(1e-6))
+    cafin.reference.dykaf_precondition_(b, ls, rs, scalar(1e-6))
+    for i, (x, y) in enumerate(zip(a, b)):
+        torch.testing.assert_close(x, y, **tol, msg=lambda m, i=i: f"precondition {i}: {m}")
+    a, b = [m.clone() for m in mps], [m.clone() for m in mps]
+    va, vb = [v.clone() for v in vs], [v.clone() for v in vs]
+    cafin.ops.dykaf_adam_precondition_(a, va, gps, scalar(0.95), scalar(1e-8))
+    cafin.reference.dykaf_adam_precondition_(b, vb, gps, scalar(0.95), scalar(1e-8))
+    for i, (x, y, u, w) in enumerate(zip(a, b, va, vb)):
+        torch.testing.assert_close(x, y, **tol, msg=lambda m, i=i: f"adam mp {i}: {m}")
+        torch.testing.assert_close(u, w, **tol, msg=lambda m, i=i: f"adam v {i}: {m}")

@@ -25,11 +25,6 @@ namespace {
 
 constexpr int kThreads = 256;
 
-int blocks_for(int64_t n) {
-  const int64_t b = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
-}
-
 // Sum over the block of one double per thread; thread 0 gets the result.
 __device__ double block_sum(double v) {
   __shared__ double shared[kThreads];
@@ -207,14 +202,36 @@ void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, con
 }
 
 // ---------------------------------------------------------------------------- rotated Adam
+// Multi-tensor launches (multi_tensor.cuh, as the update below): every matrix of one dtype in
+// one kernel per table of kApplyTensors, each block one chunk of one tensor.
+constexpr int kApplyTensors = 48;  // entries of at most 40 bytes: a table stays under 4 KB of arguments
+
+struct PreconditionMeta {
+  void* mp;
+  const void* l;
+  const void* r;
+  int64_t n;  // columns
+};
+
+struct AdamMeta {
+  void* mp;
+  void* v;
+  const void* gp;
+};
+
 template <typename T>
-__global__ void precondition_kernel(T* mp, const T* l, const T* r, int64_t m, int64_t n,
+__global__ void precondition_kernel(const TensorTable<PreconditionMeta, kApplyTensors> table,
                                     const double* guard_value) {
+  const PreconditionMeta& meta = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t hi = lo + kChunkSize < total ? lo + kChunkSize : total;
   const T guard = T(*guard_value);
-  const int64_t total = m * n;
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
-    mp[k] = dykaf_rank_one_precondition(mp[k], l[k / n], r[k % n], guard);
+  T* mp = static_cast<T*>(meta.mp);
+  const T* l = static_cast<const T*>(meta.l);
+  const T* r = static_cast<const T*>(meta.r);
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
+    mp[k] = dykaf_rank_one_precondition(mp[k], l[k / meta.n], r[k % meta.n], guard);
   }
 }
 
@@ -223,24 +240,37 @@ void precondition_cuda(at::TensorList mps, at::TensorList ls, at::TensorList rs,
   if (mps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(mps[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  for (size_t t = 0; t < mps.size(); ++t) {
-    const int64_t m = mps[t].size(0), n = mps[t].size(1);
-    if (m * n == 0) continue;
-    AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_precondition_cuda", [&] {
-      precondition_kernel<scalar_t><<<blocks_for(m * n), kThreads, 0, stream>>>(
-          mps[t].data_ptr<scalar_t>(), ls[t].data_ptr<scalar_t>(), rs[t].data_ptr<scalar_t>(), m, n,
-          guard.const_data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    std::vector<PreconditionMeta> metas;
+    std::vector<int64_t> numels;
+    for (size_t t = 0; t < mps.size(); ++t) {
+      if (mps[t].scalar_type() != dtype || mps[t].numel() == 0) continue;
+      metas.push_back({mps[t].data_ptr(), ls[t].const_data_ptr(), rs[t].const_data_ptr(), mps[t].size(1)});
+      numels.push_back(mps[t].numel());
+    }
+    if (metas.empty()) continue;
+    AT_DISPATCH_FLOATING_TYPES(dtype, "dykaf_precondition_cuda", [&] {
+      multi_tensor_apply<PreconditionMeta, kApplyTensors>(
+          metas, numels, [&](const TensorTable<PreconditionMeta, kApplyTensors>& table, int blocks) {
+            precondition_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table, guard.const_data_ptr<double>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
     });
   }
 }
 
 template <typename T>
-__global__ void adam_precondition_kernel(T* mp, T* v, const T* gp, int64_t total, const double* beta2,
+__global__ void adam_precondition_kernel(const TensorTable<AdamMeta, kApplyTensors> table, const double* beta2,
                                          const double* eps_value) {
+  const AdamMeta& meta = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t hi = lo + kChunkSize < total ? lo + kChunkSize : total;
   const T b = T(*beta2), eps = T(*eps_value);
-  for (int64_t k = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; k < total;
-       k += int64_t(gridDim.x) * blockDim.x) {
+  T* mp = static_cast<T*>(meta.mp);
+  T* v = static_cast<T*>(meta.v);
+  const T* gp = static_cast<const T*>(meta.gp);
+  for (int64_t k = lo + threadIdx.x; k < hi; k += blockDim.x) {
     T vk = v[k];
     mp[k] = dykaf_adam_precondition(mp[k], vk, gp[k], b, eps);
     v[k] = vk;
@@ -253,14 +283,22 @@ void adam_precondition_cuda(at::TensorList mps, at::TensorList vs, at::TensorLis
   if (mps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(mps[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
-  for (size_t t = 0; t < mps.size(); ++t) {
-    const int64_t total = mps[t].numel();
-    if (total == 0) continue;
-    AT_DISPATCH_FLOATING_TYPES(mps[t].scalar_type(), "dykaf_adam_precondition_cuda", [&] {
-      adam_precondition_kernel<scalar_t><<<blocks_for(total), kThreads, 0, stream>>>(
-          mps[t].data_ptr<scalar_t>(), vs[t].data_ptr<scalar_t>(), gps[t].data_ptr<scalar_t>(), total,
-          beta2.data_ptr<double>(), eps.const_data_ptr<double>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    std::vector<AdamMeta> metas;
+    std::vector<int64_t> numels;
+    for (size_t t = 0; t < mps.size(); ++t) {
+      if (mps[t].scalar_type() != dtype || mps[t].numel() == 0) continue;
+      metas.push_back({mps[t].data_ptr(), vs[t].data_ptr(), gps[t].const_data_ptr()});
+      numels.push_back(mps[t].numel());
+    }
+    if (metas.empty()) continue;
+    AT_DISPATCH_FLOATING_TYPES(dtype, "dykaf_adam_precondition_cuda", [&] {
+      multi_tensor_apply<AdamMeta, kApplyTensors>(
+          metas, numels, [&](const TensorTable<AdamMeta, kApplyTensors>& table, int blocks) {
+            adam_precondition_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+                table, beta2.const_data_ptr<double>(), eps.const_data_ptr<double>());
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
     });
   }
 }
@@ -270,7 +308,6 @@ void adam_precondition_cuda(at::TensorList mps, at::TensorList vs, at::TensorLis
 // pair in one kernel per table, each block one chunk of one tensor. With normalize, a first
 // launch writes each chunk's sum of squares of u into `partial` (a tensor's chunks in a row);
 // the update's blocks add their tensor's partials in one fixed order (deterministic, no atomics).
-constexpr int kApplyTensors = 48;  // 40-byte entries: the table stays under the 4 KB of arguments
 
 struct SumsqMeta {
   const void* u;
