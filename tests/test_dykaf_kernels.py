@@ -200,3 +200,27 @@ def test_preconditioners_over_many_matrices(device, dtype):
     for i, (x, y, u, w) in enumerate(zip(a, b, va, vb)):
         torch.testing.assert_close(x, y, **tol, msg=lambda m, i=i: f"adam mp {i}: {m}")
         torch.testing.assert_close(u, w, **tol, msg=lambda m, i=i: f"adam v {i}: {m}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rank_one_over_many_matrices_of_two_dtypes(device):
+    """dykaf_rank_one_ over more matrices than one CUDA launch's table holds (48), float32 and
+    float64 in one call, one with more rows than the row grid (4096) and one wider than 32
+    column tiles: fused equals the reference."""
+    g = torch.Generator().manual_seed(10)
+    shapes = [(1 + (7 * i) % 40, 1 + (11 * i) % 50) for i in range(60)] + [(5000, 7), (9, 1100)]
+    dtypes = [torch.float32 if i % 2 else torch.float64 for i in range(len(shapes))]
+    mk = lambda s, d: torch.randn(*s, generator=g, dtype=torch.float64).to(device, d)  # noqa: E731
+    gps = [mk(s, d) for s, d in zip(shapes, dtypes)]
+    ls = [mk((s[0],), d).abs() + 0.1 for s, d in zip(shapes, dtypes)]
+    rs = [mk((s[1],), d).abs() + 0.1 for s, d in zip(shapes, dtypes)]
+    beta2 = torch.tensor(0.93, dtype=torch.float64, device=device)
+    guard = torch.tensor(1e-6, dtype=torch.float64, device=device)
+    fused = ([l.clone() for l in ls], [r.clone() for r in rs])
+    ref = ([l.clone() for l in ls], [r.clone() for r in rs])
+    cafin.ops.dykaf_rank_one_(*fused, gps, beta2, guard)
+    cafin.reference.dykaf_rank_one_(*ref, gps, beta2, guard)
+    for side in (0, 1):
+        for i, (a, b, d) in enumerate(zip(fused[side], ref[side], dtypes)):
+            tol = TOL[d] if d == torch.float64 else dict(rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i, side=side: f"side {side} {i}: {m}")

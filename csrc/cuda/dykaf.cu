@@ -5,7 +5,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -40,18 +39,50 @@ __device__ double block_sum(double v) {
 }
 
 // ---------------------------------------------------------------------------- rank-one moment
-// scratch layout (double): [0] |l|, [1] |r|, [2] |l'|, [3] |r'|, [4] quad
+// Six launches per call over every matrix of one dtype (up to kRankOneMatrices a launch): the
+// matrix is blockIdx.y, and blockIdx.x strides its rows or column tiles (a block past a smaller
+// matrix's share exits). Per matrix, the scalars (double): [0] |l|, [1] |r|, [2] |l'|, [3] |r'|;
+// the work vectors (T): rows [m], dir_l [m], rows2 [m], cols [n], dir_r [n].
+constexpr int kRankOneMatrices = 48;  // 64-byte entries: a table stays under 4 KB of arguments
+
+struct RankOneMeta {
+  void* l;
+  void* r;
+  const void* gp;
+  int64_t m, n;
+  double* s;
+  void* work;
+};
+
+struct RankOneTable {
+  RankOneMeta meta[kRankOneMatrices];
+};
+
 template <typename T>
-__global__ void norms_kernel(const T* l, int64_t m, const T* r, int64_t n, double* scratch) {
-  double a = 0, b = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) a += double(l[i]) * double(l[i]);
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) b += double(r[j]) * double(r[j]);
-  a = block_sum(a);
-  b = block_sum(b);
-  if (threadIdx.x == 0) {
-    scratch[0] = sqrt(a);
-    scratch[1] = sqrt(b);
-  }
+struct RankOneView {
+  T *l, *r;
+  const T* gp;
+  int64_t m, n;
+  double* s;
+  T *rows, *dir_l, *rows2, *cols, *dir_r;
+};
+
+template <typename T>
+__device__ RankOneView<T> rank_one_view(const RankOneTable& table) {
+  const RankOneMeta& meta = table.meta[blockIdx.y];
+  RankOneView<T> v;
+  v.l = static_cast<T*>(meta.l);
+  v.r = static_cast<T*>(meta.r);
+  v.gp = static_cast<const T*>(meta.gp);
+  v.m = meta.m;
+  v.n = meta.n;
+  v.s = meta.s;
+  v.rows = static_cast<T*>(meta.work);
+  v.dir_l = v.rows + v.m;
+  v.rows2 = v.dir_l + v.m;
+  v.cols = v.rows2 + v.m;
+  v.dir_r = v.cols + v.n;
+  return v;
 }
 
 template <typename T>
@@ -60,19 +91,37 @@ __device__ T unit_at(const T* x, int64_t i, int64_t n, double norm, bool guard) 
   return x[i] / T(norm);
 }
 
-// rows[i] = sum_j gp_ij^2 * unit(r)_j, one block per row.
+// |l| and |r|, one block per matrix.
 template <typename T>
-__global__ void rows_kernel(const T* gp, int64_t m, int64_t n, const T* r, const double* r_norm,
-                            const double* guard_value, T* rows) {
+__global__ void norms_kernel(const RankOneTable table) {
+  const RankOneView<T> v = rank_one_view<T>(table);
+  double a = 0, b = 0;
+  for (int64_t i = threadIdx.x; i < v.m; i += blockDim.x) a += double(v.l[i]) * double(v.l[i]);
+  for (int64_t j = threadIdx.x; j < v.n; j += blockDim.x) b += double(v.r[j]) * double(v.r[j]);
+  a = block_sum(a);
+  b = block_sum(b);
+  if (threadIdx.x == 0) {
+    v.s[0] = sqrt(a);
+    v.s[1] = sqrt(b);
+  }
+}
+
+// rows[i] = sum_j gp_ij^2 * unit(x)_j (x: r, or dir_r for rows2), a block per row.
+template <typename T, bool kSecond>
+__global__ void rows_kernel(const RankOneTable table, const double* guard_value) {
+  const RankOneView<T> v = rank_one_view<T>(table);
   const bool guard = *guard_value > 0;
-  for (int64_t i = blockIdx.x; i < m; i += gridDim.x) {
+  const T* x = kSecond ? v.dir_r : v.r;
+  const double norm = kSecond ? v.s[3] : v.s[1];
+  T* out = kSecond ? v.rows2 : v.rows;
+  for (int64_t i = blockIdx.x; i < v.m; i += gridDim.x) {
     double acc = 0;
-    for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-      const T g = gp[i * n + j];
-      acc += double(g * g * unit_at(r, j, n, *r_norm, guard));
+    for (int64_t j = threadIdx.x; j < v.n; j += blockDim.x) {
+      const T g = v.gp[i * v.n + j];
+      acc += double(g * g * unit_at(x, j, v.n, norm, guard));
     }
     acc = block_sum(acc);
-    if (threadIdx.x == 0) rows[i] = T(acc);
+    if (threadIdx.x == 0) out[i] = T(acc);
   }
 }
 
@@ -81,82 +130,80 @@ __global__ void rows_kernel(const T* gp, int64_t m, int64_t n, const T* r, const
 // order; so a tall matrix's long columns are shared out over 8 threads each, and every 32
 // columns make a block (one thread per column made 2 blocks of a 512-wide matrix).
 template <typename T>
-__global__ void cols_kernel(const T* gp, int64_t m, int64_t n, const T* l, const double* l_norm,
-                            const double* guard_value, T* cols) {
+__global__ void cols_kernel(const RankOneTable table, const double* guard_value) {
+  const RankOneView<T> v = rank_one_view<T>(table);
   __shared__ T lanes[8][33];
   const bool guard = *guard_value > 0;
-  for (int64_t first = int64_t(blockIdx.x) * 32; first < n; first += int64_t(gridDim.x) * 32) {
+  for (int64_t first = int64_t(blockIdx.x) * 32; first < v.n; first += int64_t(gridDim.x) * 32) {
     const int64_t j = first + threadIdx.x;
     T acc = 0;
-    if (j < n) {
-      for (int64_t i = threadIdx.y; i < m; i += 8) {
-        const T g = gp[i * n + j];
-        acc += g * g * unit_at(l, i, m, *l_norm, guard);
+    if (j < v.n) {
+      for (int64_t i = threadIdx.y; i < v.m; i += 8) {
+        const T g = v.gp[i * v.n + j];
+        acc += g * g * unit_at(v.l, i, v.m, v.s[0], guard);
       }
     }
     lanes[threadIdx.y][threadIdx.x] = acc;
     __syncthreads();
-    if (threadIdx.y == 0 && j < n) {
+    if (threadIdx.y == 0 && j < v.n) {
       T total = 0;
       for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
-      cols[j] = total;
+      v.cols[j] = total;
     }
     __syncthreads();
   }
 }
 
-// l_new, r_new (unnormalised) into dir_l, dir_r and their norms into scratch[2], scratch[3].
+// l_new, r_new (unnormalised) into dir_l, dir_r and their norms into s[2], s[3]; a block per matrix.
 template <typename T>
-__global__ void directions_kernel(const T* l, int64_t m, const T* r, int64_t n, const T* rows,
-                                  const T* cols, const double* beta2, const double* guard_value, double* scratch,
-                                  T* dir_l, T* dir_r) {
+__global__ void directions_kernel(const RankOneTable table, const double* beta2, const double* guard_value) {
+  const RankOneView<T> v = rank_one_view<T>(table);
   const bool guard = *guard_value > 0;
   const T b = T(*beta2);
-  const T np = T(scratch[0]) * T(scratch[1]);
+  const T np = T(v.s[0]) * T(v.s[1]);
   double a = 0, c = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
-    const T x = dykaf_rank_one_direction(unit_at(l, i, m, scratch[0], guard), rows[i], b, np);
-    dir_l[i] = x;
+  for (int64_t i = threadIdx.x; i < v.m; i += blockDim.x) {
+    const T x = dykaf_rank_one_direction(unit_at(v.l, i, v.m, v.s[0], guard), v.rows[i], b, np);
+    v.dir_l[i] = x;
     a += double(x) * double(x);
   }
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    const T x = dykaf_rank_one_direction(unit_at(r, j, n, scratch[1], guard), cols[j], b, np);
-    dir_r[j] = x;
+  for (int64_t j = threadIdx.x; j < v.n; j += blockDim.x) {
+    const T x = dykaf_rank_one_direction(unit_at(v.r, j, v.n, v.s[1], guard), v.cols[j], b, np);
+    v.dir_r[j] = x;
     c += double(x) * double(x);
   }
   a = block_sum(a);
   c = block_sum(c);
   if (threadIdx.x == 0) {
-    scratch[2] = sqrt(a);
-    scratch[3] = sqrt(c);
+    v.s[2] = sqrt(a);
+    v.s[3] = sqrt(c);
   }
 }
 
-// c = beta2 (l'.l^)(r'.r^)|l||r| + (1-beta2) l'^T gp^2 r', then l, r <- sqrt(c) l', sqrt(c) r'.
-// rows2[i] = sum_j gp_ij^2 r'_j was computed by rows_kernel on dir_r.
+// c = beta2 (l'.l^)(r'.r^)|l||r| + (1-beta2) l'^T gp^2 r', then l, r <- sqrt(c) l', sqrt(c) r';
+// rows2[i] = sum_j gp_ij^2 r'_j. A block per matrix.
 template <typename T>
-__global__ void finish_kernel(T* l, int64_t m, T* r, int64_t n, const T* dir_l, const T* dir_r,
-                              const T* rows2, const double* beta2, const double* guard_value,
-                              const double* scratch) {
+__global__ void finish_kernel(const RankOneTable table, const double* beta2, const double* guard_value) {
+  const RankOneView<T> v = rank_one_view<T>(table);
   const bool guard = *guard_value > 0;
   const T b = T(*beta2);
   double ll = 0, rr = 0, quad = 0;
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) {
-    const T u = unit_at(dir_l, i, m, scratch[2], guard);
-    ll += double(u * unit_at(l, i, m, scratch[0], guard));
-    quad += double(u * rows2[i]);
+  for (int64_t i = threadIdx.x; i < v.m; i += blockDim.x) {
+    const T u = unit_at(v.dir_l, i, v.m, v.s[2], guard);
+    ll += double(u * unit_at(v.l, i, v.m, v.s[0], guard));
+    quad += double(u * v.rows2[i]);
   }
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) {
-    rr += double(unit_at(dir_r, j, n, scratch[3], guard) * unit_at(r, j, n, scratch[1], guard));
+  for (int64_t j = threadIdx.x; j < v.n; j += blockDim.x) {
+    rr += double(unit_at(v.dir_r, j, v.n, v.s[3], guard) * unit_at(v.r, j, v.n, v.s[1], guard));
   }
   ll = block_sum(ll);
   rr = block_sum(rr);
   quad = block_sum(quad);
-  const T c = b * T(ll) * T(rr) * T(scratch[0]) * T(scratch[1]) + (T(1) - b) * T(quad);
+  const T c = b * T(ll) * T(rr) * T(v.s[0]) * T(v.s[1]) + (T(1) - b) * T(quad);
   const T root = sqrt(c);
   // Every thread has read l and r above (block_sum synchronises) before any writes them.
-  for (int64_t i = threadIdx.x; i < m; i += blockDim.x) l[i] = unit_at(dir_l, i, m, scratch[2], guard) * root;
-  for (int64_t j = threadIdx.x; j < n; j += blockDim.x) r[j] = unit_at(dir_r, j, n, scratch[3], guard) * root;
+  for (int64_t i = threadIdx.x; i < v.m; i += blockDim.x) v.l[i] = unit_at(v.dir_l, i, v.m, v.s[2], guard) * root;
+  for (int64_t j = threadIdx.x; j < v.n; j += blockDim.x) v.r[j] = unit_at(v.dir_r, j, v.n, v.s[3], guard) * root;
 }
 
 void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, const at::Tensor& beta2,
@@ -165,38 +212,54 @@ void rank_one_cuda(at::TensorList ls, at::TensorList rs, at::TensorList gps, con
   if (gps.empty()) return;
   const c10::cuda::CUDAGuard device_guard(gps[0].device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
+  static_assert(sizeof(RankOneTable) <= 4000, "kernel arguments must stay under 4 KB");
   const double* g = guard.const_data_ptr<double>();
-  // Every matrix's five scalars in one zeroed scratch (one fill for the call, not one each).
-  const at::Tensor scratches = at::zeros({5 * static_cast<int64_t>(gps.size())}, gps[0].options().dtype(at::kDouble));
-  for (size_t t = 0; t < gps.size(); ++t) {
-    const at::Tensor& gp = gps[t];
-    const int64_t m = gp.size(0), n = gp.size(1);
-    auto work = at::empty({3 * m + 2 * n}, gp.options());
-    AT_DISPATCH_FLOATING_TYPES(gp.scalar_type(), "dykaf_rank_one_cuda", [&] {
+  const double* b = beta2.const_data_ptr<double>();
+  // Every matrix's scalars in one scratch for the call (each written before it is read).
+  const at::Tensor scalars = at::empty({4 * static_cast<int64_t>(gps.size())}, gps[0].options().dtype(at::kDouble));
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    std::vector<size_t> idx;
+    int64_t work_size = 0;
+    for (size_t t = 0; t < gps.size(); ++t) {
+      if (gps[t].scalar_type() != dtype) continue;
+      idx.push_back(t);
+      work_size += 3 * gps[t].size(0) + 2 * gps[t].size(1);
+    }
+    if (idx.empty()) continue;
+    const at::Tensor work = at::empty({work_size}, gps[idx[0]].options());
+    AT_DISPATCH_FLOATING_TYPES(dtype, "dykaf_rank_one_cuda", [&] {
       using T = scalar_t;
-      T* l = ls[t].data_ptr<T>();
-      T* r = rs[t].data_ptr<T>();
-      const T* x = gp.data_ptr<T>();
-      T* rows = work.data_ptr<T>();
-      T* dir_l = rows + m;
-      T* rows2 = dir_l + m;
-      T* cols = rows2 + m;
-      T* dir_r = cols + n;
-      double* s = scratches.data_ptr<double>() + 5 * t;
-      const double* b = beta2.data_ptr<double>();
-      norms_kernel<T><<<1, kThreads, 0, stream>>>(l, m, r, n, s);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      rows_kernel<T><<<static_cast<int>(m < 4096 ? m : 4096), kThreads, 0, stream>>>(x, m, n, r, s + 1, g, rows);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      cols_kernel<T><<<static_cast<int>(std::clamp<int64_t>((n + 31) / 32, 1, 4096)), dim3(32, 8), 0, stream>>>(
-          x, m, n, l, s, g, cols);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      directions_kernel<T><<<1, kThreads, 0, stream>>>(l, m, r, n, rows, cols, b, g, s, dir_l, dir_r);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      rows_kernel<T><<<static_cast<int>(m < 4096 ? m : 4096), kThreads, 0, stream>>>(x, m, n, dir_r, s + 3, g, rows2);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      finish_kernel<T><<<1, kThreads, 0, stream>>>(l, m, r, n, dir_l, dir_r, rows2, b, g, s);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      T* next = work.mutable_data_ptr<T>();
+      for (size_t first = 0; first < idx.size(); first += kRankOneMatrices) {
+        const size_t count = std::min<size_t>(kRankOneMatrices, idx.size() - first);
+        RankOneTable table;
+        int64_t max_m = 1, max_tiles = 1;
+        for (size_t k = 0; k < count; ++k) {
+          const size_t t = idx[first + k];
+          const int64_t m = gps[t].size(0), n = gps[t].size(1);
+          table.meta[k] = {ls[t].data_ptr(), rs[t].data_ptr(), gps[t].const_data_ptr(), m, n,
+                           scalars.mutable_data_ptr<double>() + 4 * t, next};
+          next += 3 * m + 2 * n;
+          max_m = std::max(max_m, m);
+          max_tiles = std::max(max_tiles, (n + 31) / 32);
+        }
+        const unsigned matrices = static_cast<unsigned>(count);
+        const dim3 each(1, matrices);
+        const dim3 rows_grid(static_cast<unsigned>(std::min<int64_t>(max_m, 4096)), matrices);
+        const dim3 cols_grid(static_cast<unsigned>(std::min<int64_t>(max_tiles, 4096)), matrices);
+        norms_kernel<T><<<each, kThreads, 0, stream>>>(table);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        rows_kernel<T, false><<<rows_grid, kThreads, 0, stream>>>(table, g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        cols_kernel<T><<<cols_grid, dim3(32, 8), 0, stream>>>(table, g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        directions_kernel<T><<<each, kThreads, 0, stream>>>(table, b, g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        rows_kernel<T, true><<<rows_grid, kThreads, 0, stream>>>(table, g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        finish_kernel<T><<<each, kThreads, 0, stream>>>(table, b, g);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
   }
 }
