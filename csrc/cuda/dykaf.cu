@@ -24,7 +24,8 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Sum over the block of one double per thread; thread 0 gets the result.
+// Sum over the block (kThreads threads, one dimension) of one double per thread, in a fixed
+// order; every thread gets the result.
 __device__ double block_sum(double v) {
   __shared__ double shared[kThreads];
   shared[threadIdx.x] = v;
