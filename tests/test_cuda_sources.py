@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.utils.cpp_extension as cpp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,3 +58,22 @@ def test_a_source_the_build_rejects_fails_the_check(tmp_path):
     proc = run_tool(source, timeout=300)
     assert proc.returncode == 1, proc.stdout
     assert "FAILED" in proc.stdout and 'no operator "+"' in proc.stdout, proc.stdout[-3000:]
+
+
+def test_collection_refuses_a_cuda_parameter_without_the_cuda_marker():
+    """tests/conftest.py stops a run whose tests take a "cuda" parameter without the `cuda`
+    marker (tools/gpu_check.sh would never select them), and lets a marked one through."""
+    import types
+
+    import conftest
+
+    def item(nodeid, value, marked):
+        return types.SimpleNamespace(nodeid=nodeid, callspec=types.SimpleNamespace(params={"device": value}),
+                                     get_closest_marker=lambda name: object() if marked else None)
+
+    ok = [item("t::a[cpu]", "cpu", False), item("t::a[cuda]", "cuda", True),
+          item("t::b[dev]", torch.device("cuda"), True)]
+    conftest.pytest_collection_modifyitems(None, ok)
+    for bad in ("cuda", torch.device("cuda")):
+        with pytest.raises(pytest.UsageError, match=r"t::c\[cuda\]"):
+            conftest.pytest_collection_modifyitems(None, ok + [item("t::c[cuda]", bad, False)])

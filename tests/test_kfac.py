@@ -28,10 +28,7 @@ from cafin import ops
 from cafin import reference as ref
 
 import two_ranks
-
-CUDA = torch.cuda.is_available() and cafin.cuda_kernels_built()
-CUDA_SKIP = ("no CUDA device" if not torch.cuda.is_available() else "cafin built without CUDA kernels")
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason=CUDA_SKIP))]
+from devices import DEVICES
 
 
 # ------------------------------------------------------------------------------- the oracle

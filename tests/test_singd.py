@@ -24,6 +24,7 @@ import cafin
 from cafin.optim.singd import structures as S
 
 import two_ranks
+from devices import DEVICES
 
 STRUCTS = ["dense", "diagonal", "block30diagonal", "hierarchical15_15", "triltoeplitz", "triutoeplitz"]
 
@@ -679,7 +680,6 @@ def test_a_compiled_step_not_due_does_no_curvature_work(structures):
 
 
 # ------------------------------------------------------------------------------ the fused op
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def diag_case(device, dtype, momentum, seed=0):
