@@ -654,6 +654,35 @@ def test_apply_with_shift_abs_terms_and_padded_rows_matches_reference(device, dt
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_apply_over_more_entries_than_a_launch_holds(device, dtype):
+    """The write over 250 entries (more than one CUDA launch's table of 30, and than one
+    launch of the per-entry clip terms, 240), with and without a bias column, padded rows, one
+    entry longer than a launch's blocks cover (320 chunks of 65536 on CUDA) and one empty:
+    against the reference, with the clip binding, with shift and abs_terms, and without a clip."""
+    g = torch.Generator().manual_seed(14)
+    big = (2, 2050, 5200) if device == "cuda" else (2, 50, 70)
+    shapes = [(1 + i % 2, 1 + (7 * i) % 9, 2 + (5 * i) % 11) for i in range(248)] + [big, (1, 0, 3)]
+    ws, bs, vs = [], [], []
+    for i, (groups, rows, cols) in enumerate(shapes):
+        bias = i % 3 != 1
+        mk = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+        ws.append(mk(groups * rows, cols - bias))
+        bs.append(mk(groups * rows) if bias else torch.empty(0, dtype=dtype, device=device))
+        vs.append(mk(groups, rows, cols))
+    shift = torch.randn(len(shapes), generator=g, dtype=torch.float64).to(device, dtype)
+    lr = torch.tensor(0.5, dtype=torch.float64, device=device)
+    tol = dict(rtol=1e-10, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-4, atol=1e-5)
+    for kl, sh, abs_terms in ((1e-3, None, False), (1e-3, shift, True), (None, shift, True)):
+        kl_t = None if kl is None else torch.tensor(kl, dtype=torch.float64, device=device)
+        got, want = (_clone(ws), _clone(bs)), (_clone(ws), _clone(bs))
+        ref.kfac_precondition_apply_(*want, vs, lr, kl_t, sh, abs_terms)
+        ops.kfac_precondition_apply_(*got, [_padded(v, 2) for v in vs], lr, kl_t, sh, abs_terms)
+        for i, (a, b) in enumerate(zip(got[0] + got[1], want[0] + want[1])):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"tensor {i}: {m}")
+
+
 def test_apply_rejects_bad_shift_and_layouts():
     ws, bs, vs = _apply_args("cpu", torch.float32, 0)
     lr = torch.tensor(0.1, dtype=torch.float64)

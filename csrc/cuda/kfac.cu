@@ -13,8 +13,9 @@
 
 #include <algorithm>
 #include <optional>
-#include <tuple>
+#include <vector>
 
+#include "cuda/multi_tensor.cuh"
 #include "kfac_checks.h"
 #include "kfac_math.h"
 
@@ -144,23 +145,47 @@ __device__ __forceinline__ scalar_t shifted(const scalar_t* __restrict v, int64_
   return shift == nullptr ? v[r * ld + c] : scalar_t(v[r * ld + c] + *shift);
 }
 
-// One precond entry's two terms of the clip sum, <V, g> over its weight columns and over its
-// bias column, added into out[0] and out[1].
+// The write as multi-tensor launches (multi_tensor.cuh): every entry in one kernel per table,
+// each block one chunk of one entry's [rows, cols] elements (the weight columns, then the bias
+// column). With a KL clip, a first pass writes each chunk's two terms of the clip sum, one block
+// per entry then adds its chunks' terms in order, and one thread makes the factor: a fixed order
+// from run to run (no atomics), whatever the number of layers, in four launches and the write.
+constexpr int kWriteEntries = 30;  // 64-byte entries: a table stays under 4 KB of arguments
+
+struct WriteMeta {
+  const void* v;
+  void* w;
+  void* b;
+  int64_t cols, ld, wc;  // columns, distance between rows of v, weight columns
+  const void* shift;     // nullptr: none
+  double* terms;         // this entry's first chunk's two terms
+};
+
+using WriteTable = TensorTable<WriteMeta, kWriteEntries>;
+
 template <typename scalar_t>
-__global__ void dot_kernel(const scalar_t* __restrict v, const scalar_t* w, const scalar_t* b, int64_t rows,
-                           int64_t cols, int64_t ld, int64_t wc, const scalar_t* __restrict shift,
-                           double* __restrict out) {
+__global__ void dot_kernel(const WriteTable table) {
   __shared__ double partial[2][kThreads];
-  double acc[2] = {0.0, 0.0};
-  const int64_t total = rows * cols;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(blockDim.x) * gridDim.x) {
-    const int64_t r = idx / cols, c = idx - r * cols;
-    const double g = c < wc ? static_cast<double>(w[r * wc + c]) : static_cast<double>(b[r]);
-    acc[c < wc ? 0 : 1] += static_cast<double>(shifted(v, r, c, ld, shift)) * g;
+  const WriteMeta& t = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t chunk = table.block_to_chunk[blockIdx.x];
+  const int64_t lo = chunk * kChunkSize, hi = lo + kChunkSize < total ? lo + kChunkSize : total;
+  const scalar_t* v = static_cast<const scalar_t*>(t.v);
+  const scalar_t* w = static_cast<const scalar_t*>(t.w);
+  const scalar_t* b = static_cast<const scalar_t*>(t.b);
+  const scalar_t* shift = static_cast<const scalar_t*>(t.shift);
+  double weights = 0.0, bias = 0.0;  // two registers (an array indexed by c would sit in local memory)
+  for (int64_t idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
+    const int64_t r = idx / t.cols, c = idx - r * t.cols;
+    const double term = static_cast<double>(shifted(v, r, c, t.ld, shift));
+    if (c < t.wc) {
+      weights += term * static_cast<double>(w[r * t.wc + c]);
+    } else {
+      bias += term * static_cast<double>(b[r]);
+    }
   }
-  partial[0][threadIdx.x] = acc[0];
-  partial[1][threadIdx.x] = acc[1];
+  partial[0][threadIdx.x] = weights;
+  partial[1][threadIdx.x] = bias;
   __syncthreads();
   for (int stride = kThreads / 2; stride > 0; stride >>= 1) {
     if (threadIdx.x < stride) {
@@ -170,8 +195,26 @@ __global__ void dot_kernel(const scalar_t* __restrict v, const scalar_t* w, cons
     __syncthreads();
   }
   if (threadIdx.x == 0) {
-    atomicAdd(out, partial[0][0]);
-    atomicAdd(out + 1, partial[1][0]);
+    t.terms[2 * chunk] = partial[0][0];
+    t.terms[2 * chunk + 1] = partial[1][0];
+  }
+}
+
+// Entry k's two terms of the clip sum, its chunks' terms added in order: parts[2 (first + k)].
+constexpr int kSumEntries = 240;  // 16-byte entries
+
+struct TermsTable {
+  const double* terms[kSumEntries];
+  int64_t chunks[kSumEntries];
+};
+
+__global__ void entry_terms_kernel(const TermsTable table, int64_t first, double* __restrict parts) {
+  const double* terms = table.terms[blockIdx.x];
+  const int64_t chunks = table.chunks[blockIdx.x];
+  if (threadIdx.x < 2) {
+    double total = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) total += terms[2 * c + threadIdx.x];
+    parts[2 * (first + blockIdx.x) + threadIdx.x] = total;
   }
 }
 
@@ -183,15 +226,19 @@ __global__ void clip_scale_kernel(const double* __restrict parts, int64_t n, boo
 }
 
 template <typename scalar_t>
-__global__ void apply_kernel(const scalar_t* __restrict v, scalar_t* w, scalar_t* b, int64_t rows,
-                             int64_t cols, int64_t ld, int64_t wc, const scalar_t* __restrict shift,
-                             const double* __restrict nu_ptr) {
+__global__ void apply_kernel(const WriteTable table, const double* __restrict nu_ptr) {
+  const WriteMeta& t = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t hi = lo + kChunkSize < total ? lo + kChunkSize : total;
   const scalar_t nu = nu_ptr == nullptr ? scalar_t(1) : static_cast<scalar_t>(*nu_ptr);
-  const int64_t total = rows * cols;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(blockDim.x) * gridDim.x) {
-    const int64_t r = idx / cols, c = idx - r * cols;
-    *grad_at(w, b, r, c, wc) = shifted(v, r, c, ld, shift) * nu;
+  const scalar_t* v = static_cast<const scalar_t*>(t.v);
+  scalar_t* w = static_cast<scalar_t*>(t.w);
+  scalar_t* b = static_cast<scalar_t*>(t.b);
+  const scalar_t* shift = static_cast<const scalar_t*>(t.shift);
+  for (int64_t idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
+    const int64_t r = idx / t.cols, c = idx - r * t.cols;
+    *grad_at(w, b, r, c, t.wc) = shifted(v, r, c, t.ld, shift) * nu;
   }
 }
 
@@ -203,28 +250,47 @@ void kfac_precondition_apply_cuda(at::TensorList weight_grads, at::TensorList bi
   if (weight_grads.empty()) return;
   const c10::cuda::CUDAGuard guard(weight_grads[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  static_assert(sizeof(WriteTable) + sizeof(void*) <= 4000, "kernel arguments must stay under 4 KB");
+  static_assert(sizeof(TermsTable) + 2 * sizeof(void*) <= 4000, "kernel arguments must stay under 4 KB");
   const int64_t n = static_cast<int64_t>(precond.size());
-  // Every term lands before the factor is made, and the factor before any gradient is written
-  // (one stream, launches in order).
-  at::Tensor parts, nu;
+  // Each entry's chunks' terms in a row, in one scratch; then its two terms (parts).
+  std::vector<int64_t> first_chunk(n), numels(n);
+  int64_t chunks = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    numels[i] = precond[i].size(0) * precond[i].size(1) * precond[i].size(2);
+    first_chunk[i] = chunks;
+    chunks += (numels[i] + kChunkSize - 1) / kChunkSize;
+  }
+  at::Tensor terms, parts, nu;
   if (kl_clip.has_value()) {
-    parts = at::zeros({2 * n}, lr.options());
+    terms = at::empty({2 * std::max<int64_t>(chunks, 1)}, lr.options());
+    parts = at::empty({2 * n}, lr.options());
     nu = at::empty({}, lr.options());
   }
   AT_DISPATCH_FLOATING_TYPES(weight_grads[0].scalar_type(), "kfac_precondition_apply_", [&] {
     const scalar_t* shifts = shift.has_value() ? shift->const_data_ptr<scalar_t>() : nullptr;
-    auto layout = [&](int64_t i) {  // rows, columns, distance between rows, weight columns
+    std::vector<WriteMeta> metas(n);
+    for (int64_t i = 0; i < n; ++i) {
       const int64_t cols = precond[i].size(2);
-      return std::make_tuple(precond[i].size(0) * precond[i].size(1), cols, kfac_row_stride(precond[i]),
-                             cols - (bias_grads[i].numel() > 0 ? 1 : 0));
-    };
+      metas[i] = {precond[i].const_data_ptr(), weight_grads[i].data_ptr(), bias_grads[i].data_ptr(), cols,
+                  kfac_row_stride(precond[i]), cols - (bias_grads[i].numel() > 0 ? 1 : 0),
+                  shifts == nullptr ? nullptr : shifts + i,
+                  kl_clip.has_value() ? terms.mutable_data_ptr<double>() + 2 * first_chunk[i] : nullptr};
+    }
     if (kl_clip.has_value()) {
-      for (int64_t i = 0; i < n; ++i) {
-        const auto [rows, cols, ld, wc] = layout(i);
-        dot_kernel<scalar_t><<<std::min(blocks_for(rows * cols), 1024), kThreads, 0, stream>>>(
-            precond[i].const_data_ptr<scalar_t>(), weight_grads[i].const_data_ptr<scalar_t>(),
-            bias_grads[i].const_data_ptr<scalar_t>(), rows, cols, ld, wc,
-            shifts == nullptr ? nullptr : shifts + i, parts.mutable_data_ptr<double>() + 2 * i);
+      multi_tensor_apply<WriteMeta, kWriteEntries>(metas, numels, [&](const WriteTable& table, int blocks) {
+        dot_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      // Every entry's two parts are written (an entry without elements: zeros).
+      for (int64_t first = 0; first < n; first += kSumEntries) {
+        TermsTable table;
+        int count = 0;
+        for (int64_t i = first; i < std::min<int64_t>(n, first + kSumEntries); ++i, ++count) {
+          table.terms[count] = metas[i].terms;
+          table.chunks[count] = (numels[i] + kChunkSize - 1) / kChunkSize;
+        }
+        entry_terms_kernel<<<count, 32, 0, stream>>>(table, first, parts.mutable_data_ptr<double>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       clip_scale_kernel<<<1, 1, 0, stream>>>(parts.const_data_ptr<double>(), 2 * n, abs_terms,
@@ -232,15 +298,11 @@ void kfac_precondition_apply_cuda(at::TensorList weight_grads, at::TensorList bi
                                              kl_clip->const_data_ptr<double>(), nu.mutable_data_ptr<double>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    for (int64_t i = 0; i < n; ++i) {
-      const auto [rows, cols, ld, wc] = layout(i);
-      apply_kernel<scalar_t><<<blocks_for(rows * cols), kThreads, 0, stream>>>(
-          precond[i].const_data_ptr<scalar_t>(), weight_grads[i].mutable_data_ptr<scalar_t>(),
-          bias_grads[i].mutable_data_ptr<scalar_t>(), rows, cols, ld, wc,
-          shifts == nullptr ? nullptr : shifts + i,
-          kl_clip.has_value() ? nu.const_data_ptr<double>() : nullptr);
+    const double* nu_ptr = kl_clip.has_value() ? nu.const_data_ptr<double>() : nullptr;
+    multi_tensor_apply<WriteMeta, kWriteEntries>(metas, numels, [&](const WriteTable& table, int blocks) {
+      apply_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table, nu_ptr);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    });
   });
 }
 
