@@ -40,7 +40,8 @@ from . import report
 from .floors import (EIGENBASIS_LAYERS, check_floors, eigenbasis_products, gemm_size, launch_cost,
                      member_floors)
 from .measure import (DEFAULT_TCOV, FULL, QUICK, Context, Run, Skip, adamw_fused_supported,
-                      capture_replay, copy_bandwidth, device_name, is_cuda, machine_threads, measure, sgemm_rate)
+                      capture_replay, copy_bandwidth, device_name, is_cuda, machine_threads, measure,
+                      sgemm_rate)
 from .members import VARIANTS, Member
 from .peers import PEER_VARIANTS, step_rows as peer_step_rows
 from .models import MODELS, batch_for, loss_for, relu_in_place

@@ -127,11 +127,13 @@ def test_apply_with_one_step_size_per_parameter(device, dtype, normalize):
     cafin.ops.dykaf_apply_(fused, x["mps"], sizes, x["lr"], x["weight_decay"], normalize)
     ref = [p.clone() for p in x["params"]]
     cafin.reference.dykaf_apply_(ref, x["mps"], sizes, x["lr"], x["weight_decay"], normalize)
+    tol = TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)
     for got, want in zip(fused, ref):
-        torch.testing.assert_close(got, want, **(TOL[dtype] if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-6)))
+        torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("call", [cafin.ops.dykaf_apply_, torch.ops.cafin.dykaf_apply_], ids=["face", "kernel"])
+@pytest.mark.parametrize("call", [cafin.ops.dykaf_apply_, torch.ops.cafin.dykaf_apply_],
+                         ids=["face", "kernel"])
 def test_apply_refuses_a_bad_step_size_vector_writing_nothing(call):
     x = _elementwise_inputs(torch.float32, "cpu", 7)
     before = [p.clone() for p in x["params"]]

@@ -48,8 +48,8 @@ def repeated_mlp(seed=0):
 
 def batches(n, seed=1, batch=6):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (batch,), generator=g))
-            for _ in range(n)]
+    return [(torch.randn(batch, 5, generator=g, dtype=torch.float64),
+             torch.randint(0, 3, (batch,), generator=g)) for _ in range(n)]
 
 
 @pytest.fixture

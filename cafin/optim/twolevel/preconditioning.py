@@ -58,10 +58,12 @@ class Preconditioning:
         decides, into kept buffers (remade when a shape, dtype or device changes) by one
         `_foreach_copy_` over every weight and bias: no concatenation per layer, nothing
         allocated from step to step. A compiled or device-gated step makes them in its graph."""
-        grads = [full[i] if full else (g["params"][0].grad, g["params"][1].grad if len(g["params"]) == 2 else None)
+        grads = [full[i] if full else
+                 (g["params"][0].grad, g["params"][1].grad if len(g["params"]) == 2 else None)
                  for i, g in enumerate(self.param_groups)]
         if not self._checked():
-            return [raw_gradient(g, dtype, grad) for g, dtype, grad in zip(self.param_groups, self._work, grads)]
+            return [raw_gradient(g, dtype, grad)
+                    for g, dtype, grad in zip(self.param_groups, self._work, grads)]
         raws, dsts, srcs = [], [], []
         for i, (group, dtype, (w, b)) in enumerate(zip(self.param_groups, self._work, grads)):
             m = weight_matrix(group, w)
