@@ -239,6 +239,27 @@ class Case:
                 on_step(k, run)
         return run
 
+    def replayed(self, model, interval: int, data, warmup: int, on_step=None):
+        """The recipe captured: `warmup` eager steps, one training step captured (the stand-in
+        Graph, on static input buffers), then replayed on each later batch, with the recipe's
+        outside work before each; `on_step(k, run)` after each replay."""
+        run = self.build(model, interval)
+        for x, y in data[:warmup]:
+            run.step(x, y)
+        static_x, static_y = data[warmup][0].clone(), data[warmup][1].clone()
+        self.before_capture(run)
+        graph = Graph()
+        with graph.capture():
+            run.step(static_x, static_y)
+        for k in range(warmup, len(data)):
+            self.before_step(run, k, interval)
+            static_x.copy_(data[k][0])
+            static_y.copy_(data[k][1])
+            graph.replay()
+            if on_step is not None:
+                on_step(k, run)
+        return run
+
 
 def _kfac_outside(run) -> None:
     run.curvature.decompose_in_step = False

@@ -220,22 +220,12 @@ def test_captured_step_replays_like_eager(case, interval):
     eager = eager_steps(case, interval, data, on_step=lambda k, run: eager_params.__setitem__(
         k, [p.detach().clone() for p in run.model.parameters()]))
 
-    run = build(case, interval)
-    for x, y in data[:WARMUP]:
-        run.step(x, y)
-    static_x, static_y = data[WARMUP][0].clone(), data[WARMUP][1].clone()
-    case.before_capture(run)
-    graph = Graph()
-    with graph.capture():
-        run.step(static_x, static_y)
-    for k in range(WARMUP, steps):
-        case.before_step(run, k, interval)
-        static_x.copy_(data[k][0])
-        static_y.copy_(data[k][1])
-        graph.replay()
+    def check(k, run):
         for i, (p, q) in enumerate(zip(run.model.parameters(), eager_params[k])):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m, k=k, i=i: f"{case.id} step {k} parameter {i}: {m}")
+                                       msg=lambda m, i=i: f"{case.id} step {k} parameter {i}: {m}")
+
+    run = case.replayed(mlp(), interval, data, WARMUP, on_step=check)
     got, want = run.curvature.state_dict(), eager.curvature.state_dict()
     _assert_state_close(got, want, case.id)
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from capture import CASES as CAPTURE_CASES, Graph
+from capture import CASES as CAPTURE_CASES
 from cafin.core.route import Route
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -94,19 +94,10 @@ def test_gpu_form_captured_replays_like_eager(case, gpu_form):
     steps = WARMUP + 3 * interval + 1
     data = batches(steps)
     eager = _eager(case, interval, data)
-    run = case.build(repeated_mlp(), interval)
-    for x, y in data[:WARMUP]:
-        run.step(x, y)
-    static_x, static_y = data[WARMUP][0].clone(), data[WARMUP][1].clone()
-    case.before_capture(run)
-    graph = Graph()
-    with graph.capture():
-        run.step(static_x, static_y)
-    for k in range(WARMUP, steps):
-        case.before_step(run, k, interval)
-        static_x.copy_(data[k][0])
-        static_y.copy_(data[k][1])
-        graph.replay()
+
+    def check(k, run):
         for i, (p, q) in enumerate(zip(run.model.parameters(), eager[k])):
             torch.testing.assert_close(p, q, rtol=1e-9, atol=1e-12,
-                                       msg=lambda m, k=k, i=i: f"{case.id} step {k} parameter {i}: {m}")
+                                       msg=lambda m, i=i: f"{case.id} step {k} parameter {i}: {m}")
+
+    case.replayed(repeated_mlp(), interval, data, WARMUP, on_step=check)
