@@ -505,6 +505,25 @@ __host__ __device__ inline Chunks chunks_of(int64_t d2) {
 
 unsigned matrix_blocks(int64_t batch) { return static_cast<unsigned>(batch < 65535 ? batch : 65535); }
 
+// This block's share of a stack: its side (blockIdx.z: 0 the left matrix, of left2 elements,
+// 1 the right, of right2), that side's chunk count, and the chunk's elements [lo, hi).
+struct Span {
+  bool left;
+  int64_t d2, chunks, lo, hi;
+};
+
+// False for a block past its side's chunks (it has nothing to do).
+__device__ bool block_span(int64_t left2, int64_t right2, Span& span) {
+  span.left = blockIdx.z == 0;
+  span.d2 = span.left ? left2 : right2;
+  const Chunks c = chunks_of(span.d2);
+  span.chunks = c.count;
+  if (static_cast<int64_t>(blockIdx.x) >= c.count) return false;
+  span.lo = blockIdx.x * c.size;
+  span.hi = span.lo + c.size < span.d2 ? span.lo + c.size : span.d2;
+  return true;
+}
+
 // The sum of parts[0], ..., parts[n - 1] in a fixed order, in every thread.
 __device__ double sum_parts(const double* parts, int64_t n) {
   double acc = 0;
@@ -517,17 +536,14 @@ __device__ double sum_parts(const double* parts, int64_t n) {
 template <typename T>
 __global__ void split_sum_kernel(T* k, const T* l, int64_t k2, T* m, const T* r, int64_t m2, const T* sigma,
                                  int64_t batch, int64_t stride, double* partial) {
-  const bool left = blockIdx.z == 0;
-  const int64_t d2 = left ? k2 : m2;
-  const Chunks c = chunks_of(d2);
-  if (static_cast<int64_t>(blockIdx.x) >= c.count) return;
-  const int64_t lo = blockIdx.x * c.size, hi = lo + c.size < d2 ? lo + c.size : d2;
+  Span sp;
+  if (!block_span(k2, m2, sp)) return;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
-    T* xb = (left ? k : m) + b * d2;
-    const T* fb = (left ? l : r) + b * d2;
+    T* xb = (sp.left ? k : m) + b * sp.d2;
+    const T* fb = (sp.left ? l : r) + b * sp.d2;
     const T s = sigma[b];
     double sq = 0;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    for (int64_t i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) {
       const T v = dykaf_split_sum(fb[i], xb[i], s);
       xb[i] = v;
       sq += double(v) * double(v);
@@ -541,15 +557,12 @@ __global__ void split_sum_kernel(T* k, const T* l, int64_t k2, T* m, const T* r,
 template <typename T>
 __global__ void split_divide_kernel(T* k, int64_t k2, T* m, int64_t m2, int64_t batch, int64_t stride,
                                     const double* partial) {
-  const bool left = blockIdx.z == 0;
-  const int64_t d2 = left ? k2 : m2;
-  const Chunks c = chunks_of(d2);
-  if (static_cast<int64_t>(blockIdx.x) >= c.count) return;
-  const int64_t lo = blockIdx.x * c.size, hi = lo + c.size < d2 ? lo + c.size : d2;
+  Span sp;
+  if (!block_span(k2, m2, sp)) return;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
-    const T norm = T(sqrt(sum_parts(partial + (b * 2 + blockIdx.z) * stride, c.count)));
-    T* xb = (left ? k : m) + b * d2;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] = xb[i] / norm;
+    const T norm = T(sqrt(sum_parts(partial + (b * 2 + blockIdx.z) * stride, sp.chunks)));
+    T* xb = (sp.left ? k : m) + b * sp.d2;
+    for (int64_t i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) xb[i] = xb[i] / norm;
   }
 }
 
@@ -558,14 +571,12 @@ __global__ void split_divide_kernel(T* k, int64_t k2, T* m, int64_t m2, int64_t 
 template <typename T>
 __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2, const T* v, const T* r,
                                   int64_t n2, int64_t batch, int64_t stride, double* partial) {
-  const bool left = blockIdx.z == 0;
-  const int64_t d2 = left ? m2 : n2;
-  const Chunks ch = chunks_of(d2);
-  if (static_cast<int64_t>(blockIdx.x) >= ch.count) return;
-  const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
+  Span sp;
+  if (!block_span(m2, n2, sp)) return;
+  const int64_t lo = sp.lo, hi = sp.hi;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
     double* out = partial + b * 3 * stride + blockIdx.x;
-    if (left) {
+    if (sp.left) {
       const T* ub = u + b * m2;
       const T* lb = l + b * m2;
       const T* cb = c + b * m2;
@@ -595,11 +606,8 @@ __global__ void split_dots_kernel(const T* u, const T* l, const T* c, int64_t m2
 template <typename T>
 __global__ void split_weigh_kernel(T* u, int64_t m2, T* v, int64_t n2, const T* sigma, int64_t batch,
                                    int64_t stride, const double* partial) {
-  const bool left = blockIdx.z == 0;
-  const int64_t d2 = left ? m2 : n2;
-  const Chunks ch = chunks_of(d2);
-  if (static_cast<int64_t>(blockIdx.x) >= ch.count) return;
-  const int64_t lo = blockIdx.x * ch.size, hi = lo + ch.size < d2 ? lo + ch.size : d2;
+  Span sp;
+  if (!block_span(m2, n2, sp)) return;
   const int64_t left_chunks = chunks_of(m2).count, right_chunks = chunks_of(n2).count;
   for (int64_t b = blockIdx.y; b < batch; b += gridDim.y) {
     const double* parts = partial + b * 3 * stride;
@@ -607,8 +615,8 @@ __global__ void split_weigh_kernel(T* u, int64_t m2, T* v, int64_t n2, const T* 
     const double uc = sum_parts(parts + stride, left_chunks);
     const double rv = sum_parts(parts + 2 * stride, right_chunks);
     const T root = sqrt(dykaf_split_weight(T(lu), T(rv), T(uc), sigma[b]));
-    T* xb = (left ? u : v) + b * d2;
-    for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x) xb[i] *= root;
+    T* xb = (sp.left ? u : v) + b * sp.d2;
+    for (int64_t i = sp.lo + threadIdx.x; i < sp.hi; i += blockDim.x) xb[i] *= root;
   }
 }
 
