@@ -76,6 +76,7 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
         self._group_of: dict[Tensor, int] = {}
         self._owned_now: dict[int, int] = {}  # FSDP2: this step's owner of each gathered layer
         self._empty: dict[tuple, Tensor] = {}
+        self._gradient_buffers: dict[str, Tensor] = {}  # eager: layer -> `_gradient_matrices`' matrix
         self._plan: _StepPlan | None = None
         # id(group) -> (group, its _SETTINGS values, lr_cov's version) that passed _check_settings
         self._settings_checked: dict[int, tuple] = {}
@@ -182,9 +183,11 @@ class SINGD(Settings, State, Statistics, Preconditioner, ParameterUpdate, Distri
         self._update_preconditioners(updating, c_g)
         plan = self._step_plan()
         per_group: dict[int, tuple[list, list, list]] = {}
+        gmats = self._gradient_matrices(plan.natural)
         for layer, names, sk, sc, K, C in plan.natural:
             grads = {n: getattr(layer.module, n).grad for n in names}
-            self._queue_natural_gradient(layer, grads, None, sk, sc, K, C, grad_scale, per_group, [])
+            self._queue_natural_gradient(layer, grads, None, sk, sc, K, C, grad_scale, per_group, [],
+                                         gmats.get(layer.name))
         per_diag = {index: {key: (ps, [contiguous(p.grad) for p in ps], *rest)
                             for key, (ps, *rest) in buckets.items()}
                     for index, buckets in plan.diagonal.items()}

@@ -106,12 +106,41 @@ class ParameterUpdate:
                                        0 if pname == "weight" else d_k - 1)):
                 lst.append(v)
 
+    def _gradient_matrices(self, natural) -> dict[str, Tensor]:
+        """Eagerly, the [grad W | grad b] matrices of the layers in `natural` (the step plan's)
+        that have a bias and both gradients, in kept buffers (remade when a shape, dtype or
+        device changes) written by one `_foreach_copy_`: no concatenation per layer, nothing
+        allocated from step to step. Layer name -> matrix; the others (no bias: the weight's
+        gradient as it is; a missing gradient; a compiled step) form theirs in
+        `_queue_natural_gradient`."""
+        if not route.eager():
+            return {}
+        out: dict[str, Tensor] = {}
+        dsts, srcs = [], []
+        for layer, *_ in natural:
+            module = layer.module
+            if (not singd_maths.has_bias(module) or module.weight.grad is None
+                    or module.bias.grad is None):
+                continue
+            gw = views.view_of(module).weight_matrix(module, module.weight.grad)
+            shape = (gw.shape[0], gw.shape[1] + 1)
+            kept = self._gradient_buffers.get(layer.name)
+            if kept is None or kept.shape != shape or kept.dtype != gw.dtype or kept.device != gw.device:
+                kept = self._gradient_buffers[layer.name] = torch.empty(shape, dtype=gw.dtype, device=gw.device)
+            dsts += [kept[:, :-1], kept[:, -1]]
+            srcs += [gw, module.bias.grad]
+            out[layer.name] = kept
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        return out
+
     def _queue_natural_gradient(self, layer: Layer, grads, full_grads, sk, sc, K, C, grad_scale,
-                                per_group, returned) -> None:
+                                per_group, returned, gmat: Tensor | None = None) -> None:
         """Form the layer's natural gradient and queue its pieces, one per parameter, for the
-        SGD update of its group (`full_grads`: the gathered gradients of a sharded layer). A
-        sharded layer under the owner scheme goes to `returned` instead: its owner's full pieces
-        (None on the other ranks, which skip the layer), to come back as rows."""
+        SGD update of its group (`full_grads`: the gathered gradients of a sharded layer; `gmat`:
+        its gradient matrix when `_gradient_matrices` made it). A sharded layer under the owner
+        scheme goes to `returned` instead: its owner's full pieces (None on the other ranks,
+        which skip the layer), to come back as rows."""
         module = layer.module
         if id(layer) in self._owned_now:
             if full_grads is None:  # another rank owns it
@@ -124,11 +153,11 @@ class ParameterUpdate:
             grads = {n: local(g) for n, g in grads.items()}
         if full_grads is not None:
             grads = full_grads
-        like = next(g for g in grads.values() if g is not None)
-        if local_rows:
+        if gmat is None and local_rows:
             gw = grads["weight"].reshape(grads["weight"].shape[0], module.weight.shape[1:].numel())
             gmat = gw if not singd_maths.has_bias(module) else torch.cat([gw, grads["bias"].unsqueeze(1)], 1)
-        else:
+        elif gmat is None:
+            like = next(g for g in grads.values() if g is not None)
             gmat = singd_maths.gradient_matrix(module, grads.get("weight"), grads.get("bias"), like)
         if grad_scale != 1.0:
             gmat = gmat / grad_scale
