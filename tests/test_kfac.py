@@ -683,6 +683,33 @@ def test_apply_over_more_entries_than_a_launch_holds(device, dtype):
             torch.testing.assert_close(a, b, **tol, msg=lambda m, i=i: f"tensor {i}: {m}")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_factor_ema_over_more_factors_than_a_launch_holds(device):
+    """The fold over 90 factors of two dtypes (more than one CUDA launch's table of 40), one
+    longer than a launch's blocks cover (320 chunks of 65536 on CUDA, its mirrors in other
+    blocks' chunks), statistics with inf or NaN in some (dropped), a zero count (not folded),
+    device-gated due and not due: against the reference; every statistic and count emptied."""
+    g = torch.Generator().manual_seed(15)
+    big = (1, 4600, 4600) if device == "cuda" else (2, 60, 60)
+    shapes = [(1 + i % 3, 1 + (7 * i) % 13, 1 + (7 * i) % 13) for i in range(89)] + [big]
+    dtypes = [torch.float64 if i % 2 else torch.float32 for i in range(len(shapes))]
+    decay = torch.tensor(0.9, dtype=torch.float64, device=device)
+    for step in (None, torch.tensor(4.0, device=device), torch.tensor(3.0, device=device)):
+        mk = lambda s, d: torch.randn(s, generator=g, dtype=torch.float64).to(device, d)  # noqa: E731
+        fs = [mk(s, d) for s, d in zip(shapes, dtypes)]
+        ss = [mk(s, d) for s, d in zip(shapes, dtypes)]
+        cs = [torch.tensor(float(i % 4), dtype=d, device=device) for i, d in enumerate(dtypes)]
+        ss[3].view(-1)[0] = float("inf")
+        ss[len(ss) - 1].view(-1)[-1] = float("nan")
+        want = (_clone(fs), _clone(ss), _clone(cs))
+        ref.kfac_factor_ema_(*want, decay, step, 2)
+        ops.kfac_factor_ema_(fs, ss, cs, decay, step, 2)
+        for i, (a, b) in enumerate(zip(fs + ss + cs, want[0] + want[1] + want[2])):
+            tol = 1e-12 if a.dtype == torch.float64 else 1e-5
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, i=i: f"tensor {i}: {m}")
+        assert all(not s.any() for s in ss) and all(c == 0 for c in cs)
+
+
 def test_apply_rejects_bad_shift_and_layouts():
     ws, bs, vs = _apply_args("cpu", torch.float32, 0)
     lr = torch.tensor(0.1, dtype=torch.float64)

@@ -5,6 +5,7 @@
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/_foreach_zero.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -29,31 +30,55 @@ inline int blocks_for(int64_t n) {
   return static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535));
 }
 
+// The fold as multi-tensor launches (multi_tensor.cuh): every factor of one dtype in one kernel
+// per table, each block one chunk of one factor; a launch that marks the statistics holding inf
+// or NaN first, then the fold, then one list op that empties the counts: three launches for any
+// number of layers (it was three per factor).
+constexpr int kFoldEntries = 40;  // 48-byte entries: a table stays under 4 KB of arguments
+
+struct FoldMeta {
+  void* f;
+  void* s;
+  const void* count;
+  int* bad;
+  int64_t d;
+};
+
+using FoldTable = TensorTable<FoldMeta, kFoldEntries>;
+
 // Marks `bad` when a statistic holds inf or NaN (an overflowing GradScaler step): it is dropped.
 template <typename scalar_t>
-__global__ void nonfinite_kernel(const scalar_t* __restrict s, int64_t n, int* __restrict bad) {
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += int64_t(blockDim.x) * gridDim.x) {
+__global__ void nonfinite_kernel(const FoldTable table) {
+  const FoldMeta& t = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t hi = lo + kChunkSize < total ? lo + kChunkSize : total;
+  const scalar_t* s = static_cast<const scalar_t*>(t.s);
+  for (int64_t idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
     if (!isfinite(s[idx])) {
-      *bad = 1;  // every writer stores the same value: no atomic needed
+      *t.bad = 1;  // every writer stores the same value: no atomic needed
       return;
     }
   }
 }
 
 // Thread (r, j), j >= r, of each group folds the entry and its mirror and empties both
-// statistics, so nothing is read after another thread wrote it.
+// statistics, so nothing is read after another thread wrote it (the mirror may lie in another
+// block's chunk: its own thread, j < r, skips).
 template <typename scalar_t>
-__global__ void factor_ema_kernel(scalar_t* __restrict f, scalar_t* __restrict s,
-                                  const scalar_t* __restrict count, const double* __restrict decay,
-                                  const float* __restrict step, int64_t interval, int64_t groups,
-                                  int64_t d, const int* __restrict bad) {
-  const bool fold = kfac_due(step, interval) && *count > scalar_t(0) && *bad == 0;
-  const scalar_t c = *count;
+__global__ void factor_ema_kernel(const FoldTable table, const double* __restrict decay,
+                                  const float* __restrict step, int64_t interval) {
+  const FoldMeta& t = table.meta[table.block_to_tensor[blockIdx.x]];
+  const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
+  const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
+  const int64_t hi = lo + kChunkSize < total ? lo + kChunkSize : total;
+  scalar_t* f = static_cast<scalar_t*>(t.f);
+  scalar_t* s = static_cast<scalar_t*>(t.s);
+  const scalar_t c = *static_cast<const scalar_t*>(t.count);
+  const bool fold = kfac_due(step, interval) && c > scalar_t(0) && *t.bad == 0;
   const scalar_t dec = static_cast<scalar_t>(*decay);
-  const int64_t total = groups * d * d;
-  for (int64_t idx = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; idx < total;
-       idx += int64_t(blockDim.x) * gridDim.x) {
+  const int64_t d = t.d;
+  for (int64_t idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
     const int64_t base = (idx / (d * d)) * d * d;
     const int64_t r = (idx - base) / d, j = (idx - base) % d;
     if (j < r) continue;
@@ -75,26 +100,34 @@ void kfac_factor_ema_cuda(at::TensorList factors, at::TensorList stats, at::Tens
   if (factors.empty()) return;
   const c10::cuda::CUDAGuard guard(factors[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  static_assert(sizeof(FoldTable) + 3 * sizeof(void*) <= 4000, "kernel arguments must stay under 4 KB");
   const float* step_ptr = step.has_value() ? step->const_data_ptr<float>() : nullptr;
   const at::Tensor bad = at::zeros({static_cast<int64_t>(factors.size())},
                                    factors[0].options().dtype(at::kInt));
-  for (size_t i = 0; i < factors.size(); ++i) {
-    const int64_t n = factors[i].numel();
-    if (n == 0) continue;
-    AT_DISPATCH_FLOATING_TYPES(factors[i].scalar_type(), "kfac_factor_ema_", [&] {
-      int* flag = bad.mutable_data_ptr<int>() + i;
-      nonfinite_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          stats[i].const_data_ptr<scalar_t>(), n, flag);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      factor_ema_kernel<scalar_t><<<blocks_for(n), kThreads, 0, stream>>>(
-          factors[i].mutable_data_ptr<scalar_t>(), stats[i].mutable_data_ptr<scalar_t>(),
-          counts[i].const_data_ptr<scalar_t>(), decay.const_data_ptr<double>(), step_ptr, interval,
-          factors[i].size(0), factors[i].size(1), flag);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
+    std::vector<FoldMeta> metas;
+    std::vector<int64_t> numels;
+    for (size_t i = 0; i < factors.size(); ++i) {
+      if (factors[i].scalar_type() != dtype || factors[i].numel() == 0) continue;
+      metas.push_back({factors[i].data_ptr(), stats[i].data_ptr(), counts[i].const_data_ptr(),
+                       bad.mutable_data_ptr<int>() + i, factors[i].size(1)});
+      numels.push_back(factors[i].numel());
+    }
+    if (metas.empty()) continue;
+    AT_DISPATCH_FLOATING_TYPES(dtype, "kfac_factor_ema_", [&] {
+      multi_tensor_apply<FoldMeta, kFoldEntries>(metas, numels, [&](const FoldTable& table, int blocks) {
+        nonfinite_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      multi_tensor_apply<FoldMeta, kFoldEntries>(metas, numels, [&](const FoldTable& table, int blocks) {
+        factor_ema_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table, decay.const_data_ptr<double>(),
+                                                                     step_ptr, interval);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   }
   // After every fold has read its count (same stream, so in order).
-  for (const at::Tensor& c : counts) const_cast<at::Tensor&>(c).zero_();
+  at::_foreach_zero_(counts);
 }
 
 template <typename scalar_t>
