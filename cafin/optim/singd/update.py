@@ -108,7 +108,7 @@ class ParameterUpdate:
 
     def _gradient_matrices(self, natural) -> dict[str, Tensor]:
         """Eagerly, the [grad W | grad b] matrices of the layers in `natural` (the step plan's)
-        that have a bias and both gradients, in kept buffers (remade when a shape, dtype or
+        whose weight and bias it updates, both with gradients, in kept buffers (remade when a shape, dtype or
         device changes) written by one `_foreach_copy_`: no concatenation per layer, nothing
         allocated from step to step. Layer name -> matrix; the others (no bias: the weight's
         gradient as it is; a missing gradient; a compiled step) form theirs in
@@ -117,10 +117,10 @@ class ParameterUpdate:
             return {}
         out: dict[str, Tensor] = {}
         dsts, srcs = [], []
-        for layer, *_ in natural:
+        for layer, names, *_ in natural:
             module = layer.module
-            if (not singd_maths.has_bias(module) or module.weight.grad is None
-                    or module.bias.grad is None):
+            if (not singd_maths.has_bias(module) or not {"weight", "bias"} <= set(names)
+                    or module.weight.grad is None or module.bias.grad is None):
                 continue
             gw = views.view_of(module).weight_matrix(module, module.weight.grad)
             shape = (gw.shape[0], gw.shape[1] + 1)
