@@ -23,7 +23,8 @@ A convolution view adds the padding facts (`padding_pairs`, `padded`, `patches`,
 BatchNorm and LayerNorm scale each feature by its weight: their gradient as a matrix is [features,
 1 (+1)] and their rows are not a Kronecker statistic (`kronecker` False); AdaFisher alone takes
 their statistics (its published 2-vector). `view_of(module)` finds a module's view (None when
-there is none). Nothing here holds state: a member keeps what it computes from the view.
+there is none). Nothing here holds state: a member keeps what it computes from the view (and
+hands `gradient_matrices_into` the dict of buffers it keeps).
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["View", "LinearView", "TransposedLinearView", "ConvView", "EmbeddingView",
-           "BatchNormView", "LayerNormView", "VIEWS", "view_of", "view_named", "is_transposed_linear"]
+           "BatchNormView", "LayerNormView", "VIEWS", "view_of", "view_named", "is_transposed_linear",
+           "gradient_matrices_into"]
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -362,3 +364,26 @@ def view_named(label: str) -> View:
         return _BY_LABEL[label]
     except KeyError:
         raise ValueError(f"label {label!r} names no module view; known: {sorted(_BY_LABEL)}") from None
+
+
+def gradient_matrices_into(store: dict, entries) -> list[torch.Tensor]:
+    """Gradient matrices [d_g, d_a (+1)], the bias gradient as the last column, in buffers kept
+    in `store` (remade when a shape, dtype or device changes), all written by one
+    `_foreach_copy_`: no concatenation per layer, nothing allocated from step to step.
+    `entries`: (key in store, the weight gradient as a [d_g, d_a] matrix, the bias gradient or
+    None, the matrix's dtype). Returns the matrices, in the entries' order."""
+    out, dsts, srcs = [], [], []
+    for key, w, b, dtype in entries:
+        shape = (w.shape[0], w.shape[1] + (b is not None))
+        kept = store.get(key)
+        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != w.device:
+            kept = store[key] = torch.empty(shape, dtype=dtype, device=w.device)
+        dsts.append(kept[:, :w.shape[1]])
+        srcs.append(w)
+        if b is not None:
+            dsts.append(kept[:, -1])
+            srcs.append(b.reshape(-1))
+        out.append(kept)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    return out

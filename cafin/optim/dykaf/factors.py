@@ -80,11 +80,10 @@ class Factors:
                 # The GEMMs read row-major bases (see _stack): the bases are made row-major and
                 # every refresh is copied into them (a checkpoint may bring column-major ones,
                 # which _stack then copies; the state's buffers are never replaced).
-        # (a group of one keeps its 2-D bases, as update._gather keeps its matrix)
-        gather = [(lambda xs: xs[0].contiguous()) if len(idx) == 1 else _stack
-                  for idx in groups.values()]
-        return [(idx, g([states[i]["bases"][0] for i in idx]), g([states[i]["bases"][1] for i in idx]))
-                for g, idx in zip(gather, groups.values())]
+        # (a group of one keeps its 2-D bases, as its matrices are gathered: `_gather`)
+        return [(idx, _gather([states[i]["bases"][0] for i in idx]),
+                 _gather([states[i]["bases"][1] for i in idx]))
+                for idx in groups.values()]
 
     def _update_factors(self, p, g, state, group, gated: bool, split: bool = True) -> None:
         """Update one parameter's factors in place, then refresh its eigenbases when due."""
@@ -185,6 +184,13 @@ def _stack(xs: list[torch.Tensor]) -> torch.Tensor:
     leaves LAPACK's column-major bases, a checkpoint restores row-major ones, and a GEMM must see
     one layout to round the same after a resume)."""
     return xs[0].contiguous().unsqueeze(0) if len(xs) == 1 else torch.stack(xs)
+
+
+def _gather(xs: list[torch.Tensor]) -> torch.Tensor:
+    """The matrices of a group as the GEMMs take them (`update._sandwich`): a stack, or for a
+    group of one (every group on a CPU) the matrix itself, row-major (as `_stack` makes it; no
+    stack dimension to add and take off again: three views fewer per product)."""
+    return xs[0].contiguous() if len(xs) == 1 else torch.stack(xs)
 
 
 def _write_(olds: list, news) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ...core import route
 from ...maths import dykaf as dykaf_maths
-from .factors import _refresh_due
+from .factors import _gather, _refresh_due
 
 # exp_avg_rot_step of a device-decided step: the cache belongs to the device count's step, or to
 # none (-1) when that step refreshed the bases; state_dict() writes the number.
@@ -260,13 +260,6 @@ def _sandwich(A: torch.Tensor, X: torch.Tensor, B: torch.Tensor) -> torch.Tensor
     if X.dim() == 2:
         return torch.mm(torch.mm(A, X), B)
     return torch.bmm(torch.bmm(A, X), B)
-
-
-def _gather(xs: list[torch.Tensor]) -> torch.Tensor:
-    """The matrices of a group as `_sandwich` takes them: a stack, or for a group of one (every
-    group on a CPU) the matrix itself, row-major (as `_stack` makes it; no stack dimension to
-    add and take off again: three views fewer per product)."""
-    return xs[0].contiguous() if len(xs) == 1 else torch.stack(xs)
 
 
 def _parts(stacked: torch.Tensor) -> list[torch.Tensor] | tuple[torch.Tensor, ...]:

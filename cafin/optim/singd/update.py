@@ -108,31 +108,21 @@ class ParameterUpdate:
 
     def _gradient_matrices(self, natural) -> dict[str, Tensor]:
         """Eagerly, the [grad W | grad b] matrices of the layers in `natural` (the step plan's)
-        whose weight and bias it updates, both with gradients, in kept buffers (remade when a shape, dtype or
-        device changes) written by one `_foreach_copy_`: no concatenation per layer, nothing
-        allocated from step to step. Layer name -> matrix; the others (no bias: the weight's
-        gradient as it is; a missing gradient; a compiled step) form theirs in
+        whose weight and bias it updates, both with gradients, in kept buffers written by one
+        copy (`views.gradient_matrices_into`). Layer name -> matrix; the others (no bias: the
+        weight's gradient as it is; a missing gradient; a compiled step) form theirs in
         `_queue_natural_gradient`."""
         if not route.eager():
             return {}
-        out: dict[str, Tensor] = {}
-        dsts, srcs = [], []
+        entries = []
         for layer, names, *_ in natural:
             module = layer.module
-            if (not singd_maths.has_bias(module) or not {"weight", "bias"} <= set(names)
-                    or module.weight.grad is None or module.bias.grad is None):
-                continue
-            gw = views.view_of(module).weight_matrix(module, module.weight.grad)
-            shape = (gw.shape[0], gw.shape[1] + 1)
-            kept = self._gradient_buffers.get(layer.name)
-            if kept is None or kept.shape != shape or kept.dtype != gw.dtype or kept.device != gw.device:
-                kept = self._gradient_buffers[layer.name] = torch.empty(shape, dtype=gw.dtype, device=gw.device)
-            dsts += [kept[:, :-1], kept[:, -1]]
-            srcs += [gw, module.bias.grad]
-            out[layer.name] = kept
-        if dsts:
-            torch._foreach_copy_(dsts, srcs)
-        return out
+            if (singd_maths.has_bias(module) and {"weight", "bias"} <= set(names)
+                    and module.weight.grad is not None and module.bias.grad is not None):
+                gw = views.view_of(module).weight_matrix(module, module.weight.grad)
+                entries.append((layer.name, gw, module.bias.grad, gw.dtype))
+        matrices = views.gradient_matrices_into(self._gradient_buffers, entries)
+        return {name: m for (name, *_), m in zip(entries, matrices)}
 
     def _queue_natural_gradient(self, layer: Layer, grads, full_grads, sk, sc, K, C, grad_scale,
                                 per_group, returned, gmat: Tensor | None = None) -> None:

@@ -9,7 +9,7 @@ from collections import defaultdict
 import torch
 
 from ...core import average_over_ranks, distributed, route
-from ...core.views import view_named
+from ...core.views import gradient_matrices_into, view_named
 from ...maths import kfac as kfac_maths
 from ...core.distribution.sharding import local, own_rows
 from .coarse import location_projections
@@ -55,30 +55,17 @@ class Preconditioning:
     def _raw_gradients(self, full=None) -> list[torch.Tensor]:
         """Every layer's gradient matrix [d_out, d_in (+1)] as a tensor of its own in its work
         dtype (`raw_gradient`; `full`: the gradients gathered under FSDP2). Where the host
-        decides, into kept buffers (remade when a shape, dtype or device changes) by one
-        `_foreach_copy_` over every weight and bias: no concatenation per layer, nothing
-        allocated from step to step. A compiled or device-gated step makes them in its graph."""
+        decides, into kept buffers by one copy over every weight and bias
+        (`gradient_matrices_into`). A compiled or device-gated step makes them in its graph."""
         grads = [full[i] if full else
                  (g["params"][0].grad, g["params"][1].grad if len(g["params"]) == 2 else None)
                  for i, g in enumerate(self.param_groups)]
         if not self._checked():
             return [raw_gradient(g, dtype, grad)
                     for g, dtype, grad in zip(self.param_groups, self._work, grads)]
-        raws, dsts, srcs = [], [], []
-        for i, (group, dtype, (w, b)) in enumerate(zip(self.param_groups, self._work, grads)):
-            m = weight_matrix(group, w)
-            shape = (m.shape[0], m.shape[1] + (b is not None))
-            kept = self._raw_buffers.get(i)
-            if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != m.device:
-                kept = self._raw_buffers[i] = torch.empty(shape, dtype=dtype, device=m.device)
-            raws.append(kept)
-            dsts.append(kept[:, :m.shape[1]])
-            srcs.append(m)
-            if b is not None:
-                dsts.append(kept[:, -1])
-                srcs.append(b.reshape(-1))
-        torch._foreach_copy_(dsts, srcs)
-        return raws
+        return gradient_matrices_into(self._raw_buffers, [
+            (i, weight_matrix(group, w), b, dtype)
+            for i, (group, dtype, (w, b)) in enumerate(zip(self.param_groups, self._work, grads))])
 
     def _kfac_directions(self, states, raws) -> list[torch.Tensor]:
         """Every layer's first-level (K-FAC) direction, per location for convolutions. Eager, the
