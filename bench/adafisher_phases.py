@@ -92,7 +92,8 @@ def statistics_variant(variant: str, captured: Captured, device: torch.device) -
     ops captured in a CUDA graph and replayed ("cuda-graph": the kernels' own time, without the
     host's dispatch of ~80 calls)."""
     import cafin
-    impl = cafin.reference if variant == "reference" else cafin.ops
+    # The fused ops as AdaFisher calls them: with kept workspaces on CUDA.
+    impl = cafin.reference if variant == "reference" else cafin.ops.StatisticsWorkspaces(cafin.ops)
     skipped = torch.zeros((), device=device)
     gamma = 0.8
 
@@ -115,7 +116,7 @@ def statistics_breakdown(captured: Captured, device: torch.device, passes: int,
     machine's load reaches each of them alike; one warm-up pass first. Per row: the median over
     the `passes` passes of the time, of the floor and of their ratio."""
     import cafin
-    impl = cafin.ops
+    impl = cafin.ops.StatisticsWorkspaces(cafin.ops)
     skipped = torch.zeros((), device=device)
     work = []  # (group, bytes read, call)
     for kind, module, x, g, stat_h, stat_s in captured.calls:

@@ -8,6 +8,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -158,33 +159,65 @@ inline ChannelView check_channels(const at::Tensor& x, int64_t start_dim, int64_
   return v;
 }
 
+// The scratch of a channel statistic on CUDA (`workspace`): partial sums, then one sum per channel,
+// then one arrival counter per channel and one for the call. The caller creates it as zeros and
+// keeps it; every call leaves the counters at zero again, but not the rest, so a workspace serves
+// one channel count (its counters would sit on another count's partial sums) and one stream at a
+// time. kWorkspaceItemsPerChannel partial sums per channel, at least kWorkspaceMinPartials in all;
+// the CPU kernels need none.
+constexpr int64_t kWorkspaceItemsPerChannel = 64;
+constexpr int64_t kWorkspaceMinPartials = 32768;
+
+inline int64_t statistics_workspace_numel(int64_t channels) {
+  return std::max(kWorkspaceItemsPerChannel * channels, kWorkspaceMinPartials) + 2 * channels + 1;
+}
+
+inline void check_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& stat,
+                            int64_t channels, const char* what) {
+  if (!workspace.has_value()) return;
+  const at::Tensor& w = *workspace;
+  TORCH_CHECK_TYPE(w.scalar_type() == stat.scalar_type(), what, ": workspace has dtype ",
+                   dtype_name(w.scalar_type()), ", expected the stat's ", dtype_name(stat.scalar_type()));
+  TORCH_CHECK_VALUE(w.device() == stat.device(), what, ": workspace is on ", w.device(), " but stat is on ",
+                    stat.device());
+  const int64_t need = statistics_workspace_numel(channels);
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.is_contiguous() && w.numel() == need, what,
+                    ": workspace must be a contiguous 1-D tensor of ", need, " elements for ", channels,
+                    " channels (statistics_workspace_numel), got shape ", w.sizes());
+}
+
 inline ChannelView check_sumsq_stats(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim,
                                      int64_t end_dim, bool append_one,
-                                     const std::optional<at::Tensor>& step, int64_t interval) {
+                                     const std::optional<at::Tensor>& step, int64_t interval,
+                                     const std::optional<at::Tensor>& workspace) {
   const ChannelView v = check_channels(x, start_dim, end_dim, "sumsq_stats_");
   check_stat(stat, x, v.channels + (append_one ? 1 : 0) + 1);
   TORCH_CHECK_VALUE(x.numel() > 0, "sumsq_stats_: the input is empty");
   check_gate(step, interval, x.device());
+  check_workspace(workspace, stat, v.channels, "sumsq_stats_");
   return v;
 }
 
 inline ChannelView check_norm_grad_stats(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim,
                                          int64_t end_dim, const std::optional<at::Tensor>& step,
-                                         int64_t interval) {
+                                         int64_t interval, const std::optional<at::Tensor>& workspace) {
   const ChannelView v = check_channels(g, start_dim, end_dim, "norm_grad_stats_");
   check_stat(stat, g, v.channels + 1);
   TORCH_CHECK_VALUE(g.numel() > 0, "norm_grad_stats_: the gradient is empty");
   check_gate(step, interval, g.device());
+  check_workspace(workspace, stat, v.channels, "norm_grad_stats_");
   return v;
 }
 
-// x viewed as [B, T, rest] for the BatchNorm2d/LayerNorm input side.
+// x viewed as [B, T, rest] for the BatchNorm2d/LayerNorm input side: the channels are T.
 inline ChannelView check_norm_input_stats(const at::Tensor& stat, const at::Tensor& x,
-                                          const std::optional<at::Tensor>& step, int64_t interval) {
+                                          const std::optional<at::Tensor>& step, int64_t interval,
+                                          const std::optional<at::Tensor>& workspace) {
   TORCH_CHECK_VALUE(x.dim() >= 2 && x.numel() > 0,
                     "norm_input_stats_: input must have at least 2 dims and elements, got ", x.sizes());
   check_stat(stat, x, 3);
   check_gate(step, interval, x.device());
+  check_workspace(workspace, stat, x.size(1), "norm_input_stats_");
   return ChannelView{x.size(0), x.size(1), x.numel() / (x.size(0) * x.size(1))};
 }
 

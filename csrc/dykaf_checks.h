@@ -63,6 +63,8 @@ inline void check_dykaf_precondition(at::TensorList mps, at::TensorList ls, at::
     const std::string k = "[" + std::to_string(i) + "]";
     TORCH_CHECK_VALUE(mps[i].dim() == 2, "mp", k, " must be 2-D, got shape ", mps[i].sizes());
     check_dykaf_work(mps[i], "mp" + k, mps[i]);
+    TORCH_CHECK_VALUE(mps[i].device() == mps[0].device(), "mp", k, " is on ", mps[i].device(),
+                      " but mp[0] is on ", mps[0].device(), ": one call runs on one device");
     check_dykaf_work(ls[i], "l" + k, mps[i]);
     check_dykaf_work(rs[i], "r" + k, mps[i]);
     TORCH_CHECK_VALUE(ls[i].numel() == mps[i].size(0) && rs[i].numel() == mps[i].size(1), "l", k,
@@ -129,6 +131,8 @@ inline void check_dykaf_split(const char* op, std::initializer_list<std::pair<co
     const at::Tensor& x = first.second[i];
     TORCH_CHECK_VALUE(x.dim() == 3 && x.size(1) == x.size(2), op, ": ", first.first, k,
                       " must be a [B, d, d] stack, got shape ", x.sizes());
+    TORCH_CHECK_VALUE(x.device() == first.second[0].device(), op, ": ", first.first, k, " is on ", x.device(),
+                      " but ", first.first, "[0] is on ", first.second[0].device(), ": one call runs on one device");
     for (const auto& [name, list] : lists) {
       check_dykaf_work(list[i], std::string(name) + k, x);
       TORCH_CHECK_VALUE(list[i].dim() == 3 && list[i].size(0) == x.size(0) && list[i].size(1) == list[i].size(2),

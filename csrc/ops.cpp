@@ -32,9 +32,12 @@ TORCH_LIBRARY(cafin, m) {
       {at::Tag::pt2_compliant_tag});
   // Raw statistics accumulate into `stat`, whose last element counts the contributions.
   // With `step` given they run only when step % interval == 0 (the decision made on the device).
+  // `workspace` (sumsq, norm_input, norm_grad): the CUDA kernels' scratch, kept by the caller so
+  // that a call allocates nothing and launches once (csrc/checks.h: statistics_workspace_numel);
+  // without it a CUDA call allocates and zeroes one. The CPU kernels need none and only check it.
   m.def(
       "sumsq_stats_(Tensor(a!) stat, Tensor x, int start_dim, int end_dim, bool append_one, "
-      "Tensor? step=None, int interval=1) -> ()",
+      "Tensor? step=None, int interval=1, Tensor(b!)? workspace=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "conv2d_input_stats_(Tensor(a!) stat, Tensor x, int[2] kernel_size, int[2] stride, "
@@ -42,11 +45,12 @@ TORCH_LIBRARY(cafin, m) {
       "int interval=1) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
-      "norm_input_stats_(Tensor(a!) stat, Tensor x, Tensor? step=None, int interval=1) -> ()",
+      "norm_input_stats_(Tensor(a!) stat, Tensor x, Tensor? step=None, int interval=1, "
+      "Tensor(b!)? workspace=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "norm_grad_stats_(Tensor(a!) stat, Tensor g, int start_dim, int end_dim, Tensor? step=None, "
-      "int interval=1) -> ()",
+      "int interval=1, Tensor(b!)? workspace=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // Normalise the accumulated statistics and fold them into the factors; empties the statistics.
   // gamma is a 0-dim float64 tensor (the coefficients 0.1 gamma and 0.01 gamma are formed in

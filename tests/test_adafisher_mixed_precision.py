@@ -688,7 +688,7 @@ def test_grad_scaler_factors_equal_unscaled_run(statistics, give_scaler, backend
     """scaler.scale(loss).backward(); scaler.step(opt); scaler.update() with init_scale 2**16:
     the hooks see gradients 2**16 too large, yet factors and parameters equal those of the
     unscaled run (1e-6; exact in practice on the CPU: the scale is a power of two; on CUDA the
-    float atomics of the statistics may order a sum differently from run to run, a few ulps)."""
+    model's backward may order a sum differently from run to run, a few ulps)."""
     base = _unscaled(backend, statistics, device=device)
     try:
         model, opt, scaler, _ = _scaler_run(backend, scaled=True, statistics=statistics,

@@ -23,9 +23,9 @@ BACKENDS = ["fused", "reference"]
 # inductor compiles like any torch code, is checked for compilation on the CPU only.
 PLACES = [pytest.param("cpu", "fused", id="cpu-fused"), pytest.param("cpu", "reference", id="cpu-reference"),
           pytest.param("cuda", "fused", id="cuda-fused", marks=CUDA_MARKS)]
-# On CUDA, float atomics in the statistics and cuDNN's backward sum in an order that changes from
-# run to run, so two eager runs already differ by a few ulps per step; a wrong compiled step
-# (a missed curvature step, a stale lr) differs by orders of magnitude more.
+# On CUDA, cuDNN's backward and the model's atomics sum in an order that changes from run to run,
+# so two eager runs already differ by a few ulps per step; a wrong compiled step (a missed
+# curvature step, a stale lr) differs by orders of magnitude more.
 TOLERANCE = {"cpu": dict(rtol=1e-5, atol=1e-7), "cuda": dict(rtol=1e-4, atol=1e-6)}
 
 

@@ -509,8 +509,8 @@ def test_channel_statistics_multi_pass(device, dtype, case):
     stat = stat_like(g, length, dtype, device)
     want = reference_stat(getattr(ref, name), stat, x, *rest)
     getattr(ops, name)(stat, x, *rest)
-    # float64 (1e-12) is what catches a row or a segment summed twice or not at all. float32 on
-    # CUDA adds ~1e4 partial sums with atomics: emulated in that order, 5e-6 relative.
+    # float64 (1e-12) is what catches a row or a segment summed twice or not at all. float32 sums
+    # ~1e4 partial sums in another order than the reference: 5e-6 relative.
     assert_close(stat, want, RTOL[dtype] if dtype == torch.float64 else 3e-5)
 
 
@@ -959,6 +959,16 @@ class TestOps:
         stat = stat_like(g, 7, torch.float32, device)
         want = reference_stat(ref.norm_grad_stats_, stat, grad, 2, 4)
         ops.norm_grad_stats_(stat, grad, 2, 4, step=torch.tensor(0.0, device=device), interval=7)
+        assert_close(stat, want, RTOL[torch.float32])
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_norm_grad_stats_workspace(self, device):
+        g = gen(27)
+        grad = randn(g, 3, 4, 2, 3, device=device)
+        stat = stat_like(g, 5, torch.float32, device)
+        workspace = torch.zeros(ops.statistics_workspace_numel(4), device=device)
+        want = reference_stat(ref.norm_grad_stats_, stat, grad, 1, 2)
+        ops.norm_grad_stats_(stat, grad, 1, 2, workspace=workspace)
         assert_close(stat, want, RTOL[torch.float32])
 
     @pytest.mark.parametrize("device", DEVICES)

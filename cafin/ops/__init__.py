@@ -7,8 +7,8 @@ the same names, so the fused and the plain-PyTorch paths share one optimizer.
 """
 from ..maths import state_dtype  # noqa: F401  (the dtype of the state the ops write)
 from .adafisher import (  # noqa: F401
-    adafisher_step_, conv2d_input_stats_, embedding_input_stats_, fisher_average_, norm_grad_stats_,
-    norm_input_stats_, sumsq_stats_,
+    StatisticsWorkspaces, adafisher_step_, conv2d_input_stats_, embedding_input_stats_, fisher_average_,
+    norm_grad_stats_, norm_input_stats_, statistics_workspace_numel, sumsq_stats_,
 )
 from .singd import singd_diag_step_, singd_factor_step_, singd_momentum_  # noqa: F401,E402
 from .kfac import (  # noqa: F401

@@ -21,6 +21,7 @@ _FLOATS = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 __all__ = [
     "adafisher_step_", "sumsq_stats_", "conv2d_input_stats_", "embedding_input_stats_",
     "norm_input_stats_", "norm_grad_stats_", "fisher_average_", "state_dtype",
+    "statistics_workspace_numel", "StatisticsWorkspaces",
 ]
 
 
@@ -116,16 +117,75 @@ def _check_tensors(stat, x) -> None:
         raise TypeError("stat and the input must be Tensors")
 
 
+# The channel statistics (sumsq, norm input, norm grad) take an optional `workspace`: on CUDA
+# they sum into it in one launch, where without one each call allocates and zeroes its own.
+_WORKSPACE_ITEMS_PER_CHANNEL = 64  # csrc/checks.h: kWorkspaceItemsPerChannel
+_WORKSPACE_MIN_PARTIALS = 32768    # csrc/checks.h: kWorkspaceMinPartials
+
+
+def statistics_workspace_numel(channels: int) -> int:
+    """Elements of the workspace of a channel statistic over `channels` channels (sumsq and norm
+    grad: the product of dims [start_dim, end_dim); norm input: x.shape[1]).
+
+    A workspace is a contiguous 1-D tensor of exactly this many elements, of the stat's dtype and
+    device, created as zeros (`torch.zeros`). Its tail counts the blocks of a call, and every call
+    leaves that tail at zero again; the rest holds partial sums, so a workspace serves one channel
+    count, and one stream at a time. The CPU kernels need none (they check it and leave it)."""
+    return max(_WORKSPACE_ITEMS_PER_CHANNEL * channels, _WORKSPACE_MIN_PARTIALS) + 2 * channels + 1
+
+
+class StatisticsWorkspaces:
+    """The statistics ops of `impl` (cafin.ops), with a kept workspace for every CUDA call of a
+    channel statistic: one per device, stream, dtype and channel count, created at its first
+    call. The other ops (and every CPU call) go to `impl` unchanged."""
+
+    def __init__(self, impl) -> None:
+        self._impl = impl
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # not set yet (a copy being built): no delegation
+            raise AttributeError(name)
+        return getattr(self._impl, name)
+
+    def workspace(self, stat: torch.Tensor, channels: int) -> torch.Tensor | None:
+        """The kept workspace for a call on `stat` over `channels` channels; None off CUDA and
+        under torch.compile's trace (where the op's own one is functional)."""
+        if stat.device.type != "cuda" or route.compiled():
+            return None
+        stream = torch.cuda.current_stream(stat.device).cuda_stream
+        key = (stat.device, stream, stat.dtype, channels)
+        kept = self._kept.get(key)
+        if kept is None:
+            kept = torch.zeros(statistics_workspace_numel(channels), dtype=stat.dtype, device=stat.device)
+            self._kept[key] = kept
+        return kept
+
+    def sumsq_stats_(self, stat, x, start_dim, end_dim, append_one, step=None, interval=1):
+        workspace = self.workspace(stat, math.prod(x.shape[start_dim:end_dim]))
+        self._impl.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval, workspace)
+
+    def norm_input_stats_(self, stat, x, step=None, interval=1):
+        workspace = self.workspace(stat, x.shape[1]) if x.dim() >= 2 else None
+        self._impl.norm_input_stats_(stat, x, step, interval, workspace)
+
+    def norm_grad_stats_(self, stat, g, start_dim, end_dim, step=None, interval=1):
+        workspace = self.workspace(stat, math.prod(g.shape[start_dim:end_dim]))
+        self._impl.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval, workspace)
+
+
 def sumsq_stats_(stat: torch.Tensor, x: torch.Tensor, start_dim: int, end_dim: int,
-                 append_one: bool, step: torch.Tensor | None = None, interval: int = 1) -> None:
+                 append_one: bool, step: torch.Tensor | None = None, interval: int = 1,
+                 workspace: torch.Tensor | None = None) -> None:
     """stat[c] += mean of x^2 over every dim outside [start_dim, end_dim) (flattened into c);
-    with append_one one more entry += 1 (a bias input); the last entry counts contributions."""
+    with append_one one more entry += 1 (a bias input); the last entry counts contributions.
+    `workspace`: see `statistics_workspace_numel`."""
     _check_tensors(stat, x)
-    torch.ops.cafin.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval)
+    torch.ops.cafin.sumsq_stats_(stat, x, start_dim, end_dim, append_one, step, interval, workspace)
 
 
 @torch.library.register_fake("cafin::sumsq_stats_")
-def _sumsq_stats_fake(stat, x, start_dim, end_dim, append_one, step=None, interval=1):
+def _sumsq_stats_fake(stat, x, start_dim, end_dim, append_one, step=None, interval=1, workspace=None):
     torch._check(stat.dim() == 1)
     return None
 
@@ -172,29 +232,31 @@ def embedding_input_stats_(stat: torch.Tensor, indices: torch.Tensor, scale_grad
 
 
 def norm_input_stats_(stat: torch.Tensor, x: torch.Tensor, step: torch.Tensor | None = None,
-                      interval: int = 1) -> None:
+                      interval: int = 1, workspace: torch.Tensor | None = None) -> None:
     """BatchNorm2d/LayerNorm input side: stat[:2] += [sum_t u[t]^2, T] / B^2 with
-    u[t] = sum of x over every dim but 1, / (product of the dims after 1)^2."""
+    u[t] = sum of x over every dim but 1, / (product of the dims after 1)^2. `workspace`: see
+    `statistics_workspace_numel` (its channels are T = x.shape[1])."""
     _check_tensors(stat, x)
-    torch.ops.cafin.norm_input_stats_(stat, x, step, interval)
+    torch.ops.cafin.norm_input_stats_(stat, x, step, interval, workspace)
 
 
 @torch.library.register_fake("cafin::norm_input_stats_")
-def _norm_input_stats_fake(stat, x, step=None, interval=1):
+def _norm_input_stats_fake(stat, x, step=None, interval=1, workspace=None):
     torch._check(stat.dim() == 1)
     return None
 
 
 def norm_grad_stats_(stat: torch.Tensor, g: torch.Tensor, start_dim: int, end_dim: int,
-                     step: torch.Tensor | None = None, interval: int = 1) -> None:
+                     step: torch.Tensor | None = None, interval: int = 1,
+                     workspace: torch.Tensor | None = None) -> None:
     """BatchNorm2d/LayerNorm gradient side: stat[c] += (sum of g over the dims outside
-    [start_dim, end_dim))^2 / g.shape[0]."""
+    [start_dim, end_dim))^2 / g.shape[0]. `workspace`: see `statistics_workspace_numel`."""
     _check_tensors(stat, g)
-    torch.ops.cafin.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval)
+    torch.ops.cafin.norm_grad_stats_(stat, g, start_dim, end_dim, step, interval, workspace)
 
 
 @torch.library.register_fake("cafin::norm_grad_stats_")
-def _norm_grad_stats_fake(stat, g, start_dim, end_dim, step=None, interval=1):
+def _norm_grad_stats_fake(stat, g, start_dim, end_dim, step=None, interval=1, workspace=None):
     torch._check(stat.dim() == 1)
     return None
 

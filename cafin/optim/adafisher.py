@@ -31,6 +31,7 @@ from ..core.route import Route
 from ..layers import discover, supported_names
 from ..core.distribution.sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
+from .. import ops
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
@@ -95,6 +96,8 @@ class AdaFisher(CurvatureOptimizer):
         self.TCov = TCov
         self.backend = backend
         self._impl = impl
+        # The statistics ops, with kept CUDA workspaces when they are the fused ones.
+        self._stats_impl = ops.StatisticsWorkspaces(impl) if impl is ops else impl
         self._skipped = DropCounts()  # factor updates dropped for NaN or inf
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
@@ -256,7 +259,7 @@ class AdaFisher(CurvatureOptimizer):
         stat = state["stat_" + side]
         if t.is_floating_point() and state_dtype(t.dtype) != stat.dtype:  # not an Embedding's indices
             t = t.to(stat.dtype)
-        op(self._impl, stat, layer.module, t, step, self.TCov)
+        op(self._stats_impl, stat, layer.module, t, step, self.TCov)
         if self.statistics == "per_pass":
             self._fold_statistics([state["fisher_" + side]], [stat], [grad_side], None, None)
 

@@ -41,8 +41,9 @@ def _channels_view(x: torch.Tensor, start_dim: int, end_dim: int) -> torch.Tenso
     return x.reshape(a, c, -1)
 
 
-def sumsq_stats_(stat, x, start_dim, end_dim, append_one, step=None, interval=1):
-    """Mean square per channel: the Linear input/gradient side and the Conv2d gradient side."""
+def sumsq_stats_(stat, x, start_dim, end_dim, append_one, step=None, interval=1, workspace=None):
+    """Mean square per channel: the Linear input/gradient side and the Conv2d gradient side.
+    `workspace` is the CUDA kernels' scratch; the plain-PyTorch sums need none."""
     xv = _channels_view(x.to(stat.dtype), start_dim, end_dim)
     rows = xv.shape[0] * xv.shape[2]
     z = (xv * xv).sum(dim=(0, 2)) / rows
@@ -82,8 +83,9 @@ def embedding_input_stats_(stat, indices, scale_grad_by_freq=False, step=None, i
     _accumulate(stat, counts / flat.numel(), step, interval)
 
 
-def norm_input_stats_(stat, x, step=None, interval=1):
-    """BatchNorm2d/LayerNorm input side: a 2-vector [sum_t u[t]^2, T] / B^2."""
+def norm_input_stats_(stat, x, step=None, interval=1, workspace=None):
+    """BatchNorm2d/LayerNorm input side: a 2-vector [sum_t u[t]^2, T] / B^2 (`workspace`: as
+    sumsq_stats_)."""
     x = x.to(stat.dtype)
     batch, t = x.shape[0], x.shape[1]
     rest = x.numel() // (batch * t)
@@ -92,8 +94,9 @@ def norm_input_stats_(stat, x, step=None, interval=1):
     _accumulate(stat, z, step, interval)
 
 
-def norm_grad_stats_(stat, g, start_dim, end_dim, step=None, interval=1):
-    """BatchNorm2d/LayerNorm gradient side: the squared batch-summed gradient over the batch size."""
+def norm_grad_stats_(stat, g, start_dim, end_dim, step=None, interval=1, workspace=None):
+    """BatchNorm2d/LayerNorm gradient side: the squared batch-summed gradient over the batch size
+    (`workspace`: as sumsq_stats_)."""
     gv = _channels_view(g.to(stat.dtype), start_dim, end_dim)
     s = gv.sum(dim=(0, 2))
     _accumulate(stat, s * s / g.shape[0], step, interval)

@@ -297,8 +297,9 @@ bool due(const std::optional<at::Tensor>& step, int64_t interval) {
 // ------------------------------------------------------------------------------------ sumsq
 
 void sumsq_stats_cpu(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
-                     bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
+                     bool append_one, const std::optional<at::Tensor>& step, int64_t interval,
+                     const std::optional<at::Tensor>& workspace) {
+  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval, workspace);
   if (!due(step, interval)) return;
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     std::vector<double> z = channel_sums<true, scalar_t>(x, start_dim, end_dim);
@@ -312,8 +313,9 @@ void sumsq_stats_cpu(const at::Tensor& stat, const at::Tensor& x, int64_t start_
 // ------------------------------------------------------------------------------------ norm layers
 
 void norm_grad_stats_cpu(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim, int64_t end_dim,
-                         const std::optional<at::Tensor>& step, int64_t interval) {
-  check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
+                         const std::optional<at::Tensor>& step, int64_t interval,
+                         const std::optional<at::Tensor>& workspace) {
+  check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval, workspace);
   if (!due(step, interval)) return;
   CAFIN_DISPATCH_INPUT(g.scalar_type(), [&] {
     std::vector<double> z = channel_sums<false, scalar_t>(g, start_dim, end_dim);
@@ -324,8 +326,9 @@ void norm_grad_stats_cpu(const at::Tensor& stat, const at::Tensor& g, int64_t st
 }
 
 void norm_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x,
-                          const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_norm_input_stats(stat, x, step, interval);
+                          const std::optional<at::Tensor>& step, int64_t interval,
+                          const std::optional<at::Tensor>& workspace) {
+  const ChannelView v = check_norm_input_stats(stat, x, step, interval, workspace);
   if (!due(step, interval)) return;
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     const std::vector<double> u = channel_sums<false, scalar_t>(x, 1, 2);

@@ -1,17 +1,19 @@
 // CUDA kernels of the curvature statistics. Each kernel reads the optional step tensor itself and
-// does nothing off-interval, so a captured graph replays the same launches every step; the host
-// side of a call reads strides and allocates only a small scratch (never a copy of the input, in
-// any layout: the kernels read it through its strides), so a step that is not due costs two tiny
-// launches per op.
+// does nothing off-interval, so a captured graph replays the same launches every step, and a step
+// that is not due costs one tiny launch per channel statistic (two for the Conv2d input). The
+// input is read where it is, in any layout, never copied. The channel statistics take their
+// scratch from the caller's workspace and allocate nothing; the Conv2d input side allocates its
+// X2 (1/B of the input) and never unfolds.
 // Reductions run in a fixed order (per-thread sums in index order, then fixed shuffle and
-// shared-memory trees, then one block per channel over the partial sums in index order): no
-// atomics, so results are bit-identical from run to run and the ops are deterministic under
-// torch.use_deterministic_algorithms(True). Sums run in float32 (double for float64 inputs).
-// The Conv2d input side never unfolds.
+// shared-memory trees, then the partial sums in index order). The only atomics count arrivals;
+// no value is added atomically, so results are bit-identical from run to run and the ops are
+// deterministic under torch.use_deterministic_algorithms(True). Sums run in float32 (double for
+// float64 inputs).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -60,189 +62,247 @@ __device__ __forceinline__ acc_t warp_sum(acc_t v) {
   return v;
 }
 
-// Block-wide sum in a fixed order, valid in thread 0.
-template <typename acc_t>
-__device__ acc_t block_sum(acc_t v) {
-  __shared__ acc_t partial[kWarps];
-  v = warp_sum(v);
-  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
-  __syncthreads();
-  acc_t total = 0;
-  if (threadIdx.x == 0) {
-    for (int w = 0; w < kWarps; ++w) total += partial[w];
-  }
-  return total;
-}
-
 int grid_for(int64_t items, int64_t per_block) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxGrid, (items + per_block - 1) / per_block)));
 }
 
 // ------------------------------------------------------------------------------------ channel sums
 //
-// Partial sums land in partial[item * width + column], every entry written by exactly one thread;
-// channel c owns columns c * per_channel ... (c + 1) * per_channel - 1 of every item.
+// One launch per call. Each block (column sums) or warp (runs, walks) writes partial sums into the
+// caller's workspace (csrc/checks.h: statistics_workspace_numel), then counts its arrival for its
+// channels; the last to arrive adds that channel's partials in index order and finishes it. For
+// the norm input, the last channel finished also adds the channels' sums into the 3-vector. The
+// last arrival sets its counter back to zero, so the workspace is ready for the next call on the
+// stream. Deterministic: every sum runs in a fixed order, whichever block arrives last.
 
-// Rows of `width` contiguous elements, row r at (r / inner) * outer_stride + (r % inner) * inner_stride
-// (channels innermost: Linear inputs, channels_last maps; or one [channels, inner] block per outer
-// index, inner == 1). blockIdx.y takes the rows lo..hi of item blockIdx.y; a thread (x, y) of the
-// 32 x 8 block sums column x of every 8th of them, the 8 sums then add in order.
-template <bool kSquare, typename scalar_t, typename acc_t>
-__global__ void column_partials_kernel(const scalar_t* x, int64_t rows, int64_t inner, int64_t outer_stride,
-                                       int64_t inner_stride, int64_t width, int64_t items, acc_t* partial,
-                                       Gate gate) {
-  if (!is_due(gate)) return;
-  __shared__ acc_t lanes[8][33];
-  const int64_t column = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
-  for (int64_t item = blockIdx.y; item < items; item += gridDim.y) {
-    const int64_t lo = rows * item / items, hi = rows * (item + 1) / items;
-    acc_t acc = 0;
-    if (column < width) {
-      // (o, i) of row r, stepped without a 64-bit division per element.
-      const int64_t first = lo + threadIdx.y;
-      int64_t o = first / inner, i = first % inner;
-      for (int64_t r = first; r < hi; r += 8) {
-        acc += term<kSquare, acc_t>(x[o * outer_stride + i * inner_stride + column]);
-        i += 8;
-        while (i >= inner) {
-          i -= inner;
-          ++o;
-        }
-      }
-    }
-    lanes[threadIdx.y][threadIdx.x] = acc;
-    __syncthreads();
-    if (threadIdx.y == 0 && column < width) {
-      acc_t total = 0;
-      for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
-      partial[item * width + column] = total;
-    }
-    __syncthreads();
+enum class Kind { kSumsq, kNormGrad, kNormInput };
+
+// Where a call's partial sums go and how its channels finish.
+template <typename acc_t>
+struct Out {
+  acc_t* partial;       // [items, width]
+  acc_t* sums;          // [channels], the norm input's channel sums
+  unsigned* arrivals;   // one per tile (column sums) or channel (runs, walks)
+  unsigned* finished;   // the norm input's channels (or tiles) finished
+  acc_t* stat;
+  int64_t channels, items;
+  acc_t divisor;        // kSumsq: the rows; kNormGrad: the batch
+  bool append_one;
+  acc_t rest_sq, batch_sq;  // kNormInput
+};
+
+template <Kind kKind, typename acc_t>
+__device__ __forceinline__ void finish_channel(const Out<acc_t>& out, int64_t c, acc_t s) {
+  if (kKind == Kind::kSumsq) {
+    out.stat[c] += s / out.divisor;
+  } else if (kKind == Kind::kNormGrad) {
+    out.stat[c] += s * s / out.divisor;
+  } else {
+    out.sums[c] = s;
   }
 }
 
-// Contiguous runs (o, c) of `inner` elements at o * outer_stride + c * channel_stride: a warp per
-// segment of one run; item = o * segments + segment.
-template <bool kSquare, typename scalar_t, typename acc_t>
-__global__ void run_partials_kernel(const scalar_t* x, int64_t outer, int64_t channels, int64_t inner,
-                                    int64_t outer_stride, int64_t channel_stride, acc_t* partial, Gate gate) {
+// The entries after the channels: the bias input's one and the count (sumsq, norm grad).
+template <Kind kKind, typename acc_t>
+__device__ __forceinline__ void finish_counts(const Out<acc_t>& out) {
+  if (kKind == Kind::kNormInput) return;
+  if (out.append_one) out.stat[out.channels] += acc_t(1);
+  out.stat[out.channels + (out.append_one ? 1 : 0)] += acc_t(1);
+}
+
+// A whole warp: stat[:3] += [sum_t (sums[t] / rest^2)^2 / B^2, T / B^2, 1].
+template <typename acc_t>
+__device__ void finish_norm_input(const Out<acc_t>& out, int lane) {
+  acc_t acc = 0;
+  for (int64_t c = lane; c < out.channels; c += 32) {
+    const acc_t u = __ldcg(out.sums + c) / out.rest_sq;
+    acc += u * u;
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) {
+    out.stat[0] += acc / out.batch_sq;
+    out.stat[1] += static_cast<acc_t>(out.channels) / out.batch_sq;
+    out.stat[2] += acc_t(1);
+  }
+}
+
+// Lane 0 has written what this warp owes to the counter `*counter`, of `expected` arrivals: true
+// in every lane of the warp that arrives last (the counter is then zero again).
+__device__ __forceinline__ bool arrive_last(unsigned* counter, int64_t expected, int lane) {
+  bool last = false;
+  if (lane == 0) {
+    __threadfence();  // this warp's partial sum is visible before its arrival counts
+    last = atomicAdd(counter, 1u) == static_cast<unsigned>(expected - 1);
+    if (last) {
+      *counter = 0u;
+      __threadfence();  // and the others' partial sums before the last arrival reads them
+    }
+  }
+  return __shfl_sync(0xffffffffu, last, 0);
+}
+
+// Column sums. Rows of contiguous columns, row r at (r / inner) * outer_stride + (r % inner) *
+// inner_stride (channels innermost: Linear inputs, channels_last maps; or one [channels,
+// per_channel] block per outer index, inner == 1). A tile (blockIdx.x) holds the columns of
+// `per_tile` whole channels (<= 32 columns); blockIdx.y is the item taking rows lo..hi of it. A
+// thread (x, y) of the 32 x 8 block sums column x of every 8th of those rows; the 8 sums add in
+// order. The tile's last block adds its items' partials and finishes its channels.
+template <Kind kKind, typename scalar_t, typename acc_t>
+__global__ void column_stats_kernel(const scalar_t* x, int64_t rows, int64_t inner, int64_t outer_stride,
+                                    int64_t inner_stride, int64_t width, int64_t per_channel,
+                                    int64_t per_tile, Out<acc_t> out, Gate gate) {
   if (!is_due(gate)) return;
+  constexpr bool kSquare = kKind == Kind::kSumsq;
+  __shared__ acc_t lanes[8][33];
+  __shared__ bool last;
+  const int64_t tile = blockIdx.x, item = blockIdx.y, items = gridDim.y;
+  const int64_t tile_channels = std::min<int64_t>(per_tile, out.channels - tile * per_tile);
+  const int64_t column = tile * per_tile * per_channel + threadIdx.x;
+  const bool active = threadIdx.x < tile_channels * per_channel;
+  const int64_t lo = rows * item / items, hi = rows * (item + 1) / items;
+  acc_t acc = 0;
+  if (active) {
+    // (o, i) of row r, stepped without a 64-bit division per element.
+    const int64_t first = lo + threadIdx.y;
+    int64_t o = first / inner, i = first % inner;
+    for (int64_t r = first; r < hi; r += 8) {
+      acc += term<kSquare, acc_t>(x[o * outer_stride + i * inner_stride + column]);
+      i += 8;
+      while (i >= inner) {
+        i -= inner;
+        ++o;
+      }
+    }
+  }
+  lanes[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && active) {
+    acc_t total = 0;
+    for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
+    out.partial[item * width + column] = total;
+    __threadfence();  // visible before the block's arrival counts
+  }
+  __syncthreads();
+  if (threadIdx.x == 0 && threadIdx.y == 0) {
+    last = atomicAdd(out.arrivals + tile, 1u) == static_cast<unsigned>(items - 1);
+    if (last) {
+      out.arrivals[tile] = 0u;
+      __threadfence();
+    }
+  }
+  __syncthreads();
+  if (!last) return;  // the whole block
+  acc = 0;
+  if (active) {
+    for (int64_t k = threadIdx.y; k < items; k += 8) acc += __ldcg(out.partial + k * width + column);
+  }
+  lanes[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0) {
+    acc_t total = 0;
+    for (int k = 0; k < 8; ++k) total += lanes[k][threadIdx.x];
+    lanes[0][threadIdx.x] = total;  // each thread its own column
+  }
+  __syncthreads();
+  if (threadIdx.y == 0 && threadIdx.x < tile_channels) {
+    acc_t s = 0;
+    for (int64_t k = 0; k < per_channel; ++k) s += lanes[0][threadIdx.x * per_channel + k];
+    finish_channel<kKind>(out, tile * per_tile + threadIdx.x, s);
+    if (kKind == Kind::kNormInput) __threadfence();
+  }
+  if (tile == 0 && threadIdx.x == 0 && threadIdx.y == 0) finish_counts<kKind>(out);
+  if (kKind == Kind::kNormInput) {
+    __syncthreads();
+    if (threadIdx.y == 0 && arrive_last(out.finished, gridDim.x, threadIdx.x)) finish_norm_input(out, threadIdx.x);
+  }
+}
+
+// A warp's part of channel c done (its partial sum `acc` valid in lane 0, for item `item`): write
+// it; the channel's last arrival adds the items' partials in order and finishes the channel.
+template <Kind kKind, typename acc_t>
+__device__ void warp_arrive(const Out<acc_t>& out, int64_t c, int64_t item, acc_t acc, int lane) {
+  if (lane == 0) out.partial[item * out.channels + c] = acc;
+  if (!arrive_last(out.arrivals + c, out.items, lane)) return;
+  acc_t s = 0;
+  for (int64_t k = lane; k < out.items; k += 32) s += __ldcg(out.partial + k * out.channels + c);
+  s = warp_sum(s);
+  if (lane == 0) {
+    finish_channel<kKind>(out, c, s);
+    if (c == 0) finish_counts<kKind>(out);
+  }
+  if (kKind == Kind::kNormInput && arrive_last(out.finished, out.channels, lane)) finish_norm_input(out, lane);
+}
+
+// Contiguous runs (o, c) of `inner` elements at o * outer_stride + c * channel_stride, cut into
+// segments of kSegment: a warp per (item, channel), summing segments item, item + items, ... of the
+// channel's outer * segments in order.
+template <Kind kKind, typename scalar_t, typename acc_t>
+__global__ void run_stats_kernel(const scalar_t* x, int64_t outer, int64_t inner, int64_t outer_stride,
+                                 int64_t channel_stride, Out<acc_t> out, Gate gate) {
+  if (!is_due(gate)) return;
+  constexpr bool kSquare = kKind == Kind::kSumsq;
   const int64_t segments = (inner + kSegment - 1) / kSegment;
-  const int64_t work = outer * channels * segments;
+  const int64_t work = out.items * out.channels;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; w < work; w += warps) {
-    const int64_t segment = w % segments, c = w / segments % channels, o = w / (segments * channels);
-    const int64_t lo = segment * kSegment, hi = std::min(inner, lo + kSegment);
-    const scalar_t* data = x + o * outer_stride + c * channel_stride;
+    const int64_t c = w % out.channels, item = w / out.channels;
     acc_t acc = 0;
+    for (int64_t r = item; r < outer * segments; r += out.items) {
+      const int64_t o = r / segments, lo = r % segments * kSegment, hi = std::min(inner, lo + kSegment);
+      const scalar_t* data = x + o * outer_stride + c * channel_stride;
 #pragma unroll 4
-    for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[k]);
-    acc = warp_sum(acc);
-    if (lane == 0) partial[(o * segments + segment) * channels + c] = acc;
+      for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[k]);
+    }
+    warp_arrive<kKind>(out, c, item, warp_sum(acc), lane);
   }
 }
 
 // Any layout (dims that merge into no [outer, channels, inner] view): element (c, r) of channel c
 // and rest index r (the outer then the inner dims, row-major) at channels.offset(c) +
-// rest.offset(r); a warp per segment of one channel's rest, item = segment.
-template <bool kSquare, typename scalar_t, typename acc_t>
-__global__ void walk_partials_kernel(const scalar_t* x, DimWalk channels, DimWalk rest, acc_t* partial,
-                                     Gate gate) {
+// rest.offset(r); a warp per (item, channel), summing segments item, item + items, ... of the rest.
+template <Kind kKind, typename scalar_t, typename acc_t>
+__global__ void walk_stats_kernel(const scalar_t* x, DimWalk channels, DimWalk rest, Out<acc_t> out, Gate gate) {
   if (!is_due(gate)) return;
+  constexpr bool kSquare = kKind == Kind::kSumsq;
   const int64_t segments = (rest.count + kSegment - 1) / kSegment;
-  const int64_t work = channels.count * segments;
+  const int64_t work = out.items * out.channels;
   const int lane = threadIdx.x % 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   for (int64_t w = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; w < work; w += warps) {
-    const int64_t segment = w % segments, c = w / segments;
-    const int64_t lo = segment * kSegment, hi = std::min(rest.count, lo + kSegment);
+    const int64_t c = w % out.channels, item = w / out.channels;
     const scalar_t* data = x + channels.offset(c);
     acc_t acc = 0;
-    for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[rest.offset(k)]);
-    acc = warp_sum(acc);
-    if (lane == 0) partial[segment * channels.count + c] = acc;
-  }
-}
-
-enum class Finish { kMean, kSquaredSum, kRaw };
-
-// Block c: s = the sum of channel c's partials (fixed order), then stat[c] += s / divisor (kMean),
-// s^2 / divisor (kSquaredSum), or sums[c] = s (kRaw). Block 0 also adds the appended one and the count.
-template <Finish kFinish, typename stat_t, typename acc_t>
-__global__ void finish_channels_kernel(const acc_t* partial, int64_t items, int64_t width, int64_t per_channel,
-                                       int64_t channels, acc_t divisor, stat_t* stat, acc_t* sums,
-                                       bool append_one, Gate gate) {
-  if (!is_due(gate)) return;
-  const int64_t terms = items * per_channel;
-  for (int64_t c = blockIdx.x; c < channels; c += gridDim.x) {
-    acc_t acc = 0;
-    for (int64_t t = threadIdx.x; t < terms; t += kThreads) {
-      acc += partial[(t / per_channel) * width + c * per_channel + t % per_channel];
+    for (int64_t segment = item; segment < segments; segment += out.items) {
+      const int64_t lo = segment * kSegment, hi = std::min(rest.count, lo + kSegment);
+      for (int64_t k = lo + lane; k < hi; k += 32) acc += term<kSquare, acc_t>(data[rest.offset(k)]);
     }
-    acc = block_sum(acc);
-    if (threadIdx.x == 0) {
-      if (kFinish == Finish::kRaw) {
-        sums[c] = acc;
-      } else {
-        stat[c] += static_cast<stat_t>((kFinish == Finish::kSquaredSum ? acc * acc : acc) / divisor);
-      }
-    }
-    __syncthreads();  // block_sum's shared memory is reused by the next channel
-  }
-  if (kFinish != Finish::kRaw && blockIdx.x == 0 && threadIdx.x == 0) {
-    if (append_one) stat[channels] += stat_t(1);
-    stat[channels + (append_one ? 1 : 0)] += stat_t(1);
-  }
-}
-
-// stat[:3] += [sum_t (u[t] / rest^2)^2 / B^2, T / B^2, 1].
-template <typename stat_t, typename acc_t>
-__global__ void finish_norm_input_kernel(stat_t* stat, const acc_t* sums, int64_t channels, acc_t rest_sq,
-                                         acc_t batch_sq, Gate gate) {
-  if (!is_due(gate)) return;
-  acc_t acc = 0;
-  for (int64_t t = threadIdx.x; t < channels; t += kThreads) {
-    const acc_t u = sums[t] / rest_sq;
-    acc += u * u;
-  }
-  acc = block_sum(acc);
-  if (threadIdx.x == 0) {
-    stat[0] += static_cast<stat_t>(acc / batch_sq);
-    stat[1] += static_cast<stat_t>(static_cast<acc_t>(channels) / batch_sq);
-    stat[2] += stat_t(1);
+    warp_arrive<kKind>(out, c, item, warp_sum(acc), lane);
   }
 }
 
 #define CAFIN_DISPATCH_INPUT(TYPE, ...) \
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, "cafin_statistics", __VA_ARGS__)
 
-// The partial sums of x viewed [outer, channels, inner], launched on `stream`; returns the scratch
-// they are written to and how to read it. The input is read where it is, whatever its layout.
-struct Partials {
-  at::Tensor data;
-  int64_t items, width, per_channel;
-};
-
-template <bool kSquare, typename scalar_t, typename acc_t>
-Partials walk_partials(const at::Tensor& x, const DimWalk& channels, const DimWalk& rest, const Gate& gate,
-                       cudaStream_t stream) {
-  const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
-  const int64_t segments = (rest.count + kSegment - 1) / kSegment;
-  Partials p;
-  p.width = channels.count;
-  p.per_channel = 1;
-  p.items = segments;
-  p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
-  walk_partials_kernel<kSquare><<<grid_for(channels.count * segments, kWarps), kThreads, 0, stream>>>(
-      x.const_data_ptr<scalar_t>(), channels, rest, p.data.mutable_data_ptr<acc_t>(), gate);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return p;
+// The call's workspace: the caller's, or a fresh one of zeros (an allocation and a memset more).
+at::Tensor workspace_for(const std::optional<at::Tensor>& workspace, const at::Tensor& stat, int64_t channels) {
+  if (workspace.has_value()) return *workspace;
+  return at::zeros({statistics_workspace_numel(channels)}, stat.options());
 }
 
-template <bool kSquare, typename scalar_t, typename acc_t>
-Partials channel_partials(const at::Tensor& x, int64_t start_dim, int64_t end_dim, const Gate& gate,
-                          cudaStream_t stream) {
+// One channel statistic of x viewed [outer, channels, inner] over dims [start_dim, end_dim), in one
+// launch on `stream`; the input is read where it is, whatever its layout.
+template <Kind kKind, typename scalar_t, typename acc_t>
+void channel_stats(const at::Tensor& x, int64_t start_dim, int64_t end_dim, const at::Tensor& workspace,
+                   Out<acc_t> out, const Gate& gate, cudaStream_t stream) {
+  // The workspace: partial sums first, then the sums, the counters, the call's counter.
+  const int64_t capacity = workspace.numel() - 2 * out.channels - 1;
+  acc_t* base = workspace.mutable_data_ptr<acc_t>();
+  out.partial = base;
+  out.sums = base + capacity;
+  out.arrivals = reinterpret_cast<unsigned*>(base + capacity + out.channels);
+  out.finished = reinterpret_cast<unsigned*>(base + capacity + 2 * out.channels);
+  const scalar_t* data = x.const_data_ptr<scalar_t>();
   const StridedView v = strided_view(x, start_dim, end_dim);
   const bool columns = v.channel_stride == 1 || v.channels == 1;
   const bool block = v.inner_stride == 1 && v.channel_stride == v.inner && v.inner < 32;
@@ -251,105 +311,88 @@ Partials channel_partials(const at::Tensor& x, int64_t start_dim, int64_t end_di
     DimWalk channels, rest;
     if (walk_dims(channels, x, start_dim, end_dim) && walk_dims(rest, x, 0, start_dim) &&
         walk_dims(rest, x, end_dim, x.dim())) {
-      return walk_partials<kSquare, scalar_t, acc_t>(x, channels, rest, gate, stream);
+      const int64_t segments = (rest.count + kSegment - 1) / kSegment;
+      out.items = std::max<int64_t>(1, std::min(segments, capacity / out.channels));
+      walk_stats_kernel<kKind><<<grid_for(out.items * out.channels, kWarps), kThreads, 0, stream>>>(
+          data, channels, rest, out, gate);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
     }
     // More unmergeable dims than a walk holds (beyond what torch's own kernels index): a
     // contiguous copy, freed at return (the caching allocator reuses it only after this
     // stream's queued work).
-    return channel_partials<kSquare, scalar_t, acc_t>(x.contiguous(), start_dim, end_dim, gate, stream);
+    channel_stats<kKind, scalar_t, acc_t>(x.contiguous(), start_dim, end_dim, workspace, out, gate, stream);
+    return;
   }
-  const auto acc_type = c10::CppTypeToScalarType<acc_t>::value;
-  const scalar_t* data = x.const_data_ptr<scalar_t>();
-  Partials p;
-  if ((v.channel_stride == 1 || v.channels == 1) && !(v.inner_stride == 1 && v.inner >= 32)) {
-    // Channels innermost: columns are channels, rows are (outer, inner).
-    const int64_t rows = v.outer * v.inner, tiles = (v.channels + 31) / 32;
-    p.width = v.channels;
-    p.per_channel = 1;
-    p.items = std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, (kColumnBlocks + tiles - 1) / tiles));
-    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
-    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(p.items, 65535)));
-    column_partials_kernel<kSquare><<<grid, dim3(32, 8), 0, stream>>>(
-        data, rows, v.inner, v.outer_stride, v.inner_stride, p.width, p.items, p.data.mutable_data_ptr<acc_t>(), gate);
-  } else if (v.inner_stride == 1 && v.channel_stride == v.inner && v.inner < 32) {
-    // Short runs of a contiguous [channels, inner] block per outer index: columns are its elements.
-    const int64_t rows = v.outer, tiles = (v.channels * v.inner + 31) / 32;
-    p.width = v.channels * v.inner;
-    p.per_channel = v.inner;
-    p.items = std::max<int64_t>(1, std::min<int64_t>((rows + 7) / 8, (kColumnBlocks + tiles - 1) / tiles));
-    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
-    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(std::min<int64_t>(p.items, 65535)));
-    column_partials_kernel<kSquare><<<grid, dim3(32, 8), 0, stream>>>(
-        data, rows, 1, v.outer_stride, 0, p.width, p.items, p.data.mutable_data_ptr<acc_t>(), gate);
+  if ((columns || block) && !(v.inner_stride == 1 && v.inner >= 32)) {
+    // Channels innermost (columns are channels, rows are (outer, inner)), or short runs of a
+    // contiguous [channels, inner] block per outer index (columns are its elements, rows the outer).
+    const bool runs = !columns;
+    const int64_t per_channel = runs ? v.inner : 1;
+    const int64_t rows = runs ? v.outer : v.outer * v.inner;
+    const int64_t width = v.channels * per_channel;
+    const int64_t per_tile = 32 / per_channel;
+    const int64_t tiles = (v.channels + per_tile - 1) / per_tile;
+    out.items = std::max<int64_t>(1, std::min({(rows + 7) / 8, (kColumnBlocks + tiles - 1) / tiles,
+                                               capacity / width, int64_t{65535}}));
+    const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(out.items));
+    column_stats_kernel<kKind><<<grid, dim3(32, 8), 0, stream>>>(
+        data, rows, runs ? 1 : v.inner, v.outer_stride, runs ? 0 : v.inner_stride, width, per_channel,
+        per_tile, out, gate);
   } else {
-    // Runs along the innermost dims.
-    const int64_t segments = (v.inner + kSegment - 1) / kSegment;
-    p.width = v.channels;
-    p.per_channel = 1;
-    p.items = v.outer * segments;
-    p.data = at::empty({p.items * p.width}, x.options().dtype(acc_type));
-    run_partials_kernel<kSquare><<<grid_for(v.outer * v.channels * segments, kWarps), kThreads, 0, stream>>>(
-        data, v.outer, v.channels, v.inner, v.outer_stride, v.channel_stride, p.data.mutable_data_ptr<acc_t>(), gate);
+    // Runs along the innermost dims; or, with no inner dims and contiguous outer ones (a
+    // transposed [N, C]), each channel one run along the outer dims.
+    const bool transposed = v.inner == 1 && v.outer_stride == 1;
+    const int64_t outer = transposed ? 1 : v.outer, inner = transposed ? v.outer : v.inner;
+    const int64_t segments = (inner + kSegment - 1) / kSegment;
+    out.items = std::max<int64_t>(1, std::min(outer * segments, capacity / out.channels));
+    run_stats_kernel<kKind><<<grid_for(out.items * out.channels, kWarps), kThreads, 0, stream>>>(
+        data, outer, inner, transposed ? 0 : v.outer_stride, v.channel_stride, out, gate);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return p;
 }
 
-// The two per-channel statistics: kSquares sums x^2 then divides by the rows (sumsq_stats_);
-// otherwise it sums x, then squares and divides by the batch (norm_grad_stats_).
-template <bool kSquares>
+// `divisor`: sumsq's rows, norm grad's batch; the norm input's [B, T, rest] view is `v`.
+template <Kind kKind>
 void channel_statistic(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
-                       const ChannelView& v, const std::optional<at::Tensor>& step, int64_t interval,
-                       bool append_one) {
+                       const ChannelView& v, int64_t divisor, const std::optional<at::Tensor>& step,
+                       int64_t interval, bool append_one, const std::optional<at::Tensor>& workspace) {
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
-  const int64_t divisor = kSquares ? v.outer * v.inner : x.size(0);
+  const at::Tensor scratch = workspace_for(workspace, stat, v.channels);
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    const Partials p = channel_partials<kSquares, scalar_t, acc_t>(x, start_dim, end_dim, gate, stream);
-    constexpr Finish kFinish = kSquares ? Finish::kMean : Finish::kSquaredSum;
-    finish_channels_kernel<kFinish><<<grid_for(v.channels, 1), kThreads, 0, stream>>>(
-        p.data.const_data_ptr<acc_t>(), p.items, p.width, p.per_channel, v.channels,
-        static_cast<acc_t>(divisor), stat.mutable_data_ptr<acc_t>(), static_cast<acc_t*>(nullptr), append_one,
-        gate);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    Out<acc_t> out{};
+    out.stat = stat.mutable_data_ptr<acc_t>();
+    out.channels = v.channels;
+    out.divisor = static_cast<acc_t>(divisor);
+    out.append_one = append_one;
+    out.rest_sq = static_cast<acc_t>(v.inner) * static_cast<acc_t>(v.inner);
+    out.batch_sq = static_cast<acc_t>(v.outer) * static_cast<acc_t>(v.outer);
+    channel_stats<kKind, scalar_t, acc_t>(x, start_dim, end_dim, scratch, out, gate, stream);
   });
 }
 
 void sumsq_stats_cuda(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim, int64_t end_dim,
-                      bool append_one, const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval);
-  channel_statistic<true>(stat, x, start_dim, end_dim, v, step, interval, append_one);
+                      bool append_one, const std::optional<at::Tensor>& step, int64_t interval,
+                      const std::optional<at::Tensor>& workspace) {
+  const ChannelView v = check_sumsq_stats(stat, x, start_dim, end_dim, append_one, step, interval, workspace);
+  channel_statistic<Kind::kSumsq>(stat, x, start_dim, end_dim, v, v.outer * v.inner, step, interval, append_one,
+                                  workspace);
 }
 
 void norm_grad_stats_cuda(const at::Tensor& stat, const at::Tensor& g, int64_t start_dim, int64_t end_dim,
-                          const std::optional<at::Tensor>& step, int64_t interval) {
-  const ChannelView v = check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval);
-  channel_statistic<false>(stat, g, start_dim, end_dim, v, step, interval, false);
+                          const std::optional<at::Tensor>& step, int64_t interval,
+                          const std::optional<at::Tensor>& workspace) {
+  const ChannelView v = check_norm_grad_stats(stat, g, start_dim, end_dim, step, interval, workspace);
+  channel_statistic<Kind::kNormGrad>(stat, g, start_dim, end_dim, v, g.size(0), step, interval, false, workspace);
 }
 
 void norm_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, const std::optional<at::Tensor>& step,
-                           int64_t interval) {
-  const ChannelView v = check_norm_input_stats(stat, x, step, interval);
-  const c10::cuda::CUDAGuard guard(x.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const Gate gate = make_gate(step, interval);
-  CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const Partials p = channel_partials<false, scalar_t, acc_t>(x, 1, 2, gate, stream);
-    const at::Tensor sums = at::empty({v.channels}, p.data.options());
-    finish_channels_kernel<Finish::kRaw><<<grid_for(v.channels, 1), kThreads, 0, stream>>>(
-        p.data.const_data_ptr<acc_t>(), p.items, p.width, p.per_channel, v.channels, acc_t(1),
-        static_cast<acc_t*>(nullptr), sums.mutable_data_ptr<acc_t>(), false, gate);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    const acc_t rest = static_cast<acc_t>(v.inner);
-    const acc_t batch = static_cast<acc_t>(v.outer);
-    finish_norm_input_kernel<<<1, kThreads, 0, stream>>>(stat.mutable_data_ptr<acc_t>(),
-                                                         sums.const_data_ptr<acc_t>(), v.channels,
-                                                         rest * rest, batch * batch, gate);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+                           int64_t interval, const std::optional<at::Tensor>& workspace) {
+  const ChannelView v = check_norm_input_stats(stat, x, step, interval, workspace);
+  channel_statistic<Kind::kNormInput>(stat, x, 1, 2, v, 1, step, interval, false, workspace);
 }
 
 // ------------------------------------------------------------------------------------ conv2d
