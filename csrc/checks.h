@@ -172,18 +172,25 @@ inline int64_t statistics_workspace_numel(int64_t channels) {
   return std::max(kWorkspaceItemsPerChannel * channels, kWorkspaceMinPartials) + 2 * channels + 1;
 }
 
-inline void check_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& stat,
-                            int64_t channels, const char* what) {
+// `need`: statistics_workspace_numel(channels) for a channel statistic, C*H*W for a Conv2d input
+// (its X2, every entry written before it is read, so any values will do).
+inline void check_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& stat, int64_t need,
+                            const char* what, const char* of, int64_t count) {
   if (!workspace.has_value()) return;
   const at::Tensor& w = *workspace;
   TORCH_CHECK_TYPE(w.scalar_type() == stat.scalar_type(), what, ": workspace has dtype ",
                    dtype_name(w.scalar_type()), ", expected the stat's ", dtype_name(stat.scalar_type()));
   TORCH_CHECK_VALUE(w.device() == stat.device(), what, ": workspace is on ", w.device(), " but stat is on ",
                     stat.device());
-  const int64_t need = statistics_workspace_numel(channels);
   TORCH_CHECK_VALUE(w.dim() == 1 && w.is_contiguous() && w.numel() == need, what,
-                    ": workspace must be a contiguous 1-D tensor of ", need, " elements for ", channels,
-                    " channels (statistics_workspace_numel), got shape ", w.sizes());
+                    ": workspace must be a contiguous 1-D tensor of ", need, " elements for ", count, " ", of,
+                    ", got shape ", w.sizes());
+}
+
+inline void check_channel_workspace(const std::optional<at::Tensor>& workspace, const at::Tensor& stat,
+                                    int64_t channels, const char* what) {
+  check_workspace(workspace, stat, statistics_workspace_numel(channels), what,
+                  "channels (statistics_workspace_numel)", channels);
 }
 
 inline ChannelView check_sumsq_stats(const at::Tensor& stat, const at::Tensor& x, int64_t start_dim,
@@ -194,7 +201,7 @@ inline ChannelView check_sumsq_stats(const at::Tensor& stat, const at::Tensor& x
   check_stat(stat, x, v.channels + (append_one ? 1 : 0) + 1);
   TORCH_CHECK_VALUE(x.numel() > 0, "sumsq_stats_: the input is empty");
   check_gate(step, interval, x.device());
-  check_workspace(workspace, stat, v.channels, "sumsq_stats_");
+  check_channel_workspace(workspace, stat, v.channels, "sumsq_stats_");
   return v;
 }
 
@@ -205,7 +212,7 @@ inline ChannelView check_norm_grad_stats(const at::Tensor& stat, const at::Tenso
   check_stat(stat, g, v.channels + 1);
   TORCH_CHECK_VALUE(g.numel() > 0, "norm_grad_stats_: the gradient is empty");
   check_gate(step, interval, g.device());
-  check_workspace(workspace, stat, v.channels, "norm_grad_stats_");
+  check_channel_workspace(workspace, stat, v.channels, "norm_grad_stats_");
   return v;
 }
 
@@ -217,7 +224,7 @@ inline ChannelView check_norm_input_stats(const at::Tensor& stat, const at::Tens
                     "norm_input_stats_: input must have at least 2 dims and elements, got ", x.sizes());
   check_stat(stat, x, 3);
   check_gate(step, interval, x.device());
-  check_workspace(workspace, stat, x.size(1), "norm_input_stats_");
+  check_channel_workspace(workspace, stat, x.size(1), "norm_input_stats_");
   return ChannelView{x.size(0), x.size(1), x.numel() / (x.size(0) * x.size(1))};
 }
 
@@ -234,7 +241,8 @@ inline ConvGeometry check_conv2d_input_stats(const at::Tensor& stat, const at::T
                                              at::IntArrayRef kernel_size, at::IntArrayRef stride,
                                              at::IntArrayRef padding, at::IntArrayRef dilation,
                                              int64_t groups, bool append_one,
-                                             const std::optional<at::Tensor>& step, int64_t interval) {
+                                             const std::optional<at::Tensor>& step, int64_t interval,
+                                             const std::optional<at::Tensor>& workspace) {
   TORCH_CHECK_VALUE(x.dim() == 4, "conv2d_input_stats_: input must be [B, C, H, W], got shape ",
                     x.sizes());
   TORCH_CHECK_VALUE(kernel_size.size() == 2 && stride.size() == 2 && dilation.size() == 2 &&
@@ -263,6 +271,8 @@ inline ConvGeometry check_conv2d_input_stats(const at::Tensor& stat, const at::T
                     x.sizes(), " gives an empty output");
   check_stat(stat, x, c.patch() + (append_one ? 1 : 0) + 1);
   check_gate(step, interval, x.device());
+  const int64_t positions = c.channels * c.height * c.width;
+  check_workspace(workspace, stat, positions, "conv2d_input_stats_", "positions (C*H*W)", positions);
   return c;
 }
 

@@ -32,9 +32,9 @@ TORCH_LIBRARY(cafin, m) {
       {at::Tag::pt2_compliant_tag});
   // Raw statistics accumulate into `stat`, whose last element counts the contributions.
   // With `step` given they run only when step % interval == 0 (the decision made on the device).
-  // `workspace` (sumsq, norm_input, norm_grad): the CUDA kernels' scratch, kept by the caller so
-  // that a call allocates nothing and launches once (csrc/checks.h: statistics_workspace_numel);
-  // without it a CUDA call allocates and zeroes one. The CPU kernels need none and only check it.
+  // `workspace`: the CUDA kernels' scratch, kept by the caller so that a call allocates nothing
+  // (csrc/checks.h: check_workspace); a channel statistic then launches once. Without it a CUDA
+  // call allocates its own. The CPU kernels need none and only check it.
   m.def(
       "sumsq_stats_(Tensor(a!) stat, Tensor x, int start_dim, int end_dim, bool append_one, "
       "Tensor? step=None, int interval=1, Tensor(b!)? workspace=None) -> ()",
@@ -42,7 +42,7 @@ TORCH_LIBRARY(cafin, m) {
   m.def(
       "conv2d_input_stats_(Tensor(a!) stat, Tensor x, int[2] kernel_size, int[2] stride, "
       "int[4] padding, int[2] dilation, int groups, bool append_one, Tensor? step=None, "
-      "int interval=1) -> ()",
+      "int interval=1, Tensor(b!)? workspace=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   m.def(
       "norm_input_stats_(Tensor(a!) stat, Tensor x, Tensor? step=None, int interval=1, "

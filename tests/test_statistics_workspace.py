@@ -1,7 +1,8 @@
-"""The kept workspace of the channel statistics (sumsq, norm input, norm grad): its size and checks,
-that the CPU kernels leave it alone, and, on CUDA, that one workspace serves many calls of its
-channel count over every reading path, leaves its counters at zero after each call and gives the
-reference's numbers; and that AdaFisher keeps one per device, stream, dtype and channel count."""
+"""The kept workspaces of the statistics ops: their sizes and checks, that the CPU kernels leave
+them alone, and, on CUDA, that one workspace serves many calls of its channel count over every
+reading path, leaves its counters at zero after each call and gives the reference's numbers, that
+a Conv2d input's X2 can be kept, and that AdaFisher keeps one per device, stream, dtype and
+channel count (or C*H*W)."""
 from __future__ import annotations
 
 import pytest
@@ -62,6 +63,24 @@ def test_bad_workspaces_are_refused_writing_nothing():
             getattr(ops, name)(stat, *rest, workspace=workspace)
         assert_unchanged(stat, before[0])
         assert torch.equal(workspace, before[1])
+
+
+def test_conv2d_workspace_is_c_h_w():
+    g = gen(47)
+    x = randn(g, 2, 4, 5, 6)
+    stat = stat_like(g, 2 * 9 + 1, torch.float32, "cpu")
+    geometry = ([3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 2, False)
+    want = reference_stat(ref.conv2d_input_stats_, stat, x, *geometry)
+    workspace = torch.rand(4 * 5 * 6, generator=g)
+    before = workspace.clone()
+    ops.conv2d_input_stats_(stat, x, *geometry, workspace=workspace)
+    assert_close(stat, want, RTOL[torch.float32])
+    assert torch.equal(workspace, before)
+    for wrong in (torch.zeros(4 * 5 * 6 + 1), torch.zeros(4 * 5 * 6, dtype=torch.float64)):
+        with pytest.raises((ValueError, TypeError), match=r"conv2d_input_stats_: workspace"):
+            ops.conv2d_input_stats_(stat, x, *geometry, workspace=wrong)
+    with pytest.raises(ValueError, match=r"tensor of 120 elements for 120 positions \(C\*H\*W\)"):
+        ops.conv2d_input_stats_(stat, x, *geometry, workspace=torch.zeros(121))
 
 
 def test_cpu_kernels_leave_the_workspace():
@@ -168,14 +187,22 @@ def test_not_due_leaves_the_workspace():
 def test_a_call_with_a_workspace_allocates_nothing():
     g = gen(46)
     x = randn(g, 64, 3, 9, 9, device="cuda")
-    stat = stat_like(g, 3 + 1, torch.float32, "cuda")
-    workspace = torch.zeros(ops.statistics_workspace_numel(3), device="cuda")
-    ops.sumsq_stats_(stat, x, 1, 2, False, workspace=workspace)  # warm
-    torch.cuda.synchronize()
-    start = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
-    ops.sumsq_stats_(stat, x, 1, 2, False, workspace=workspace)
-    torch.cuda.synchronize()
-    assert torch.cuda.memory_stats()["allocated_bytes.all.allocated"] == start
+    calls = [
+        ("sumsq_stats_", 3 + 1, (1, 2, False), torch.zeros(ops.statistics_workspace_numel(3), device="cuda")),
+        ("conv2d_input_stats_", 27 + 1, ([3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1, False),
+         torch.empty(3 * 9 * 9, device="cuda")),
+    ]
+    for name, length, rest, workspace in calls:
+        stat = stat_like(g, length, torch.float32, "cuda")
+        want = reference_stat(getattr(ref, name), stat, x, *rest)
+        getattr(ops, name)(stat, x, *rest, workspace=workspace)  # warm
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_stats()["allocated_bytes.all.allocated"]
+        getattr(ops, name)(stat, x, *rest, workspace=workspace)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_stats()["allocated_bytes.all.allocated"] == start, name
+        getattr(ref, name)(want, x, *rest)
+        assert_close(stat, want, 3e-5)
 
 
 @needs_cuda
@@ -193,9 +220,13 @@ def test_adafisher_keeps_one_workspace_per_channel_count():
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     kept = opts[0]._stats_impl._kept
-    # Conv2d grad 8, BatchNorm2d input 8 (its T), grad 8; LayerNorm input 288, grad 288; Linear input 288, grad 5.
-    assert sorted(key[3] for key in kept) == [5, 8, 288]
-    for (_, _, _, channels), workspace in kept.items():
-        assert torch.count_nonzero(counters(workspace, channels)) == 0
+    # (channels, None) of the channel statistics: Conv2d grad 8, BatchNorm2d input 8 (its T) and
+    # grad 8; LayerNorm input 288 and grad 288; Linear input 288, grad 5. (0, C*H*W) of the
+    # Conv2d input's X2.
+    assert sorted(key[3:] for key in kept if key[4] is None) == [(5, None), (8, None), (288, None)]
+    assert [key[3:] for key in kept if key[4] is not None] == [(0, 3 * 6 * 6)]
+    for (_, _, _, channels, positions), workspace in kept.items():
+        if positions is None:
+            assert torch.count_nonzero(counters(workspace, channels)) == 0
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert_close(a, b, 1e-4)

@@ -135,9 +135,10 @@ def statistics_workspace_numel(channels: int) -> int:
 
 
 class StatisticsWorkspaces:
-    """The statistics ops of `impl` (cafin.ops), with a kept workspace for every CUDA call of a
-    channel statistic: one per device, stream, dtype and channel count, created at its first
-    call. The other ops (and every CPU call) go to `impl` unchanged."""
+    """The statistics ops of `impl` (cafin.ops), with a kept workspace for every CUDA call: for a
+    channel statistic one per device, stream, dtype and channel count, for a Conv2d input one per
+    device, stream, dtype and C*H*W; each created at its first call. The other ops (and every CPU
+    call) go to `impl` unchanged."""
 
     def __init__(self, impl) -> None:
         self._impl = impl
@@ -148,18 +149,26 @@ class StatisticsWorkspaces:
             raise AttributeError(name)
         return getattr(self._impl, name)
 
-    def workspace(self, stat: torch.Tensor, channels: int) -> torch.Tensor | None:
-        """The kept workspace for a call on `stat` over `channels` channels; None off CUDA and
-        under torch.compile's trace (where the op's own one is functional)."""
+    def workspace(self, stat: torch.Tensor, channels: int, positions: int | None = None) -> torch.Tensor | None:
+        """The kept workspace for a call on `stat` over `channels` channels (or, for a Conv2d
+        input, of `positions` = C*H*W); None off CUDA and under torch.compile's trace (where the
+        op's own one is functional)."""
         if stat.device.type != "cuda" or route.compiled():
             return None
         stream = torch.cuda.current_stream(stat.device).cuda_stream
-        key = (stat.device, stream, stat.dtype, channels)
+        key = (stat.device, stream, stat.dtype, channels, positions)
         kept = self._kept.get(key)
         if kept is None:
-            kept = torch.zeros(statistics_workspace_numel(channels), dtype=stat.dtype, device=stat.device)
+            numel = statistics_workspace_numel(channels) if positions is None else positions
+            kept = torch.zeros(numel, dtype=stat.dtype, device=stat.device)
             self._kept[key] = kept
         return kept
+
+    def conv2d_input_stats_(self, stat, x, kernel_size, stride, padding, dilation, groups, append_one,
+                            step=None, interval=1):
+        workspace = self.workspace(stat, 0, math.prod(x.shape[1:])) if x.dim() == 4 else None
+        self._impl.conv2d_input_stats_(stat, x, kernel_size, stride, padding, dilation, groups, append_one,
+                                       step, interval, workspace)
 
     def sumsq_stats_(self, stat, x, start_dim, end_dim, append_one, step=None, interval=1):
         workspace = self.workspace(stat, math.prod(x.shape[start_dim:end_dim]))
@@ -193,17 +202,20 @@ def _sumsq_stats_fake(stat, x, start_dim, end_dim, append_one, step=None, interv
 def conv2d_input_stats_(stat: torch.Tensor, x: torch.Tensor, kernel_size: Sequence[int],
                         stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
                         groups: int, append_one: bool, step: torch.Tensor | None = None,
-                        interval: int = 1) -> None:
+                        interval: int = 1, workspace: torch.Tensor | None = None) -> None:
     """Conv2d input side without unfold: stat[(c,i,j)] += sum over batch, group and output position
-    of the squared patch entry, / (B*oh*ow*D); padding is [top, bottom, left, right] of zeros."""
+    of the squared patch entry, / (B*oh*ow*D); padding is [top, bottom, left, right] of zeros.
+    `workspace`: where the CUDA kernels keep X2 (the batch's sum of x^2 per position), a contiguous
+    1-D tensor of C*H*W elements of the stat's dtype (any values: every entry is written before
+    it is read); without one a CUDA call allocates it. The CPU kernels need none."""
     _check_tensors(stat, x)
     torch.ops.cafin.conv2d_input_stats_(stat, x, list(kernel_size), list(stride), list(padding),
-                                        list(dilation), groups, append_one, step, interval)
+                                        list(dilation), groups, append_one, step, interval, workspace)
 
 
 @torch.library.register_fake("cafin::conv2d_input_stats_")
 def _conv2d_input_stats_fake(stat, x, kernel_size, stride, padding, dilation, groups, append_one,
-                             step=None, interval=1):
+                             step=None, interval=1, workspace=None):
     torch._check(x.dim() == 4 and stat.dim() == 1)
     return None
 

@@ -53,8 +53,9 @@ def sumsq_stats_(stat, x, start_dim, end_dim, append_one, step=None, interval=1,
 
 
 def conv2d_input_stats_(stat, x, kernel_size, stride, padding, dilation, groups, append_one,
-                        step=None, interval=1):
-    """Conv2d input side from unfolded patches, with the published divisor B*oh*ow*D."""
+                        step=None, interval=1, workspace=None):
+    """Conv2d input side from unfolded patches, with the published divisor B*oh*ow*D
+    (`workspace`: as sumsq_stats_)."""
     x = x.to(stat.dtype)
     top, bottom, left, right = padding
     x = F.pad(x, (left, right, top, bottom))

@@ -479,9 +479,9 @@ void channel_taps_channels_last(const scalar_t* x, int64_t batch_stride, const C
 void conv2d_input_stats_cpu(const at::Tensor& stat, const at::Tensor& x, at::IntArrayRef kernel_size,
                             at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                             int64_t groups, bool append_one, const std::optional<at::Tensor>& step,
-                            int64_t interval) {
+                            int64_t interval, const std::optional<at::Tensor>& workspace) {
   const ConvGeometry g = check_conv2d_input_stats(stat, x, kernel_size, stride, padding, dilation,
-                                                  groups, append_one, step, interval);
+                                                  groups, append_one, step, interval, workspace);
   if (!due(step, interval)) return;
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     const int64_t taps_per = g.kh * g.kw;

@@ -1,9 +1,9 @@
 // CUDA kernels of the curvature statistics. Each kernel reads the optional step tensor itself and
 // does nothing off-interval, so a captured graph replays the same launches every step, and a step
 // that is not due costs one tiny launch per channel statistic (two for the Conv2d input). The
-// input is read where it is, in any layout, never copied. The channel statistics take their
-// scratch from the caller's workspace and allocate nothing; the Conv2d input side allocates its
-// X2 (1/B of the input) and never unfolds.
+// input is read where it is, in any layout, never copied. Given the caller's workspace, a call
+// allocates nothing (without one, a channel statistic allocates and zeroes its own, and the Conv2d
+// input side allocates its X2, 1/B of the input). The Conv2d input side never unfolds.
 // Reductions run in a fixed order (per-thread sums in index order, then fixed shuffle and
 // shared-memory trees, then the partial sums in index order). The only atomics count arrivals;
 // no value is added atomically, so results are bit-identical from run to run and the ops are
@@ -487,9 +487,9 @@ __global__ void patch_sums_kernel(const acc_t* x2, ConvGeometry g, stat_t* stat,
 void conv2d_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, at::IntArrayRef kernel_size,
                              at::IntArrayRef stride, at::IntArrayRef padding, at::IntArrayRef dilation,
                              int64_t groups, bool append_one, const std::optional<at::Tensor>& step,
-                             int64_t interval) {
+                             int64_t interval, const std::optional<at::Tensor>& workspace) {
   const ConvGeometry g = check_conv2d_input_stats(stat, x, kernel_size, stride, padding, dilation,
-                                                  groups, append_one, step, interval);
+                                                  groups, append_one, step, interval, workspace);
   const c10::cuda::CUDAGuard guard(x.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const Gate gate = make_gate(step, interval);
@@ -497,8 +497,10 @@ void conv2d_input_stats_cuda(const at::Tensor& stat, const at::Tensor& x, at::In
   CAFIN_DISPATCH_INPUT(x.scalar_type(), [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const int64_t positions = g.channels * g.height * g.width;
-    // X2 is the op's only scratch: 1/B of the input.
-    const at::Tensor x2 = at::empty({positions}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    // X2 is the op's only scratch, 1/B of the input: the caller's workspace, or allocated here.
+    const at::Tensor x2 = workspace.has_value()
+                              ? *workspace
+                              : at::empty({positions}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     batch_squares_kernel<<<grid_for(positions, 32), dim3(32, kBatchSlices), 0, stream>>>(
         x.const_data_ptr<scalar_t>(), g.batch, x.stride(0), w, x2.mutable_data_ptr<acc_t>(), gate);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
