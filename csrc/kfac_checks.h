@@ -15,7 +15,7 @@ inline bool kfac_float(at::ScalarType t) { return t == at::kFloat || t == at::kD
 
 inline void check_kfac_factor_ema(at::TensorList factors, at::TensorList stats, at::TensorList counts,
                                   const at::Tensor& decay, const std::optional<at::Tensor>& step,
-                                  int64_t interval) {
+                                  int64_t interval, const std::optional<at::Tensor>& dropped) {
   const size_t n = factors.size();
   TORCH_CHECK_VALUE(stats.size() == n && counts.size() == n,
                     "factors, stats and counts must have one entry each, got ", n, ", ", stats.size(),
@@ -25,6 +25,7 @@ inline void check_kfac_factor_ema(at::TensorList factors, at::TensorList stats, 
   const at::Device device = factors[0].device();
   check_scalar_tensor(decay, "decay", device, at::kDouble);
   if (step.has_value()) check_scalar_tensor(*step, "step", device, at::kFloat);
+  if (dropped.has_value()) check_scalar_tensor(*dropped, "dropped", device, at::kFloat);
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& f = factors[i];
     TORCH_CHECK_TYPE(kfac_float(f.scalar_type()) && stats[i].scalar_type() == f.scalar_type() &&

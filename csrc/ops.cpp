@@ -87,11 +87,12 @@ TORCH_LIBRARY(cafin, m) {
       "bool[] elementwise) -> ()",
       {at::Tag::pt2_compliant_tag});
   // K-FAC (semantics: cafin/reference/kfac.py). Fold summed covariances into [groups, d, d]
-  // factors: F <- decay*F + (1-decay)*sym(S)/count when count > 0 (and step % interval == 0
-  // when step is given); S and count are emptied either way.
+  // factors: F <- decay*F + (1-decay)*sym(S)/count when count > 0, S is finite (and step %
+  // interval == 0 when step is given); S and count are emptied either way. `dropped` (a 0-dim
+  // float32) counts the statistics a due fold dropped for inf/NaN.
   m.def(
       "kfac_factor_ema_(Tensor(a!)[] factors, Tensor(b!)[] stats, Tensor(c!)[] counts, Tensor decay, "
-      "Tensor? step=None, int interval=1) -> ()",
+      "Tensor? step=None, int interval=1, Tensor(d!)? dropped=None) -> ()",
       {at::Tag::pt2_compliant_tag});
   // v <- v / (dg da^T + damping), per group.
   m.def("kfac_eigen_scale_(Tensor(a!)[] v, Tensor[] dg, Tensor[] da, Tensor damping) -> ()",

@@ -563,6 +563,12 @@ def _clone(xs):
     return [x.clone() for x in xs]
 
 
+def _drops(ss, cs, step, interval) -> int:
+    """The statistics a fold drops: taken (count > 0, due) but not finite."""
+    due = step is None or float(step) % interval == 0
+    return sum(1 for s, c in zip(ss, cs) if due and float(c) > 0 and not torch.isfinite(s).all())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_ops_match_reference(device, dtype):
@@ -575,11 +581,15 @@ def test_ops_match_reference(device, dtype):
             ss[2][1, 3, 4] = float("inf")
             ss[0][0, 1, 1] = float("nan")
         want = (_clone(fs), _clone(ss), _clone(cs))
-        ref.kfac_factor_ema_(*want, decay, step, interval)
-        ops.kfac_factor_ema_(fs, ss, cs, decay, step, interval)
+        expected = _drops(ss, cs, step, interval)
+        dropped = [torch.tensor(1.0, device=device) for _ in range(2)]
+        ref.kfac_factor_ema_(*want, decay, step, interval, dropped[0])
+        ops.kfac_factor_ema_(fs, ss, cs, decay, step, interval, dropped[1])
         for a, b in zip(fs + ss + cs, want[0] + want[1] + want[2]):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        assert [d.item() for d in dropped] == [1.0 + expected] * 2
         if poison:
+            assert expected == 2
             assert torch.equal(fs[0], _ema_args(device, dtype, 3)[0][0]) and torch.isfinite(fs[2]).all()
     g = torch.Generator().manual_seed(5)
     v = [torch.randn(2, 3, 4, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)]
@@ -702,12 +712,29 @@ def test_factor_ema_over_more_factors_than_a_launch_holds(device):
         ss[3].view(-1)[0] = float("inf")
         ss[len(ss) - 1].view(-1)[-1] = float("nan")
         want = (_clone(fs), _clone(ss), _clone(cs))
+        expected = _drops(ss, cs, step, 2)
+        dropped = torch.zeros((), device=device)
         ref.kfac_factor_ema_(*want, decay, step, 2)
-        ops.kfac_factor_ema_(fs, ss, cs, decay, step, 2)
+        ops.kfac_factor_ema_(fs, ss, cs, decay, step, 2, dropped)
         for i, (a, b) in enumerate(zip(fs + ss + cs, want[0] + want[1] + want[2])):
             tol = 1e-12 if a.dtype == torch.float64 else 1e-5
             torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m, i=i: f"tensor {i}: {m}")
         assert all(not s.any() for s in ss) and all(c == 0 for c in cs)
+        assert dropped.item() == expected == (0 if step is not None and step.item() == 3.0 else 2)
+
+
+def test_factor_ema_rejects_a_bad_dropped_counter_writing_nothing():
+    decay = torch.tensor(0.9, dtype=torch.float64)
+    for bad, exc in [(torch.zeros((), dtype=torch.float64), TypeError), (torch.zeros(1), ValueError)]:
+        fs, ss, cs = _ema_args("cpu", torch.float32, 4)
+        before = _clone(fs + ss + cs)
+        with pytest.raises(exc, match="dropped"):
+            ops.kfac_factor_ema_(fs, ss, cs, decay, None, 1, bad)
+        with pytest.raises(exc, match="dropped"):  # the kernel's own check
+            torch.ops.cafin.kfac_factor_ema_(fs, ss, cs, decay, None, 1, bad)
+        for a, b in zip(fs + ss + cs, before):
+            assert torch.equal(a, b)
+        assert not bad.any()
 
 
 def test_apply_rejects_bad_shift_and_layouts():
@@ -763,6 +790,14 @@ class TestKFACOps:
     def test_kfac_factor_ema_(self):
         fs, ss, cs = _ema_args("cpu", torch.float32, 1)
         ops.kfac_factor_ema_(fs, ss, cs, torch.tensor(0.95, dtype=torch.float64), torch.tensor(2.0), 2)
+
+    def test_kfac_factor_ema_dropped(self):
+        fs, ss, cs = _ema_args("cpu", torch.float32, 2)
+        ss[1][0, 0, 0] = float("inf")  # count 0: nothing to fold, nothing dropped
+        ss[2][1, 0, 0] = float("nan")
+        dropped = torch.zeros(())
+        ops.kfac_factor_ema_(fs, ss, cs, torch.tensor(0.95, dtype=torch.float64), None, 1, dropped)
+        assert dropped.item() == 1.0
 
     def test_kfac_eigen_scale_(self):
         ops.kfac_eigen_scale_([torch.randn(2, 3, 4)], [torch.rand(2, 3)], [torch.rand(2, 4)],

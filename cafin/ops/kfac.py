@@ -33,10 +33,12 @@ def _lengths(names_and_lists):
 
 def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tensor],
                      counts: Sequence[torch.Tensor], decay: torch.Tensor,
-                     step: torch.Tensor | None = None, interval: int = 1) -> None:
+                     step: torch.Tensor | None = None, interval: int = 1,
+                     dropped: torch.Tensor | None = None) -> None:
     """factors[i] <- decay*factors[i] + (1-decay)*(S + S^T)/(2*counts[i]) where counts[i] > 0, S is
     finite (inf/NaN statistics are dropped) and, when step is given, step % interval == 0; stats
-    and counts are emptied either way."""
+    and counts are emptied either way. `dropped`, a 0-dim float32 on the factors' device, counts
+    the statistics dropped (counts[i] > 0, due, not finite)."""
     if not route.compiled():
         _lengths([("factors", factors), ("stats", stats), ("counts", counts)])
         _check(isinstance(interval, int) and interval >= 1, f"interval must be an int >= 1, got {interval!r}")
@@ -45,15 +47,17 @@ def kfac_factor_ema_(factors: Sequence[torch.Tensor], stats: Sequence[torch.Tens
         _scalar(decay, "decay", factors[0].device, torch.float64)
         if step is not None:
             _scalar(step, "step", factors[0].device, torch.float32)
+        if dropped is not None:
+            _scalar(dropped, "dropped", factors[0].device, torch.float32)
         for i, (f, s) in enumerate(zip(factors, stats)):
             _check(s.shape == f.shape, lambda: f"stats[{i}] has shape {tuple(s.shape)}, expected {tuple(f.shape)}")
     if not factors:
         return
-    torch.ops.cafin.kfac_factor_ema_(list(factors), list(stats), list(counts), decay, step, interval)
+    torch.ops.cafin.kfac_factor_ema_(list(factors), list(stats), list(counts), decay, step, interval, dropped)
 
 
 @torch.library.register_fake("cafin::kfac_factor_ema_")
-def _kfac_factor_ema_fake(factors, stats, counts, decay, step=None, interval=1):
+def _kfac_factor_ema_fake(factors, stats, counts, decay, step=None, interval=1, dropped=None):
     torch._check(len(stats) == len(factors) and len(counts) == len(factors))
     return None
 

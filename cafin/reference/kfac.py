@@ -23,7 +23,8 @@ def _due(step, interval):
 
 def kfac_factor_ema_(factors: list[torch.Tensor], stats: list[torch.Tensor],
                      counts: list[torch.Tensor], decay: torch.Tensor,
-                     step: torch.Tensor | None = None, interval: int = 1) -> None:
+                     step: torch.Tensor | None = None, interval: int = 1,
+                     dropped: torch.Tensor | None = None) -> None:
     """Fold accumulated statistics into the factors and empty the statistics.
 
     Per i with counts[i] > 0, every entry of stats[i] finite (a GradScaler overflow step's
@@ -31,15 +32,19 @@ def kfac_factor_ema_(factors: list[torch.Tensor], stats: list[torch.Tensor],
     step % interval == 0:
     factors[i] <- decay * factors[i] + (1 - decay) * (S + S^T) / (2 * counts[i]) with
     S = stats[i] (a sum of counts[i] covariances, symmetrised as kfac-pytorch does each one).
-    stats and counts are zeroed either way."""
+    stats and counts are zeroed either way. `dropped` (0-dim float32) += the number of statistics
+    that would have been folded but held inf or NaN."""
     due = _due(step, interval)
     for f, s, c in zip(factors, stats, counts):
         sym = (s + s.transpose(-1, -2)) / 2
         new = decay.to(f.dtype) * f + (1 - decay.to(f.dtype)) * (sym / c.clamp_min(1).to(f.dtype))
-        keep = (c > 0) & torch.isfinite(s).all()
+        taken = c > 0
         if due is not None:
-            keep = keep & due
-        f.copy_(torch.where(keep, new, f))
+            taken = taken & due
+        finite = torch.isfinite(s).all()
+        if dropped is not None:
+            dropped.add_((taken & ~finite).to(dropped.dtype))
+        f.copy_(torch.where(taken & finite, new, f))
         s.zero_()
         c.zero_()
 

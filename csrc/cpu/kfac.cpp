@@ -83,11 +83,12 @@ void write_scaled(const T* vp, T* w, T* b, int64_t rows, int64_t ld, int64_t wc,
 
 void kfac_factor_ema_cpu(at::TensorList factors, at::TensorList stats, at::TensorList counts,
                          const at::Tensor& decay, const std::optional<at::Tensor>& step,
-                         int64_t interval) {
-  check_kfac_factor_ema(factors, stats, counts, decay, step, interval);
+                         int64_t interval, const std::optional<at::Tensor>& dropped) {
+  check_kfac_factor_ema(factors, stats, counts, decay, step, interval, dropped);
   if (factors.empty()) return;
   const bool due = kfac_due(step.has_value() ? step->const_data_ptr<float>() : nullptr, interval);
   const double decay_value = *decay.const_data_ptr<double>();
+  int drops = 0;
   for (size_t i = 0; i < factors.size(); ++i) {
     AT_DISPATCH_FLOATING_TYPES(factors[i].scalar_type(), "kfac_factor_ema_", [&] {
       scalar_t* f = factors[i].mutable_data_ptr<scalar_t>();
@@ -99,6 +100,7 @@ void kfac_factor_ema_cpu(at::TensorList factors, at::TensorList stats, at::Tenso
       if (due && *c > scalar_t(0)) {
         const int64_t n = stats[i].numel();
         for (int64_t k = 0; k < n && finite; ++k) finite = std::isfinite(s[k]);
+        drops += finite ? 0 : 1;
       }
       if (due && *c > scalar_t(0) && finite) {
         const scalar_t count = *c;
@@ -123,6 +125,7 @@ void kfac_factor_ema_cpu(at::TensorList factors, at::TensorList stats, at::Tenso
       *c = scalar_t(0);
     });
   }
+  if (dropped.has_value()) *dropped->mutable_data_ptr<float>() += static_cast<float>(drops);
 }
 
 void kfac_eigen_scale_cpu(at::TensorList v, at::TensorList dg, at::TensorList da,

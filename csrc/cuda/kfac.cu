@@ -47,8 +47,11 @@ struct FoldMeta {
 using FoldTable = TensorTable<FoldMeta, kFoldEntries>;
 
 // Marks `bad` when a statistic holds inf or NaN (an overflowing GradScaler step): it is dropped.
+// The first to mark a statistic that a due fold would have taken adds 1 to `dropped`: one
+// integer-valued add per statistic, so the count is the same in any order.
 template <typename scalar_t>
-__global__ void nonfinite_kernel(const FoldTable table) {
+__global__ void nonfinite_kernel(const FoldTable table, float* __restrict dropped,
+                                 const float* __restrict step, int64_t interval) {
   const FoldMeta& t = table.meta[table.block_to_tensor[blockIdx.x]];
   const int64_t total = table.numel[table.block_to_tensor[blockIdx.x]];
   const int64_t lo = int64_t(table.block_to_chunk[blockIdx.x]) * kChunkSize;
@@ -56,7 +59,11 @@ __global__ void nonfinite_kernel(const FoldTable table) {
   const scalar_t* s = static_cast<const scalar_t*>(t.s);
   for (int64_t idx = lo + threadIdx.x; idx < hi; idx += blockDim.x) {
     if (!isfinite(s[idx])) {
-      *t.bad = 1;  // every writer stores the same value: no atomic needed
+      const bool first = atomicExch(t.bad, 1) == 0;
+      if (first && dropped != nullptr && kfac_due(step, interval) &&
+          *static_cast<const scalar_t*>(t.count) > scalar_t(0)) {
+        atomicAdd(dropped, 1.0f);
+      }
       return;
     }
   }
@@ -95,13 +102,14 @@ __global__ void factor_ema_kernel(const FoldTable table, const double* __restric
 
 void kfac_factor_ema_cuda(at::TensorList factors, at::TensorList stats, at::TensorList counts,
                           const at::Tensor& decay, const std::optional<at::Tensor>& step,
-                          int64_t interval) {
-  check_kfac_factor_ema(factors, stats, counts, decay, step, interval);
+                          int64_t interval, const std::optional<at::Tensor>& dropped) {
+  check_kfac_factor_ema(factors, stats, counts, decay, step, interval, dropped);
   if (factors.empty()) return;
   const c10::cuda::CUDAGuard guard(factors[0].device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   static_assert(sizeof(FoldTable) + 3 * sizeof(void*) <= 4000, "kernel arguments must stay under 4 KB");
   const float* step_ptr = step.has_value() ? step->const_data_ptr<float>() : nullptr;
+  float* dropped_ptr = dropped.has_value() ? dropped->mutable_data_ptr<float>() : nullptr;
   const at::Tensor bad = at::zeros({static_cast<int64_t>(factors.size())},
                                    factors[0].options().dtype(at::kInt));
   for (const at::ScalarType dtype : {at::kFloat, at::kDouble}) {
@@ -116,7 +124,7 @@ void kfac_factor_ema_cuda(at::TensorList factors, at::TensorList stats, at::Tens
     if (metas.empty()) continue;
     AT_DISPATCH_FLOATING_TYPES(dtype, "kfac_factor_ema_", [&] {
       multi_tensor_apply<FoldMeta, kFoldEntries>(metas, numels, [&](const FoldTable& table, int blocks) {
-        nonfinite_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table);
+        nonfinite_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(table, dropped_ptr, step_ptr, interval);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       multi_tensor_apply<FoldMeta, kFoldEntries>(metas, numels, [&](const FoldTable& table, int blocks) {

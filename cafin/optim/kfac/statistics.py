@@ -60,19 +60,20 @@ class Statistics:
         return self._skipped.total()
 
     def _fold_statistics(self, fs, ss, cs, device, step=None, interval=1) -> None:
-        """Fold statistics into factors on `device`, one op call per factor dtype. The op drops
-        a non-finite statistic; it is counted here first, on the device (the op empties it)."""
+        """Fold statistics into factors on `device`, one op call per factor dtype. A non-finite
+        statistic is dropped and counted on the device: by the op, and here for the diagonal
+        factors, before their fold empties them."""
         if not fs:
             return
-        seen = torch.stack([c.reshape(()) > 0 for c in cs])
-        dropped = (seen & ~finite.all_finite(ss).to(seen.device)).sum()
-        if step is not None:  # device gated: only a due step would have folded them
-            dropped = dropped * (torch.remainder(step, interval) == 0)
-        self._skipped.counter(device).add_(dropped)
+        counter = self._skipped.counter(device)
         by_dtype: dict[torch.dtype, list[list[torch.Tensor]]] = {}
         decay = self._settings_on(device)["factor_decay"]
         for f, s, c in zip(fs, ss, cs):
             if f.dim() == 2:  # a diagonal factor (Embedding's A): nothing to symmetrise
+                dropped = ((c.reshape(()) > 0) & ~finite.all_finite([s])[0].to(c.device)).to(counter.dtype)
+                if step is not None:  # device gated: only a due step would have folded it
+                    dropped = dropped * (torch.remainder(step, interval) == 0)
+                counter.add_(dropped)
                 kfac_maths.diagonal_factor_ema_(f, s, c.view(()), decay, step, interval)
                 continue
             lists = by_dtype.setdefault(f.dtype, [[], [], []])
@@ -80,7 +81,7 @@ class Statistics:
             lists[1].append(s)
             lists[2].append(c.view(()))
         for dtype, (f_, s_, c_) in by_dtype.items():
-            self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval)
+            self._impl_for(device, dtype).kfac_factor_ema_(f_, s_, c_, decay, step, interval, counter)
 
     def _report_skipped(self) -> None:
         """Warn of the statistics dropped since the last report (by this step's fold or by the
