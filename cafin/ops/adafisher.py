@@ -117,8 +117,9 @@ def _check_tensors(stat, x) -> None:
         raise TypeError("stat and the input must be Tensors")
 
 
-# The channel statistics (sumsq, norm input, norm grad) take an optional `workspace`: on CUDA
-# they sum into it in one launch, where without one each call allocates and zeroes its own.
+# The statistics ops take an optional `workspace`, their scratch on CUDA: with one kept by the
+# caller, a call allocates nothing and a channel statistic (sumsq, norm input, norm grad) is one
+# launch, where without one each call allocates its own (and a channel statistic zeroes it).
 _WORKSPACE_ITEMS_PER_CHANNEL = 64  # csrc/checks.h: kWorkspaceItemsPerChannel
 _WORKSPACE_MIN_PARTIALS = 32768    # csrc/checks.h: kWorkspaceMinPartials
 
