@@ -31,7 +31,7 @@ from ..core.route import Route
 from ..layers import discover, supported_names
 from ..core.distribution.sharding import is_sharded, local, module_class, rows
 from ..maths import state_dtype
-from .. import ops
+from ..ops import StatisticsWorkspaces
 from ._docs import _backend_doc, _grad_scaler_doc, _optional_params_doc, _process_group_doc
 
 _FACTOR_KEYS = ("fisher_S", "fisher_H", "stat_S", "stat_H")
@@ -75,7 +75,8 @@ class AdaFisher(CurvatureOptimizer):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}; "
                             "cafin optimizers take the model first (parameters go in params=)")
         # the op module, one for every device and dtype (the ops take any floating dtype)
-        impl = Route(backend, "AdaFisher", "adafisher_step_").ops()
+        chosen = Route(backend, "AdaFisher", "adafisher_step_")
+        impl = chosen.ops()
         check_int(TCov, "TCov", 1)
         gamma = check_range(gamma, "gamma", 0.0, 10.0, low_open=True)
         if statistics not in ("per_step", "per_pass"):
@@ -97,7 +98,7 @@ class AdaFisher(CurvatureOptimizer):
         self.backend = backend
         self._impl = impl
         # The statistics ops, with kept CUDA workspaces when they are the fused ones.
-        self._stats_impl = ops.StatisticsWorkspaces(impl) if impl is ops else impl
+        self._stats_impl = StatisticsWorkspaces(impl) if chosen.fused else impl
         self._skipped = DropCounts()  # factor updates dropped for NaN or inf
         self._owner: dict[torch.Tensor, tuple[Layer, int]] = {}
         self._no_curvature: dict[tuple, torch.Tensor] = {}
