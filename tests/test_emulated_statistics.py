@@ -1,6 +1,7 @@
-"""The CUDA code of AdaFisher's channel statistics, run on the CPU (tools/cuda_emulator): the
-kernels and host code of csrc/cuda/adafisher_statistics.cu as they are, over every read path,
-against the reference, with kept workspaces, blocks in any order and the step gate. And the same
+"""The CUDA code of AdaFisher's statistics, run on the CPU (tools/cuda_emulator): the kernels and
+host code of csrc/cuda/adafisher_statistics.cu as they are, over every read path of the channel
+statistics and several Conv2d inputs, against the reference, with kept workspaces, blocks in any
+order and the step gate. And the same
 cases find a bug planted in that code. Each run is a subprocess: the emulated extension is built
 there, and a barrier that hangs ends that process, not the test session."""
 from __future__ import annotations
@@ -12,7 +13,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "cuda_emulator" / "statistics.py"
-KERNELS = {"column_stats_kernel", "run_stats_kernel", "walk_stats_kernel"}
+KERNELS = {"column_stats_kernel", "run_stats_kernel", "walk_stats_kernel", "batch_squares_kernel",
+           "patch_sums_kernel"}
 
 
 def run(directory: pathlib.Path, *extra: str) -> tuple[int, list[dict], str]:

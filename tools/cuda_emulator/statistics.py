@@ -1,11 +1,12 @@
-"""Runs the CUDA code of AdaFisher's channel statistics (csrc/cuda/adafisher_statistics.cu: the
-kernels, their device helpers and the host code that picks a read path and launches them) on the
-CPU, through the emulated CUDA constructs of tools/cuda_emulator/runtime.h, and checks it against
-the plain-PyTorch reference: every read path, float64 and float32, a kept workspace reused from
-call to call (its counters back at zero after each), blocks in order, reversed and shuffled (the
-same bits whichever block arrives last), and the step gate. The code is taken from the .cu file as
-it is (the section between its "channel sums" and "conv2d" rules), with only the CUDA keywords,
-shared memory and the launches rewritten.
+"""Runs the CUDA code of AdaFisher's statistics (csrc/cuda/adafisher_statistics.cu: the kernels,
+their device helpers and the host code that picks a read path and launches them) on the CPU,
+through the emulated CUDA constructs of tools/cuda_emulator/runtime.h, and checks it against the
+plain-PyTorch reference: every read path of the channel statistics and Conv2d inputs of several
+geometries and layouts, float64 and float32, a kept workspace reused from call to call (its
+counters back at zero after each), blocks in order, reversed and shuffled (the same bits
+whichever block arrives last), and the step gate. The code is taken from the .cu file as it is
+(from its "channel sums" rule to the end of its kernels), with only the CUDA keywords, shared
+memory and the launches rewritten.
 
     python tools/cuda_emulator/statistics.py [BUILD_DIR] [--plant OLD=>NEW]
 
@@ -28,7 +29,6 @@ import torch
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 SOURCE = ROOT / "csrc" / "cuda" / "adafisher_statistics.cu"
-RULE = "// " + "-" * 84 + " "
 
 
 def _line_of(lines: list[str], prefix: str) -> int:
@@ -74,13 +74,12 @@ def transform(code: str) -> str:
 
 
 def emulated_source(plant: str | None = None) -> str:
-    """The C++ of the emulated statistics: the .cu file's helpers and channel-sums section (with
-    `plant`, "OLD=>NEW", its one OLD replaced by NEW)."""
+    """The C++ of the emulated statistics: the .cu file's kernels and host code, from its
+    anonymous namespace to the end of it (with `plant`, "OLD=>NEW", its one OLD replaced by NEW)."""
     lines = SOURCE.read_text().splitlines(keepends=True)
-    namespace = _line_of(lines, "namespace {")
-    sums = _line_of(lines, RULE + "channel sums")
-    conv = _line_of(lines, RULE + "conv2d")
-    body = transform("".join(lines[namespace + 1:sums])) + transform("".join(lines[sums:conv]))
+    begin = _line_of(lines, "namespace {")
+    end = _line_of(lines, "}  // namespace\n")
+    body = transform("".join(lines[begin + 1:end]))
     if plant is not None:
         old, new = plant.split("=>")
         if body.count(old) != 1:
@@ -113,6 +112,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sumsq_stats", &cafin::cuda::sumsq_stats_cuda);
   m.def("norm_grad_stats", &cafin::cuda::norm_grad_stats_cuda);
   m.def("norm_input_stats", &cafin::cuda::norm_input_stats_cuda);
+  m.def("conv2d_input_stats", &cafin::cuda::conv2d_input_stats_cuda);
   m.def("set_order", &emu_set_order);
   m.def("take_launches", &emu_take_launches);
   m.def("take_errors", &emu_take_errors);
@@ -164,16 +164,22 @@ class Cases:
 
     def run(self, name: str, op: str, x: torch.Tensor, rest=(), start_stat=0.0) -> None:
         state = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if op == "norm_input_stats":
+        channels = None  # a Conv2d input's workspace (its X2) has no counters
+        if op == "conv2d_input_stats":
+            (kh, kw), groups, append_one = rest[0], rest[4], rest[5]
+            length, numel = x.shape[1] // groups * kh * kw + append_one + 1, math.prod(x.shape[1:])
+        elif op == "norm_input_stats":
             channels, length = x.shape[1], 3
         else:
             channels = math.prod(x.shape[rest[0]:rest[1]])
             length = channels + 1 + (1 if op == "sumsq_stats" and rest[2] else 0)
+        if channels is not None:
+            numel = _workspace_numel(channels)
         start = torch.full((length,), start_stat, dtype=state)
         want, scale = start.clone(), start.abs()
         getattr(self.reference, op + "_")(want, x, *rest)
         getattr(self.reference, op + "_")(scale, x.abs(), *rest)
-        kept = self.kept.setdefault((channels, state), torch.zeros(_workspace_numel(channels), dtype=state))
+        kept = self.kept.setdefault((op == "conv2d_input_stats", numel, state), torch.zeros(numel, dtype=state))
         why, kernels = [], []
 
         def call(workspace, order, step=None, interval=1):
@@ -187,14 +193,15 @@ class Cases:
         tolerance = (1e-12 if state == torch.float64 else 2e-5) * scale + 1e-30
         if not bool(((first - want).abs() <= tolerance).all()):
             why.append(f"differs from the reference: {first.tolist()[:6]} against {want.tolist()[:6]}")
-        if not _counters_zero(kept, channels):
+        if channels is not None and not _counters_zero(kept, channels):
             why.append("counters of the kept workspace not zero after the call")
-        fresh = torch.zeros(_workspace_numel(channels), dtype=state)
+        # a Conv2d input's X2 takes any values: a fresh one holds noise
+        fresh = torch.zeros(numel, dtype=state) if channels is not None else torch.rand(numel, dtype=state)
         for got, what in ((call(None, 2), "no workspace, blocks shuffled"),
                           (call(fresh, 1), "a fresh workspace, blocks reversed")):
             if not torch.equal(got, first):
                 why.append(f"{what}: not the same bits")
-        if not _counters_zero(fresh, channels):
+        if channels is not None and not _counters_zero(fresh, channels):
             why.append("counters of a fresh workspace not zero after the call")
         bits = kept.view(torch.uint8).clone()
         if not torch.equal(call(kept, 0, torch.tensor(7.0), 3), start):
@@ -208,7 +215,8 @@ class Cases:
 
 
 def cases(run) -> None:
-    """Every read path of the channel statistics, small enough to emulate in seconds."""
+    """Every read path of the channel statistics and several Conv2d inputs, small enough to
+    emulate in seconds."""
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape, dtype=torch.float64, offset=0.0):
@@ -247,6 +255,15 @@ def cases(run) -> None:
     run("walk, channel dims that do not merge", "sumsq_stats", randn(4, 5, 6, 7).permute(0, 2, 1, 3), (1, 3, False))
     run("norm input walk (3, 4, 5, 6).permute(1, 0, 3, 2)", "norm_input_stats",
         randn(3, 4, 5, 6, offset=0.2).permute(1, 0, 3, 2))
+    # Conv2d inputs: X2 over the batch (8 threads a position), then each patch entry's taps
+    same = ([3, 3], [1, 1], [1, 1, 1, 1], [1, 1], 1, True)
+    run("conv2d [6, 4, 9, 7], 3x3 same", "conv2d_input_stats", randn(6, 4, 9, 7), same)
+    run("conv2d [21, 3, 4, 5], a batch past the slices, float32", "conv2d_input_stats",
+        randn(21, 3, 4, 5, dtype=f32), same, 0.5)
+    run("conv2d channels_last [5, 4, 6, 6], 2x3 dilated, strided, 2 groups", "conv2d_input_stats",
+        channels_last(randn(5, 6, 6, 4)), ([2, 3], [2, 1], [0, 1, 1, 0], [2, 1], 2, False))
+    run("conv2d, a channel slice [3, 2, 8, 8] of [3, 4, 8, 8]", "conv2d_input_stats",
+        randn(3, 4, 8, 8)[:, ::2], ([1, 1], [1, 1], [0, 0, 0, 0], [1, 1], 1, True))
 
 
 def main(argv: list[str]) -> int:
